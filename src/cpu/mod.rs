@@ -1,0 +1,11 @@
+//! The CPU backend: the token-by-token reference (the oracle) and the fast paths —
+//! chunked prefill on a real GEMM, threaded with rayon, and the batched decode step.
+
+pub mod math;
+pub mod real;
+pub mod reference;
+pub mod state;
+
+pub use real::Real;
+pub use reference::Reference;
+pub use state::{zero_state, LayerState, SeqState};

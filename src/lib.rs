@@ -1,0 +1,11 @@
+//! mamba3: a fast inference engine for Mamba-3 state-space language models.
+//!
+//! Layers, each depending only on those above it: [`model`] (config, weights, files),
+//! [`cpu`] (the reference recurrence and the fast CPU paths), [`engine`] (device-agnostic
+//! model, states, prefill and decode).
+
+pub mod cpu;
+pub mod error;
+pub mod model;
+
+pub use error::{Error, Result};

@@ -1,0 +1,13 @@
+//! What a model is: its config, its parameters and their files. No arithmetic beyond
+//! dtype conversions.
+
+pub mod config;
+pub mod dtype;
+pub mod rng;
+pub mod tensor_file;
+// pub mod torch_bin; (being written)
+pub mod weights;
+
+pub use config::{Config, Dims};
+pub use dtype::{DType, Element, TensorData};
+pub use weights::{LayerWeights, Matrix, Weights};

@@ -1,0 +1,81 @@
+//! Helpers shared by the integration tests: fixture paths, golden files, error metrics.
+#![allow(dead_code)]
+
+use mamba3::model::tensor_file::TensorFile;
+use std::path::PathBuf;
+
+pub const FIXTURES: [&str; 2] = ["siso-tiny", "siso-mlp-norm"];
+
+/// The fixture directory inside the repository.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+pub struct Golden {
+    pub input_ids: Vec<u32>,
+    /// `[T, vocab_padded]`
+    pub logits: Vec<f32>,
+    pub vocab_padded: usize,
+    pub prefix: usize,
+    pub file: TensorFile,
+}
+
+impl Golden {
+    pub fn load(name: &str) -> Golden {
+        let dir = fixture(name);
+        let file = TensorFile::open(&dir.join("golden.safetensors")).unwrap();
+        let ids = file.get("input_ids").unwrap().to_i64("input_ids").unwrap();
+        let lg = file.get("logits").unwrap();
+        let vocab_padded = lg.shape[1];
+        let logits = lg.to_float("logits", mamba3::model::DType::F32).unwrap().to_f32_vec();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let prefix = meta["prefix_len"].as_u64().expect("golden.json prefix_len") as usize;
+        Golden {
+            input_ids: ids.iter().map(|&i| i as u32).collect(),
+            logits,
+            vocab_padded,
+            prefix,
+            file,
+        }
+    }
+    /// A golden tensor as f64.
+    pub fn tensor(&self, name: &str) -> Vec<f64> {
+        self.file
+            .get(name)
+            .unwrap_or_else(|| panic!("golden has no {name}"))
+            .to_float(name, mamba3::model::DType::F64)
+            .unwrap()
+            .to_f64_vec()
+    }
+}
+
+/// ‖a − b‖ / ‖b‖
+pub fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    let r = (num / den).sqrt();
+    assert!(r.is_finite(), "non-finite error");
+    r
+}
+
+pub fn to_f64<T: Copy + Into<f64>>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|&x| x.into()).collect()
+}
+
+/// Relative L2 of angles compared modulo 2π: each difference is folded to (−π, π].
+pub fn rel_l2_angles(a: &[f64], b: &[f64]) -> f64 {
+    let two_pi = 2.0 * std::f64::consts::PI;
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| {
+            let d = (x - y).rem_euclid(two_pi);
+            let d = if d > std::f64::consts::PI { d - two_pi } else { d };
+            d * d
+        })
+        .sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-30)).sqrt()
+}
