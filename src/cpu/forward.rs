@@ -1,0 +1,196 @@
+//! The Mamba-3 language model on the CPU (spec §2.7): embedding, per layer fused
+//! residual add + RMSNorm, `in_proj`, mixer, `out_proj`, optional GatedMLP, final norm
+//! and head — over a packed batch of sequences.
+//!
+//! One path serves prefill and decode: a batch whose sequences all hold one token takes the
+//! recurrent mixer step, any other batch the chunked mixer. The dtype of the weights is the
+//! user's; activations stay in the arithmetic type `F` (on the CPU, rounding them to bf16
+//! would only cost accuracy: they are never stored in bulk).
+
+use super::math::{rms_norm, silu};
+use super::matmul::matmul_t;
+use super::mixer::MixerCtx;
+use super::prefill::{mixer_prefill, Span};
+use super::real::Real;
+use super::state::{zero_state, LayerState, SeqState};
+use super::step::mixer_step;
+use crate::error::{Error, Result};
+use crate::model::config::NORM_EPS;
+use crate::model::weights::Weights;
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Which positions' logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWant {
+    /// every position of every sequence
+    All,
+    /// the last position of each sequence
+    Last,
+    /// none (only advance the states)
+    None,
+}
+
+pub struct CpuModel<F> {
+    pub weights: Arc<Weights>,
+    _f: std::marker::PhantomData<F>,
+}
+
+/// Check a batch before anything is touched, so that bad input leaves states unchanged.
+pub fn check_batch(w: &Weights, seqs: &[&[u32]], n_states: usize) -> Result<()> {
+    if seqs.is_empty() {
+        return Err(Error::input("empty batch: expected at least one sequence"));
+    }
+    if seqs.len() != n_states {
+        return Err(Error::input(format!(
+            "{} sequences but {} states: expected one state per sequence",
+            seqs.len(),
+            n_states
+        )));
+    }
+    for (b, s) in seqs.iter().enumerate() {
+        if s.is_empty() {
+            return Err(Error::input(format!(
+                "sequence {b} is empty: expected at least one token"
+            )));
+        }
+        if let Some(pos) = s.iter().position(|&t| t as usize >= w.dims.vocab_size) {
+            return Err(Error::TokenOutOfRange {
+                id: s[pos] as u64,
+                pos,
+                vocab: w.dims.vocab_size,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Row-wise RMSNorm of `[rows, width]`.
+fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize) -> Vec<F> {
+    let mut out = vec![F::zero(); x.len()];
+    out.par_chunks_mut(width).zip(x.par_chunks(width)).for_each(|(o, r)| {
+        rms_norm(r, w, F::from_f(NORM_EPS), o);
+    });
+    out
+}
+
+fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {
+    acc.par_chunks_mut(4096).zip(x.par_chunks(4096)).for_each(|(a, b)| {
+        a.iter_mut().zip(b).for_each(|(a, &b)| *a = *a + b);
+    });
+}
+
+impl<F: Real> CpuModel<F> {
+    pub fn new(weights: Arc<Weights>) -> Self {
+        CpuModel {
+            weights,
+            _f: std::marker::PhantomData,
+        }
+    }
+
+    pub fn zero_state(&self) -> SeqState<F> {
+        zero_state(&self.weights.dims)
+    }
+
+    /// Run each sequence's tokens from its state (a fresh state is a stateless window, a
+    /// carried one a continued window), leaving every state positioned after its tokens.
+    /// Returns each sequence's logits, `[positions, vocab_padded]` flattened.
+    pub fn forward(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<F>>> {
+        let w = &*self.weights;
+        check_batch(w, seqs, states.len())?;
+        let d = w.dims;
+        for (b, st) in states.iter().enumerate() {
+            if st.len() != d.n_layer || st.iter().any(|l| l.ssm.len() != d.nheads * d.headdim * d.d_state) {
+                return Err(Error::State(format!(
+                    "state {b} does not have this model's shape ({} layers of [{}, {}, {}])",
+                    d.n_layer, d.nheads, d.headdim, d.d_state
+                )));
+            }
+        }
+        let dm = d.d_model;
+        let mut spans = Vec::with_capacity(seqs.len());
+        let mut rows = 0;
+        for s in seqs {
+            spans.push(Span { start: rows, len: s.len() });
+            rows += s.len();
+        }
+        let one_token_each = seqs.iter().all(|s| s.len() == 1);
+
+        // Embedding lookup.
+        let mut hs = vec![F::zero(); rows * dm];
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        crate::with_data!(&w.embedding.data, e => {
+            hs.par_chunks_mut(dm).zip(&tokens).for_each(|(row, &t)| {
+                let src = &e[t as usize * dm..(t as usize + 1) * dm];
+                row.iter_mut().zip(src).for_each(|(o, &v)| *o = F::from_elem(v));
+            });
+        });
+        let mut res = vec![F::zero(); rows * dm];
+        let cfg = &w.config;
+        for (l, lw) in w.layers.iter().enumerate() {
+            add_assign(&mut res, &hs);
+            let normed = norm_rows(&res, &lw.norm, dm);
+            let mut proj = vec![F::zero(); rows * d.d_in_proj];
+            matmul_t(&normed, rows, &lw.in_proj, &mut proj);
+            let ctx = MixerCtx {
+                d,
+                lw,
+                a_floor: cfg.ssm_cfg.a_floor,
+                a_act: cfg.ssm_cfg.a_activation,
+            };
+            let mut layer_states: Vec<&mut LayerState<F>> = states.iter_mut().map(|s| &mut s[l]).collect();
+            let mut y = vec![F::zero(); rows * d.d_inner];
+            if one_token_each {
+                mixer_step(&ctx, &proj, &mut layer_states, &mut y);
+            } else {
+                mixer_prefill(&ctx, &proj, &spans, &mut layer_states, &mut y);
+            }
+            drop(proj);
+            matmul_t(&y, rows, &lw.out_proj, &mut hs);
+            if let Some(mlp) = &lw.mlp {
+                add_assign(&mut res, &hs);
+                let normed = norm_rows(&res, &mlp.norm, dm);
+                let hidden = d.mlp_hidden;
+                let mut vg = vec![F::zero(); rows * 2 * hidden];
+                matmul_t(&normed, rows, &mlp.fc1, &mut vg);
+                let mut act = vec![F::zero(); rows * hidden];
+                act.par_chunks_mut(hidden).zip(vg.par_chunks(2 * hidden)).for_each(|(a, vg)| {
+                    for i in 0..hidden {
+                        a[i] = vg[i] * silu(vg[hidden + i]);
+                    }
+                });
+                matmul_t(&act, rows, &mlp.fc2, &mut hs);
+            }
+        }
+        add_assign(&mut res, &hs);
+        drop(hs);
+
+        // Final norm and head on the rows asked for.
+        let picked: Vec<usize> = match want {
+            LogitsWant::All => (0..rows).collect(),
+            LogitsWant::Last => spans.iter().map(|s| s.start + s.len - 1).collect(),
+            LogitsWant::None => vec![],
+        };
+        let mut sel = vec![F::zero(); picked.len() * dm];
+        for (i, &r) in picked.iter().enumerate() {
+            sel[i * dm..(i + 1) * dm].copy_from_slice(&res[r * dm..(r + 1) * dm]);
+        }
+        let normed = norm_rows(&sel, &w.norm_f, dm);
+        let vp = d.vocab_padded;
+        let mut logits = vec![F::zero(); picked.len() * vp];
+        matmul_t(&normed, picked.len(), w.head(), &mut logits);
+        Ok(match want {
+            LogitsWant::All => spans
+                .iter()
+                .map(|s| logits[s.start * vp..(s.start + s.len) * vp].to_vec())
+                .collect(),
+            LogitsWant::Last => logits.chunks(vp).map(|c| c.to_vec()).collect(),
+            LogitsWant::None => vec![Vec::new(); seqs.len()],
+        })
+    }
+}
