@@ -5,7 +5,10 @@
 //! model, states, prefill and decode).
 
 pub mod cpu;
+pub mod engine;
 pub mod error;
 pub mod model;
 
+pub use engine::{Device, Logits, LogitsWant, Model, State};
 pub use error::{Error, Result};
+pub use model::DType;

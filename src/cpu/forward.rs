@@ -68,16 +68,20 @@ pub fn check_batch(w: &Weights, seqs: &[&[u32]], n_states: usize) -> Result<()> 
 /// Row-wise RMSNorm of `[rows, width]`.
 fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize) -> Vec<F> {
     let mut out = vec![F::zero(); x.len()];
-    out.par_chunks_mut(width).zip(x.par_chunks(width)).for_each(|(o, r)| {
-        rms_norm(r, w, F::from_f(NORM_EPS), o);
-    });
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .for_each(|(o, r)| {
+            rms_norm(r, w, F::from_f(NORM_EPS), o);
+        });
     out
 }
 
 fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {
-    acc.par_chunks_mut(4096).zip(x.par_chunks(4096)).for_each(|(a, b)| {
-        a.iter_mut().zip(b).for_each(|(a, &b)| *a = *a + b);
-    });
+    acc.par_chunks_mut(4096)
+        .zip(x.par_chunks(4096))
+        .for_each(|(a, b)| {
+            a.iter_mut().zip(b).for_each(|(a, &b)| *a = *a + b);
+        });
 }
 
 impl<F: Real> CpuModel<F> {
@@ -105,7 +109,11 @@ impl<F: Real> CpuModel<F> {
         check_batch(w, seqs, states.len())?;
         let d = w.dims;
         for (b, st) in states.iter().enumerate() {
-            if st.len() != d.n_layer || st.iter().any(|l| l.ssm.len() != d.nheads * d.headdim * d.d_state) {
+            if st.len() != d.n_layer
+                || st
+                    .iter()
+                    .any(|l| l.ssm.len() != d.nheads * d.headdim * d.d_state)
+            {
                 return Err(Error::State(format!(
                     "state {b} does not have this model's shape ({} layers of [{}, {}, {}])",
                     d.n_layer, d.nheads, d.headdim, d.d_state
@@ -116,7 +124,10 @@ impl<F: Real> CpuModel<F> {
         let mut spans = Vec::with_capacity(seqs.len());
         let mut rows = 0;
         for s in seqs {
-            spans.push(Span { start: rows, len: s.len() });
+            spans.push(Span {
+                start: rows,
+                len: s.len(),
+            });
             rows += s.len();
         }
         let one_token_each = seqs.iter().all(|s| s.len() == 1);
@@ -143,7 +154,8 @@ impl<F: Real> CpuModel<F> {
                 a_floor: cfg.ssm_cfg.a_floor,
                 a_act: cfg.ssm_cfg.a_activation,
             };
-            let mut layer_states: Vec<&mut LayerState<F>> = states.iter_mut().map(|s| &mut s[l]).collect();
+            let mut layer_states: Vec<&mut LayerState<F>> =
+                states.iter_mut().map(|s| &mut s[l]).collect();
             let mut y = vec![F::zero(); rows * d.d_inner];
             if one_token_each {
                 mixer_step(&ctx, &proj, &mut layer_states, &mut y);
@@ -159,11 +171,13 @@ impl<F: Real> CpuModel<F> {
                 let mut vg = vec![F::zero(); rows * 2 * hidden];
                 matmul_t(&normed, rows, &mlp.fc1, &mut vg);
                 let mut act = vec![F::zero(); rows * hidden];
-                act.par_chunks_mut(hidden).zip(vg.par_chunks(2 * hidden)).for_each(|(a, vg)| {
-                    for i in 0..hidden {
-                        a[i] = vg[i] * silu(vg[hidden + i]);
-                    }
-                });
+                act.par_chunks_mut(hidden)
+                    .zip(vg.par_chunks(2 * hidden))
+                    .for_each(|(a, vg)| {
+                        for i in 0..hidden {
+                            a[i] = vg[i] * silu(vg[hidden + i]);
+                        }
+                    });
                 matmul_t(&act, rows, &mlp.fc2, &mut hs);
             }
         }

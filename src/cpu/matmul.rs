@@ -29,9 +29,18 @@ impl<'a, F> View<'a, F> {
     }
     pub fn strided(data: &'a [F], rows: usize, cols: usize, rs: usize, cs: usize) -> Self {
         if rows > 0 && cols > 0 {
-            assert!((rows - 1) * rs + (cols - 1) * cs < data.len(), "view out of bounds");
+            assert!(
+                (rows - 1) * rs + (cols - 1) * cs < data.len(),
+                "view out of bounds"
+            );
         }
-        View { data, rows, cols, rs, cs }
+        View {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
     }
     pub fn t(self) -> Self {
         View {
@@ -59,16 +68,35 @@ impl<'a, F> ViewMut<'a, F> {
     }
     pub fn strided(data: &'a mut [F], rows: usize, cols: usize, rs: usize, cs: usize) -> Self {
         if rows > 0 && cols > 0 {
-            assert!((rows - 1) * rs + (cols - 1) * cs < data.len(), "view out of bounds");
+            assert!(
+                (rows - 1) * rs + (cols - 1) * cs < data.len(),
+                "view out of bounds"
+            );
         }
-        ViewMut { data, rows, cols, rs, cs }
+        ViewMut {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
     }
 }
 
 /// `dst ← keep·dst + scale·(a·b)`, or `dst ← scale·(a·b)` when `keep` is `None`.
 /// `threads > 1` lets the gemm crate split the work over rayon.
-pub fn gemm<F: Real>(dst: ViewMut<F>, keep: Option<F>, a: View<F>, b: View<F>, scale: F, threads: usize) {
-    assert!(a.cols == b.rows && dst.rows == a.rows && dst.cols == b.cols, "gemm shape mismatch");
+pub fn gemm<F: Real>(
+    dst: ViewMut<F>,
+    keep: Option<F>,
+    a: View<F>,
+    b: View<F>,
+    scale: F,
+    threads: usize,
+) {
+    assert!(
+        a.cols == b.rows && dst.rows == a.rows && dst.cols == b.cols,
+        "gemm shape mismatch"
+    );
     let (m, n, k) = (dst.rows, dst.cols, a.cols);
     if m == 0 || n == 0 {
         return;
@@ -120,7 +148,11 @@ pub const STREAM_MAX_ROWS: usize = 8;
 /// `out[rows, W.rows] = x[rows, W.cols] · Wᵀ` for a weight matrix in any storage dtype.
 pub fn matmul_t<F: Real>(x: &[F], rows: usize, w: &Matrix, out: &mut [F]) {
     assert_eq!(x.len(), rows * w.cols, "matmul_t: x has the wrong length");
-    assert_eq!(out.len(), rows * w.rows, "matmul_t: out has the wrong length");
+    assert_eq!(
+        out.len(),
+        rows * w.rows,
+        "matmul_t: out has the wrong length"
+    );
     if rows == 0 {
         return;
     }
@@ -131,11 +163,25 @@ pub fn matmul_t<F: Real>(x: &[F], rows: usize, w: &Matrix, out: &mut [F]) {
     let xv = View::new(x, rows, w.cols);
     let dst = ViewMut::new(out, rows, w.rows);
     match as_real::<F>(&w.data) {
-        Some(wd) => gemm(dst, None, xv, View::new(wd, w.rows, w.cols).t(), F::one(), threads),
+        Some(wd) => gemm(
+            dst,
+            None,
+            xv,
+            View::new(wd, w.rows, w.cols).t(),
+            F::one(),
+            threads,
+        ),
         None => {
             // Weights in another dtype: widen once for this product (amortised over rows).
             let wide: Vec<F> = with_data!(&w.data, v => widen(v));
-            gemm(dst, None, xv, View::new(&wide, w.rows, w.cols).t(), F::one(), threads)
+            gemm(
+                dst,
+                None,
+                xv,
+                View::new(&wide, w.rows, w.cols).t(),
+                F::one(),
+                threads,
+            )
         }
     }
 }
@@ -160,15 +206,24 @@ fn widen<F: Real, W: Element>(v: &[W]) -> Vec<F> {
 
 /// Weight-streaming product for a few rows: every weight row is read from memory once and
 /// dotted with each of the `rows` inputs while it sits in L1.
-fn stream_rows<F: Real, W: Element>(x: &[F], rows: usize, w: &[W], n: usize, k: usize, out: &mut [F]) {
+fn stream_rows<F: Real, W: Element>(
+    x: &[F],
+    rows: usize,
+    w: &[W],
+    n: usize,
+    k: usize,
+    out: &mut [F],
+) {
     const BLOCK: usize = 16;
     // tmp is [n, rows] so each task owns a contiguous block; transposed into out after.
     let mut tmp = vec![F::zero(); n * rows];
-    tmp.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(blk, t)| {
-        let r0 = blk * BLOCK;
-        let wb = &w[r0 * k..(r0 + t.len() / rows) * k];
-        dot_block(x, rows, wb, k, t);
-    });
+    tmp.par_chunks_mut(BLOCK * rows)
+        .enumerate()
+        .for_each(|(blk, t)| {
+            let r0 = blk * BLOCK;
+            let wb = &w[r0 * k..(r0 + t.len() / rows) * k];
+            dot_block(x, rows, wb, k, t);
+        });
     for r in 0..rows {
         for j in 0..n {
             out[r * n + j] = tmp[j * rows + r];
@@ -187,7 +242,13 @@ fn dot_block<F: Real, W: Element>(x: &[F], rows: usize, w: &[W], k: usize, t: &m
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_block_avx2<F: Real, W: Element>(x: &[F], rows: usize, w: &[W], k: usize, t: &mut [F]) {
+unsafe fn dot_block_avx2<F: Real, W: Element>(
+    x: &[F],
+    rows: usize,
+    w: &[W],
+    k: usize,
+    t: &mut [F],
+) {
     dot_block_impl::<F, W, true>(x, rows, w, k, t)
 }
 
@@ -215,7 +276,11 @@ pub fn dot<F: Real, W: Element, const FMA: bool>(x: &[F], w: &[W]) -> F {
     for (xc, wc) in x[..n].chunks_exact(L).zip(w[..n].chunks_exact(L)) {
         for i in 0..L {
             let wv = F::from_elem(wc[i]);
-            acc[i] = if FMA { xc[i].mul_add(wv, acc[i]) } else { acc[i] + xc[i] * wv };
+            acc[i] = if FMA {
+                xc[i].mul_add(wv, acc[i])
+            } else {
+                acc[i] + xc[i] * wv
+            };
         }
     }
     let mut s = F::zero();
@@ -242,8 +307,9 @@ mod tests {
         let mut out = vec![0.0; rows * w.rows];
         for r in 0..rows {
             for j in 0..w.rows {
-                out[r * w.rows + j] =
-                    (0..w.cols).map(|c| x[r * w.cols + c] * w.data.get_f64(j * w.cols + c)).sum();
+                out[r * w.rows + j] = (0..w.cols)
+                    .map(|c| x[r * w.cols + c] * w.data.get_f64(j * w.cols + c))
+                    .sum();
             }
         }
         out
@@ -258,7 +324,8 @@ mod tests {
                 let w = Matrix {
                     rows: n,
                     cols: k,
-                    data: TensorData::F64((0..n * k).map(|_| rng.normal()).collect()).convert(dtype),
+                    data: TensorData::F64((0..n * k).map(|_| rng.normal()).collect())
+                        .convert(dtype),
                 };
                 let x: Vec<f64> = (0..rows * k).map(|_| rng.normal()).collect();
                 let want = naive(&x, rows, &w);
@@ -271,7 +338,10 @@ mod tests {
                 let mut got32 = vec![0.0f32; rows * n];
                 matmul_t(&x32, rows, &w, &mut got32);
                 for (a, b) in got32.iter().zip(&want) {
-                    assert!((*a as f64 - b).abs() < 1e-4, "{dtype} rows {rows} f32: {a} vs {b}");
+                    assert!(
+                        (*a as f64 - b).abs() < 1e-4,
+                        "{dtype} rows {rows} f32: {a} vs {b}"
+                    );
                 }
             }
         }

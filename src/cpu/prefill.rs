@@ -54,8 +54,9 @@ pub fn mixer_prefill<F: Real>(
     let d = &ctx.d;
     let rows = spans.iter().map(|s| s.start + s.len).max().unwrap_or(0);
     let pre = ctx.token_pre(proj, rows);
-    let tasks: Vec<(usize, usize)> =
-        (0..spans.len()).flat_map(|b| (0..d.nheads).map(move |h| (b, h))).collect();
+    let tasks: Vec<(usize, usize)> = (0..spans.len())
+        .flat_map(|b| (0..d.nheads).map(move |h| (b, h)))
+        .collect();
     let results: Vec<HeadOut<F>> = {
         let states_ro: Vec<&LayerState<F>> = states.iter().map(|s| &**s).collect();
         tasks
@@ -81,7 +82,11 @@ pub fn mixer_prefill<F: Real>(
 /// Largest `−Lc_end` for which `e^{Lc_j}` and `e^{−Lc_s}` can be formed separately
 /// without overflow; beyond it, every pair gets its own exponential.
 fn split_exp_limit<F: Real>() -> F {
-    F::from_f(if std::mem::size_of::<F>() == 4 { 60.0 } else { 600.0 })
+    F::from_f(if std::mem::size_of::<F>() == 4 {
+        60.0
+    } else {
+        600.0
+    })
 }
 
 fn scan_head<F: Real>(
@@ -93,7 +98,13 @@ fn scan_head<F: Real>(
     st: &LayerState<F>,
 ) -> HeadOut<F> {
     let d = &ctx.d;
-    let (h_n, p_n, n_n, s_n, l_max) = (d.nheads, d.headdim, d.d_state, d.num_rope_angles, d.chunk_len);
+    let (h_n, p_n, n_n, s_n, l_max) = (
+        d.nheads,
+        d.headdim,
+        d.d_state,
+        d.num_rope_angles,
+        d.chunk_len,
+    );
     let dpi = d.d_in_proj;
     let bc_w = 2 * d.ngroups * n_n;
     let d_skip = F::from_f(ctx.lw.d[h] as f64);
@@ -143,11 +154,15 @@ fn scan_head<F: Real>(
                 angle[i] = wrap_angle(angle[i] + pre.theta[t * s_n + i] * delta);
                 (sin[i], cos[i]) = angle[i].sin_cos();
             }
-            let (kj, qj) = (&mut k[j * n_n..(j + 1) * n_n], &mut q[j * n_n..(j + 1) * n_n]);
+            let (kj, qj) = (
+                &mut k[j * n_n..(j + 1) * n_n],
+                &mut q[j * n_n..(j + 1) * n_n],
+            );
             ctx.biased_kq(&pre.bc[t * bc_w..(t + 1) * bc_w], h, kj, qj);
             rotate_pairs(kj, &cos, &sin);
             rotate_pairs(qj, &cos, &sin);
-            x[j * p_n..(j + 1) * p_n].copy_from_slice(&proj[t * dpi + d.x_off() + h * p_n..][..p_n]);
+            x[j * p_n..(j + 1) * p_n]
+                .copy_from_slice(&proj[t * dpi + d.x_off() + h * p_n..][..p_n]);
             gamma[j] = lambda * delta;
             let look_back = if c0 + j + 1 < sp.len {
                 pre.delta[(t + 1) * h_n + h] * (F::one() - pre.lambda[(t + 1) * h_n + h])
@@ -166,7 +181,14 @@ fn scan_head<F: Real>(
         );
 
         // Intra-chunk: M = (Q̃K̃ᵀ) masked and weighted, then Y = M·X.
-        gemm(ViewMut::new(&mut m[..l * l], l, l), None, qv, kv.t(), F::one(), 1);
+        gemm(
+            ViewMut::new(&mut m[..l * l], l, l),
+            None,
+            qv,
+            kv.t(),
+            F::one(),
+            1,
+        );
         let split = -lc_end < split_exp_limit::<F>();
         let (mut row_f, mut col_f) = (vec![F::zero(); l], vec![F::zero(); l]);
         if split {
@@ -178,18 +200,36 @@ fn scan_head<F: Real>(
         for j in 0..l {
             let row = &mut m[j * l..(j + 1) * l];
             for s in 0..j {
-                let w = if split { row_f[j] * col_f[s] } else { (lc[j] - lc[s]).exp() * scale[s] };
+                let w = if split {
+                    row_f[j] * col_f[s]
+                } else {
+                    (lc[j] - lc[s]).exp() * scale[s]
+                };
                 row[s] = row[s] * w;
             }
             row[j] = row[j] * gamma[j];
             row[j + 1..].iter_mut().for_each(|v| *v = F::zero());
         }
         let yc = &mut y[c0 * p_n..(c0 + l) * p_n];
-        gemm(ViewMut::new(yc, l, p_n), None, View::new(&m[..l * l], l, l), xv, F::one(), 1);
+        gemm(
+            ViewMut::new(yc, l, p_n),
+            None,
+            View::new(&m[..l * l], l, l),
+            xv,
+            F::one(),
+            1,
+        );
 
         // Inter-chunk: Y += diag(e^{Lc})·Q̃·Sᵀ, then the D skip.
         let sv = View::new(&ssm, p_n, n_n);
-        gemm(ViewMut::new(&mut inter[..l * p_n], l, p_n), None, qv, sv.t(), F::one(), 1);
+        gemm(
+            ViewMut::new(&mut inter[..l * p_n], l, p_n),
+            None,
+            qv,
+            sv.t(),
+            F::one(),
+            1,
+        );
         for j in 0..l {
             let e = lc[j].exp();
             for p in 0..p_n {

@@ -32,4 +32,3 @@ impl Real for f64 {
         w.to_f64()
     }
 }
-

@@ -19,12 +19,17 @@ impl<F: Real> Mat<F> {
     fn new(m: &Matrix) -> Self {
         Mat {
             cols: m.cols,
-            data: (0..m.rows * m.cols).map(|i| F::from_f(m.data.get_f64(i))).collect(),
+            data: (0..m.rows * m.cols)
+                .map(|i| F::from_f(m.data.get_f64(i)))
+                .collect(),
         }
     }
     /// `y = W·x`
     fn apply(&self, x: &[F]) -> Vec<F> {
-        self.data.chunks(self.cols).map(|row| row.iter().zip(x).map(|(&a, &b)| a * b).sum()).collect()
+        self.data
+            .chunks(self.cols)
+            .map(|row| row.iter().zip(x).map(|(&a, &b)| a * b).sum())
+            .collect()
     }
 }
 
@@ -97,7 +102,13 @@ impl<'w, F: Real> Reference<'w, F> {
     }
 
     /// Spec §2.9: one token of one mixer, updating its carried state.
-    fn mixer(&self, lw: &LayerWeights, rl: &RefLayer<F>, u: &[F], st: &mut LayerState<F>) -> Vec<F> {
+    fn mixer(
+        &self,
+        lw: &LayerWeights,
+        rl: &RefLayer<F>,
+        u: &[F],
+        st: &mut LayerState<F>,
+    ) -> Vec<F> {
         let d = &self.d;
         let (h_n, p_n, n_n, s_n) = (d.nheads, d.headdim, d.d_state, d.num_rope_angles);
         let eps = F::from_f(NORM_EPS);
@@ -112,7 +123,9 @@ impl<'w, F: Real> Reference<'w, F> {
             rms_norm(b, &lw.b_norm, eps, &mut bn[g * n_n..(g + 1) * n_n]);
             rms_norm(c, &lw.c_norm, eps, &mut cn[g * n_n..(g + 1) * n_n]);
         }
-        let theta: Vec<F> = (0..s_n).map(|i| F::PI() * pi_[d.angle_off() + i].tanh()).collect();
+        let theta: Vec<F> = (0..s_n)
+            .map(|i| F::PI() * pi_[d.angle_off() + i].tanh())
+            .collect();
         let mut y = vec![F::zero(); d.d_inner];
         for h in 0..h_n {
             let g = d.group_of(h);
@@ -126,8 +139,12 @@ impl<'w, F: Real> Reference<'w, F> {
             let cos: Vec<F> = phi.iter().map(|p| p.cos()).collect();
             let sin: Vec<F> = phi.iter().map(|p| p.sin()).collect();
             let bias = |v: &[f32], i: usize| F::from_f(v[h * n_n + i] as f64);
-            let mut k: Vec<F> = (0..n_n).map(|i| bn[g * n_n + i] + bias(&lw.b_bias, i)).collect();
-            let mut q: Vec<F> = (0..n_n).map(|i| cn[g * n_n + i] + bias(&lw.c_bias, i)).collect();
+            let mut k: Vec<F> = (0..n_n)
+                .map(|i| bn[g * n_n + i] + bias(&lw.b_bias, i))
+                .collect();
+            let mut q: Vec<F> = (0..n_n)
+                .map(|i| cn[g * n_n + i] + bias(&lw.c_bias, i))
+                .collect();
             rotate_pairs(&mut k, &cos, &sin);
             rotate_pairs(&mut q, &cos, &sin);
             let alpha = (a * delta).exp();

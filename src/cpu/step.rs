@@ -26,7 +26,12 @@ struct HeadSlot<'a, F> {
 }
 
 /// `proj` is `[B, d_in_proj]` (row b = sequence b's token), `out` gets `[B, D_i]`.
-pub fn mixer_step<F: Real>(ctx: &MixerCtx, proj: &[F], states: &mut [&mut LayerState<F>], out: &mut [F]) {
+pub fn mixer_step<F: Real>(
+    ctx: &MixerCtx,
+    proj: &[F],
+    states: &mut [&mut LayerState<F>],
+    out: &mut [F],
+) {
     let d = &ctx.d;
     let (p_n, n_n, s_n) = (d.headdim, d.d_state, d.num_rope_angles);
     let pre = ctx.token_pre(proj, states.len());
@@ -41,7 +46,15 @@ pub fn mixer_step<F: Real>(ctx: &MixerCtx, proj: &[F], states: &mut [&mut LayerS
             .zip(st.v.chunks_mut(p_n))
             .zip(y.chunks_mut(p_n));
         for (h, ((((angle, ssm), k), v), y)) in heads.enumerate() {
-            slots.push(HeadSlot { row, h, angle, ssm, k, v, y });
+            slots.push(HeadSlot {
+                row,
+                h,
+                angle,
+                ssm,
+                k,
+                v,
+                y,
+            });
         }
     }
     let bc_w = 2 * d.ngroups * n_n;

@@ -161,7 +161,12 @@ impl Dims {
     }
     /// f32 elements of one sequence's state in one layer (angle, ssm, k, v).
     pub fn state_elems_per_layer(&self) -> usize {
-        let (h, p, n, s) = (self.nheads, self.headdim, self.d_state, self.num_rope_angles);
+        let (h, p, n, s) = (
+            self.nheads,
+            self.headdim,
+            self.d_state,
+            self.num_rope_angles,
+        );
         h * s + h * p * n + h * n + h * p
     }
 }
@@ -234,7 +239,11 @@ impl Config {
             msg,
         };
         if s.layer != "Mamba3" {
-            return Err(unsupported("ssm_cfg.layer", format!("{:?}", s.layer), "\"Mamba3\""));
+            return Err(unsupported(
+                "ssm_cfg.layer",
+                format!("{:?}", s.layer),
+                "\"Mamba3\"",
+            ));
         }
         if s.is_mimo {
             return Err(unsupported("ssm_cfg.is_mimo", "true", "false (SISO)"));
@@ -264,7 +273,10 @@ impl Config {
             }
         }
         if !(s.expand > 0.0 && s.expand.is_finite()) {
-            return Err(bad(format!("`ssm_cfg.expand` must be positive, found {}", s.expand)));
+            return Err(bad(format!(
+                "`ssm_cfg.expand` must be positive, found {}",
+                s.expand
+            )));
         }
         let d_inner = (s.expand * self.d_model as f64) as usize;
         if d_inner % s.headdim != 0 {
@@ -294,7 +306,10 @@ impl Config {
             )));
         }
         if !(s.a_floor >= 0.0 && s.a_floor.is_finite()) {
-            return Err(bad(format!("`ssm_cfg.A_floor` must be ≥ 0, found {}", s.a_floor)));
+            return Err(bad(format!(
+                "`ssm_cfg.A_floor` must be ≥ 0, found {}",
+                s.a_floor
+            )));
         }
         Ok(())
     }
@@ -372,8 +387,11 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("attn_layer_idx"), "{e}");
-        let e = Config::from_json_str(r#"{"rms_norm": false, "ssm_cfg": {"layer": "Mamba3"}}"#, "t")
-            .unwrap_err();
+        let e = Config::from_json_str(
+            r#"{"rms_norm": false, "ssm_cfg": {"layer": "Mamba3"}}"#,
+            "t",
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("rms_norm"), "{e}");
         let e = Config::from_json_str(
             r#"{"d_model": 100, "ssm_cfg": {"layer": "Mamba3", "headdim": 64}}"#,

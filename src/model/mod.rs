@@ -5,7 +5,7 @@ pub mod config;
 pub mod dtype;
 pub mod rng;
 pub mod tensor_file;
-// pub mod torch_bin; (being written)
+pub mod torch_bin;
 pub mod weights;
 
 pub use config::{Config, Dims};

@@ -99,8 +99,14 @@ impl RawTensor<'_> {
 
 /// A file of named tensors, opened.
 pub enum TensorFile {
-    Safetensors { path: PathBuf, mmap: memmap2::Mmap },
-    Torch { path: PathBuf, tensors: BTreeMap<String, RawTensor<'static>> },
+    Safetensors {
+        path: PathBuf,
+        mmap: memmap2::Mmap,
+    },
+    Torch {
+        path: PathBuf,
+        tensors: BTreeMap<String, RawTensor<'static>>,
+    },
 }
 
 impl TensorFile {
@@ -120,7 +126,7 @@ impl TensorFile {
             }
         }
         if magic == *b"PK\x03\x04" {
-            let tensors = read_torch_placeholder(path)?;
+            let tensors = crate::model::torch_bin::read(path)?;
             return Ok(TensorFile::Torch {
                 path: path.into(),
                 tensors,
@@ -130,8 +136,9 @@ impl TensorFile {
         // engine is outside what we can defend against (as in every mmap-based loader).
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         // Validate the header and every tensor's byte range once, up front.
-        safetensors::SafeTensors::deserialize(&mmap)
-            .map_err(|e| Error::checkpoint(path.display(), format!("not a valid safetensors file: {e}")))?;
+        safetensors::SafeTensors::deserialize(&mmap).map_err(|e| {
+            Error::checkpoint(path.display(), format!("not a valid safetensors file: {e}"))
+        })?;
         Ok(TensorFile::Safetensors {
             path: path.into(),
             mmap,
@@ -277,8 +284,4 @@ pub fn write_safetensors(
     safetensors::serialize_to_file(items, metadata, &tmp)
         .map_err(|e| Error::checkpoint(path.display(), format!("cannot write: {e}")))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
-}
-
-fn read_torch_placeholder(path: &Path) -> Result<BTreeMap<String, RawTensor<'static>>> {
-    Err(Error::checkpoint(path.display(), "torch .bin reading is not built yet"))
 }

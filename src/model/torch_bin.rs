@@ -647,11 +647,7 @@ mod tests {
     use std::io::Write;
 
     fn fixtures() -> std::path::PathBuf {
-        let shared = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures"));
-        match shared.exists() {
-            true => shared.to_path_buf(),
-            false => Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"),
-        }
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
     }
 
     #[test]

@@ -112,7 +112,10 @@ pub fn locate(path: &Path) -> Result<(PathBuf, PathBuf)> {
         .ok_or_else(|| {
             Error::checkpoint(
                 path.display(),
-                format!("no weights found: expected one of {}", CHECKPOINT_NAMES.join(", ")),
+                format!(
+                    "no weights found: expected one of {}",
+                    CHECKPOINT_NAMES.join(", ")
+                ),
             )
         })?;
     Ok((path.join("config.json"), weights))
@@ -365,7 +368,11 @@ impl Weights {
             };
             let data = TensorData::F64(vals).convert(DType::F32);
             fp = fingerprint_tensor(fp, &name, &data);
-            let data = if is_matrix(&name) { data.convert(dtype) } else { data };
+            let data = if is_matrix(&name) {
+                data.convert(dtype)
+            } else {
+                data
+            };
             tensors.insert(name, data);
         }
         Ok(Self::assemble(config, dtype, tensors, fp.0))
@@ -381,15 +388,24 @@ impl Weights {
     pub fn to_tensors(&self) -> Vec<(String, RawTensor<'static>)> {
         let d = &self.dims;
         let mut out = Vec::new();
-        let m = |name: String, x: &Matrix| (name, RawTensor::from_data(vec![x.rows, x.cols], &x.data));
+        let m =
+            |name: String, x: &Matrix| (name, RawTensor::from_data(vec![x.rows, x.cols], &x.data));
         let v = |name: String, shape: Vec<usize>, x: &[f32]| (name, RawTensor::from_f32(shape, x));
         out.push(m("backbone.embedding.weight".into(), &self.embedding));
         for (i, lw) in self.layers.iter().enumerate() {
             let l = |s: &str| layer_name(i, s);
             out.push(v(l("norm.weight"), vec![d.d_model], &lw.norm));
             out.push(v(l("mixer.dt_bias"), vec![d.nheads], &lw.dt_bias));
-            out.push(v(l("mixer.B_bias"), vec![d.nheads, 1, d.d_state], &lw.b_bias));
-            out.push(v(l("mixer.C_bias"), vec![d.nheads, 1, d.d_state], &lw.c_bias));
+            out.push(v(
+                l("mixer.B_bias"),
+                vec![d.nheads, 1, d.d_state],
+                &lw.b_bias,
+            ));
+            out.push(v(
+                l("mixer.C_bias"),
+                vec![d.nheads, 1, d.d_state],
+                &lw.c_bias,
+            ));
             out.push(v(l("mixer.D"), vec![d.nheads], &lw.d));
             out.push(m(l("mixer.in_proj.weight"), &lw.in_proj));
             out.push(v(l("mixer.B_norm.weight"), vec![d.d_state], &lw.b_norm));
@@ -404,7 +420,11 @@ impl Weights {
                 out.push(m(l("mlp.fc2.weight"), &mlp.fc2));
             }
         }
-        out.push(v("backbone.norm_f.weight".into(), vec![d.d_model], &self.norm_f));
+        out.push(v(
+            "backbone.norm_f.weight".into(),
+            vec![d.d_model],
+            &self.norm_f,
+        ));
         if let Some(h) = &self.lm_head {
             out.push(m("lm_head.weight".into(), h));
         }

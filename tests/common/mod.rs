@@ -8,7 +8,9 @@ pub const FIXTURES: [&str; 2] = ["siso-tiny", "siso-mlp-norm"];
 
 /// The fixture directory inside the repository.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 pub struct Golden {
@@ -27,9 +29,13 @@ impl Golden {
         let ids = file.get("input_ids").unwrap().to_i64("input_ids").unwrap();
         let lg = file.get("logits").unwrap();
         let vocab_padded = lg.shape[1];
-        let logits = lg.to_float("logits", mamba3::model::DType::F32).unwrap().to_f32_vec();
+        let logits = lg
+            .to_float("logits", mamba3::model::DType::F32)
+            .unwrap()
+            .to_f32_vec();
         let meta: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
         let prefix = meta["prefix_len"].as_u64().expect("golden.json prefix_len") as usize;
         Golden {
             input_ids: ids.iter().map(|&i| i as u32).collect(),
@@ -72,7 +78,11 @@ pub fn rel_l2_angles(a: &[f64], b: &[f64]) -> f64 {
         .zip(b)
         .map(|(x, y)| {
             let d = (x - y).rem_euclid(two_pi);
-            let d = if d > std::f64::consts::PI { d - two_pi } else { d };
+            let d = if d > std::f64::consts::PI {
+                d - two_pi
+            } else {
+                d
+            };
             d * d
         })
         .sum();

@@ -1,0 +1,24 @@
+//! The device-agnostic engine: a [`Model`] resident on one device, the [`State`] of each
+//! sequence, prefill (stateless or continued windows, batches of different lengths) and
+//! batched decode.
+
+pub mod device;
+pub mod model;
+pub mod state;
+
+pub use crate::cpu::LogitsWant;
+pub use device::{Device, DeviceChoice};
+pub use model::{Logits, Model};
+pub use state::State;
+
+/// Number of CUDA devices visible (0 without the `cuda` feature or without a driver).
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::device_count()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}

@@ -1,0 +1,254 @@
+//! `Model`: weights resident on one device, and the calls every user of the engine makes —
+//! `new_state`, `prefill`, `decode` — whatever the device.
+
+use super::device::Device;
+use super::state::{State, StateData};
+use crate::cpu::{CpuModel, LogitsWant};
+use crate::error::{Error, Result};
+use crate::model::{Config, DType, Dims, Weights};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Logits of some positions: `[rows, vocab]` row-major, `vocab = vocab_padded` (the rows
+/// past `vocab_size` are padding and never a valid token).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logits {
+    pub rows: usize,
+    pub vocab: usize,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+    fn from_rows(data: Vec<f32>, vocab: usize) -> Logits {
+        Logits {
+            rows: data.len() / vocab,
+            vocab,
+            data,
+        }
+    }
+}
+
+enum Backend {
+    Cpu(CpuModel<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaModel),
+}
+
+pub struct Model {
+    weights: Arc<Weights>,
+    device: Device,
+    backend: Backend,
+}
+
+/// At most this many tokens go through one pass of the layers; longer prompts are read as
+/// consecutive continued windows, which is exact and bounds activation memory.
+pub const MAX_TOKENS_PER_PASS: usize = 8192;
+
+impl Model {
+    /// Load a model directory (config.json + model.safetensors or pytorch_model.bin).
+    pub fn load(path: &Path, device: Device, dtype: DType) -> Result<Model> {
+        if dtype == DType::F64 {
+            return Err(Error::input(
+                "dtype f64 is for the CPU oracle (cpu::CpuModel<f64>); the engine runs f32, bf16 or f16",
+            ));
+        }
+        Self::from_weights(Weights::load(path, dtype)?, device)
+    }
+
+    pub fn from_weights(weights: Weights, device: Device) -> Result<Model> {
+        let weights = Arc::new(weights);
+        let backend = match device {
+            Device::Cpu => Backend::Cpu(CpuModel::new(weights.clone())),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                Backend::Cuda(crate::cuda::CudaModel::new(weights.clone(), ordinal)?)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => {
+                return Err(Error::Device(
+                    "this build has no CUDA support (rebuild with `--features cuda`)".into(),
+                ))
+            }
+        };
+        Ok(Model {
+            weights,
+            device,
+            backend,
+        })
+    }
+
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+    pub fn config(&self) -> &Config {
+        &self.weights.config
+    }
+    pub fn dims(&self) -> Dims {
+        self.weights.dims
+    }
+    pub fn dtype(&self) -> DType {
+        self.weights.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    /// A human-readable name of the device (the GPU's name on CUDA).
+    pub fn device_name(&self) -> String {
+        match &self.backend {
+            Backend::Cpu(_) => format!("cpu ({} threads)", rayon::current_num_threads()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.device_name(),
+        }
+    }
+
+    /// A fresh (zero) state for one sequence, on this model's device.
+    pub fn new_state(&self) -> State {
+        let host = State::new_host(self.weights.fingerprint, self.weights.dims);
+        match &self.backend {
+            Backend::Cpu(_) => host,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.new_state(self.weights.fingerprint),
+        }
+    }
+
+    /// Load a state saved by [`State::save`] onto this model's device; refused if it
+    /// belongs to another model.
+    pub fn load_state(&self, path: &Path) -> Result<State> {
+        let mut s = State::load_host(path, self.weights.fingerprint, self.weights.dims)?;
+        self.place(&mut s)?;
+        Ok(s)
+    }
+
+    /// Move a state of this model onto this model's device (a no-op when it is there).
+    pub fn place(&self, state: &mut State) -> Result<()> {
+        self.check_state(state, 0)?;
+        match (&self.backend, &state.data) {
+            (Backend::Cpu(_), StateData::Host(_)) => Ok(()),
+            #[cfg(feature = "cuda")]
+            (Backend::Cpu(_), StateData::Cuda(s)) => {
+                let host = s.to_host(&state.dims)?;
+                state.data = StateData::Host(Arc::new(host));
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Backend::Cuda(m), StateData::Host(h)) => {
+                state.data = StateData::Cuda(m.upload_state(h)?);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Backend::Cuda(_), StateData::Cuda(_)) => Ok(()),
+        }
+    }
+
+    fn check_state(&self, s: &State, b: usize) -> Result<()> {
+        if s.model != self.weights.fingerprint || s.dims != self.weights.dims {
+            return Err(Error::State(format!(
+                "state {b} belongs to another model (fingerprint {:016x}, this model {:016x})",
+                s.model, self.weights.fingerprint
+            )));
+        }
+        Ok(())
+    }
+
+    /// Read `tokens` from `state` (fresh: a stateless window; carried: a continued window)
+    /// and leave the state after them.
+    pub fn prefill(&self, tokens: &[u32], state: &mut State, want: LogitsWant) -> Result<Logits> {
+        Ok(self.prefill_batch(&[tokens], &mut [state], want)?.remove(0))
+    }
+
+    /// Prefill a batch of sequences of any lengths, each from and into its own state.
+    /// Returns each sequence's logits (all positions, the last, or none).
+    pub fn prefill_batch(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut State],
+        want: LogitsWant,
+    ) -> Result<Vec<Logits>> {
+        crate::cpu::forward::check_batch(&self.weights, seqs, states.len())?;
+        for (b, s) in states.iter_mut().enumerate() {
+            self.check_state(s, b)?;
+            self.place(s)?;
+        }
+        let vocab = self.weights.dims.vocab_padded;
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+        // Cut into passes of at most MAX_TOKENS_PER_PASS tokens, shared among the
+        // sequences that still have tokens left.
+        let mut done = vec![0usize; seqs.len()];
+        while done.iter().zip(seqs).any(|(&d, s)| d < s.len()) {
+            let live: Vec<usize> = (0..seqs.len())
+                .filter(|&b| done[b] < seqs[b].len())
+                .collect();
+            let share = (MAX_TOKENS_PER_PASS / live.len()).max(1);
+            let pieces: Vec<&[u32]> = live
+                .iter()
+                .map(|&b| &seqs[b][done[b]..(done[b] + share).min(seqs[b].len())])
+                .collect();
+            let mut live_states: Vec<&mut State> = states
+                .iter_mut()
+                .enumerate()
+                .filter(|(b, _)| done[*b] < seqs[*b].len())
+                .map(|(_, s)| &mut **s)
+                .collect();
+            let logits = self.forward(&pieces, &mut live_states, want)?;
+            for ((&b, piece), lg) in live.iter().zip(&pieces).zip(logits) {
+                done[b] += piece.len();
+                match want {
+                    LogitsWant::All => out[b].extend(lg),
+                    LogitsWant::Last => out[b] = lg,
+                    LogitsWant::None => {}
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|d| Logits::from_rows(d, vocab))
+            .collect())
+    }
+
+    /// One token for each sequence of a batch, each from and into its own state. Returns
+    /// `[B, vocab_padded]` logits.
+    pub fn decode(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Logits> {
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        crate::cpu::forward::check_batch(&self.weights, &seqs, states.len())?;
+        for (b, s) in states.iter_mut().enumerate() {
+            self.check_state(s, b)?;
+            self.place(s)?;
+        }
+        let rows = self.forward(&seqs, states, LogitsWant::Last)?;
+        Ok(Logits::from_rows(
+            rows.concat(),
+            self.weights.dims.vocab_padded,
+        ))
+    }
+
+    /// One pass of the layers over a checked batch whose states are on this device.
+    fn forward(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut State],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        let out = match &self.backend {
+            Backend::Cpu(m) => {
+                let mut host: Vec<&mut crate::cpu::SeqState<f32>> = states
+                    .iter_mut()
+                    .map(|s| match &mut s.data {
+                        StateData::Host(h) => Arc::make_mut(h),
+                        #[cfg(feature = "cuda")]
+                        StateData::Cuda(_) => unreachable!("placed on the host above"),
+                    })
+                    .collect();
+                m.forward(seqs, &mut host, want)?
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.forward(seqs, states, want)?,
+        };
+        for (s, t) in states.iter_mut().zip(seqs) {
+            s.position += t.len() as u64;
+        }
+        Ok(out)
+    }
+}
