@@ -4,6 +4,7 @@
 //! [`cpu`] (the reference recurrence and the fast CPU paths), [`engine`] (device-agnostic
 //! model, states, prefill and decode).
 
+pub mod cli;
 pub mod cpu;
 pub mod engine;
 pub mod error;

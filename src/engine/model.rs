@@ -104,6 +104,15 @@ impl Model {
         }
     }
 
+    /// Wait until queued device work has finished (a no-op on the CPU); for timing.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.backend {
+            Backend::Cpu(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.synchronize(),
+        }
+    }
+
     /// A fresh (zero) state for one sequence, on this model's device.
     pub fn new_state(&self) -> State {
         let host = State::new_host(self.weights.fingerprint, self.weights.dims);

@@ -1,0 +1,202 @@
+//! `mamba3 bench`: prefill tokens/s and decode latency, on a checkpoint or on a synthetic
+//! model given by its shape. Medians over repeats, warm-up excluded; inputs are random
+//! tokens (never all zeros).
+
+use super::{PathArg, RunOpts};
+use crate::engine::{LogitsWant, Model, State};
+use crate::error::Result;
+use crate::model::rng::Rng;
+use crate::model::{Config, Weights};
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model directory; without it a synthetic model of the shape below is built.
+    #[arg(long)]
+    pub model: Option<PathArg>,
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 64)]
+    pub d_state: usize,
+    #[arg(long, default_value_t = 32)]
+    pub headdim: usize,
+    #[arg(long, default_value_t = 2)]
+    pub expand: usize,
+    #[arg(long, default_value_t = 1)]
+    pub ngroups: usize,
+    #[arg(long, default_value_t = 256)]
+    pub vocab: usize,
+    #[arg(long, default_value_t = 64)]
+    pub chunk: usize,
+    /// Prompt lengths to prefill.
+    #[arg(long, value_parser = super::parse_list, default_value = "512")]
+    pub prompt: Vec<Vec<usize>>,
+    /// Batch sizes.
+    #[arg(long, value_parser = super::parse_list, default_value = "1")]
+    pub batch: Vec<Vec<usize>>,
+    /// Decode steps timed after each prefill.
+    #[arg(long, default_value_t = 32)]
+    pub decode_steps: usize,
+    /// Timed repeats of each prefill (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Untimed warm-up runs.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub run: RunOpts,
+}
+
+pub struct Measurement {
+    pub batch: usize,
+    pub prompt_len: usize,
+    pub prefill_s: f64,
+    pub decode_step_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() / 2]
+}
+
+/// Time one (batch, prompt) point.
+pub fn measure(
+    model: &Model,
+    batch: usize,
+    prompt_len: usize,
+    a: &Args,
+    rng: &mut Rng,
+) -> Result<Measurement> {
+    let vocab = model.dims().vocab_size as u64;
+    let seqs: Vec<Vec<u32>> = (0..batch)
+        .map(|_| (0..prompt_len).map(|_| rng.below(vocab) as u32).collect())
+        .collect();
+    let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+    let mut prefill_times = Vec::new();
+    let mut states: Vec<State> = Vec::new();
+    for i in 0..a.warmup + a.repeats.max(1) {
+        states = (0..batch).map(|_| model.new_state()).collect();
+        let mut st: Vec<&mut State> = states.iter_mut().collect();
+        let t0 = Instant::now();
+        model.prefill_batch(&refs, &mut st, LogitsWant::Last)?;
+        model.synchronize()?;
+        if i >= a.warmup {
+            prefill_times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let mut decode_times = Vec::new();
+    let mut tokens: Vec<u32> = (0..batch).map(|_| rng.below(vocab) as u32).collect();
+    for i in 0..a.decode_steps + a.warmup.max(1) {
+        let mut st: Vec<&mut State> = states.iter_mut().collect();
+        let t0 = Instant::now();
+        let logits = model.decode(&tokens, &mut st)?;
+        model.synchronize()?;
+        if i >= a.warmup.max(1) {
+            decode_times.push(t0.elapsed().as_secs_f64());
+        }
+        // Feed the argmax back, like greedy generation.
+        for (b, t) in tokens.iter_mut().enumerate() {
+            let row = &logits.row(b)[..model.dims().vocab_size];
+            *t = row
+                .iter()
+                .enumerate()
+                .max_by(|x, y| x.1.total_cmp(y.1))
+                .map_or(0, |(i, _)| i as u32);
+        }
+    }
+    Ok(Measurement {
+        batch,
+        prompt_len,
+        prefill_s: median(prefill_times),
+        decode_step_s: median(decode_times),
+    })
+}
+
+pub fn run(a: Args) -> Result<()> {
+    a.run.init_threads();
+    let device = a.run.device.resolve();
+    let model = match &a.model {
+        Some(dir) => Model::load(dir, device, a.run.dtype)?,
+        None => {
+            let mut cfg = Config::synthetic(
+                a.d_model, a.layers, a.d_state, a.headdim, a.expand, a.ngroups, a.vocab,
+            );
+            cfg.ssm_cfg.chunk_size = a.chunk;
+            Model::from_weights(Weights::synthetic(cfg, a.run.dtype, 0)?, device)?
+        }
+    };
+    let d = model.dims();
+    let shape = format!(
+        "d_model {} · layers {} · d_state {} · headdim {} · expand {} · groups {} · vocab {} · chunk {}",
+        d.d_model,
+        d.n_layer,
+        d.d_state,
+        d.headdim,
+        d.d_inner / d.d_model,
+        d.ngroups,
+        d.vocab_padded,
+        d.chunk_len
+    );
+    let device_name = model.device_name();
+    if !a.json {
+        println!(
+            "{} on {} · {} · {:.1} M params",
+            shape,
+            device_name,
+            model.dtype(),
+            model.weights().param_count() as f64 / 1e6
+        );
+        println!(
+            "{:>6} {:>7} {:>16} {:>12} {:>14} {:>16}",
+            "batch", "prompt", "prefill tok/s", "prefill ms", "decode ms/tok", "decode tok/s"
+        );
+    }
+    let mut rng = Rng::new(42);
+    let batches: Vec<usize> = a.batch.concat();
+    let prompts: Vec<usize> = a.prompt.concat();
+    for &b in &batches {
+        for &t in &prompts {
+            let m = measure(&model, b, t, &a, &mut rng)?;
+            let prefill_tps = (b * t) as f64 / m.prefill_s;
+            let decode_tps = b as f64 / m.decode_step_s;
+            if a.json {
+                let j = serde_json::json!({
+                    "device": model.device().to_string(),
+                    "device_name": device_name,
+                    "dtype": model.dtype().name(),
+                    "batch": b,
+                    "prompt_len": t,
+                    "prefill_tokens_per_s": prefill_tps,
+                    "prefill_ms": m.prefill_s * 1e3,
+                    "decode_ms_per_token": m.decode_step_s * 1e3,
+                    "decode_us_per_token": m.decode_step_s * 1e6,
+                    "decode_tokens_per_s": decode_tps,
+                    "d_model": d.d_model, "layers": d.n_layer, "d_state": d.d_state,
+                    "headdim": d.headdim, "expand": d.d_inner / d.d_model, "ngroups": d.ngroups,
+                    "vocab_padded": d.vocab_padded, "chunk": d.chunk_len,
+                    "threads": rayon::current_num_threads(),
+                });
+                println!("{j}");
+            } else {
+                println!(
+                    "{:>6} {:>7} {:>16.0} {:>12.2} {:>14.3} {:>16.0}",
+                    b,
+                    t,
+                    prefill_tps,
+                    m.prefill_s * 1e3,
+                    m.decode_step_s * 1e3,
+                    decode_tps
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,86 @@
+//! `mamba3 convert`: rewrite a checkpoint (the official `pytorch_model.bin`, or another
+//! safetensors file) as `model.safetensors`, after checking every tensor against the config.
+
+use super::PathArg;
+use crate::error::{Error, Result};
+use crate::model::tensor_file::{write_safetensors, DiskDType, RawTensor, TensorFile};
+use crate::model::weights::{expected_tensors, locate};
+use crate::model::{Config, DType, Weights};
+use std::path::Path;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model directory or weights file (config.json must sit beside it).
+    #[arg(long)]
+    pub model: PathArg,
+    /// Output: a `.safetensors` file, or a directory to receive model.safetensors,
+    /// config.json and any tokenizer files.
+    #[arg(long)]
+    pub out: PathArg,
+    /// Convert float tensors to this dtype (default: keep each tensor's dtype).
+    #[arg(long)]
+    pub dtype: Option<DType>,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let (config_path, weights_path) = locate(&a.model)?;
+    let config = Config::from_file(&config_path)?;
+    let file = TensorFile::open(&weights_path)?;
+    // Full check of names, shapes and dtypes against the config.
+    Weights::from_tensor_file(config.clone(), &file, DType::F32)?;
+    let mut tensors: Vec<(String, RawTensor)> = Vec::new();
+    for (name, _) in expected_tensors(&config) {
+        let raw = file.get(&name).expect("checked above");
+        let raw = match (a.dtype, raw.dtype) {
+            (Some(to), DiskDType::Float(from)) if to != from => {
+                RawTensor::from_data(raw.shape.clone(), &raw.to_float(&name, to)?)
+            }
+            _ => RawTensor {
+                dtype: raw.dtype,
+                shape: raw.shape.clone(),
+                bytes: std::borrow::Cow::Owned(raw.bytes.into_owned()),
+            },
+        };
+        tensors.push((name, raw));
+    }
+    tensors.sort_by(|x, y| x.0.cmp(&y.0));
+    let is_file = a.out.extension().is_some_and(|e| e == "safetensors");
+    let target = if is_file {
+        a.out.clone()
+    } else {
+        std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
+        copy_beside(&config_path, &a.out)?;
+        if let Some(dir) = config_path.parent() {
+            for extra in [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+            ] {
+                let p = dir.join(extra);
+                if p.is_file() {
+                    copy_beside(&p, &a.out)?;
+                }
+            }
+        }
+        a.out.join("model.safetensors")
+    };
+    write_safetensors(&target, &tensors, None)?;
+    let bytes: usize = tensors.iter().map(|(_, t)| t.bytes.len()).sum();
+    eprintln!(
+        "wrote {} ({} tensors, {:.2} MiB) from {}",
+        target.display(),
+        tensors.len(),
+        bytes as f64 / (1u64 << 20) as f64,
+        weights_path.display()
+    );
+    Ok(())
+}
+
+fn copy_beside(src: &Path, dir: &Path) -> Result<()> {
+    let dst = dir.join(src.file_name().unwrap_or_default());
+    if src.canonicalize().ok() == dst.canonicalize().ok() {
+        return Ok(());
+    }
+    std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;
+    Ok(())
+}

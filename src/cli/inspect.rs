@@ -1,0 +1,66 @@
+//! `mamba3 inspect`: what a model is and what it costs.
+
+use super::PathArg;
+use crate::error::Result;
+use crate::model::tensor_file::TensorFile;
+use crate::model::weights::locate;
+use crate::model::{DType, Weights};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model directory (config.json + model.safetensors or pytorch_model.bin).
+    #[arg(long)]
+    pub model: PathArg,
+    /// Dtype to account the memory footprint in.
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let (config_path, weights_path) = locate(&a.model)?;
+    let file = TensorFile::open(&weights_path)?;
+    let disk_dtypes: std::collections::BTreeSet<String> = file
+        .names()
+        .iter()
+        .filter_map(|n| file.get(n).map(|t| t.dtype.to_string()))
+        .collect();
+    let w = Weights::from_tensor_file(
+        crate::model::Config::from_file(&config_path)?,
+        &file,
+        a.dtype,
+    )?;
+    let d = &w.dims;
+    let gib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    println!("model        {}", a.model.display());
+    println!(
+        "weights      {} (on disk: {})",
+        weights_path.display(),
+        disk_dtypes.into_iter().collect::<Vec<_>>().join(", ")
+    );
+    println!("fingerprint  {:016x}", w.fingerprint);
+    println!(
+        "shape        d_model {} · layers {} · d_inner {} · heads {}×{} · d_state {} · groups {} · rope angles {}",
+        d.d_model, d.n_layer, d.d_inner, d.nheads, d.headdim, d.d_state, d.ngroups, d.num_rope_angles
+    );
+    println!(
+        "             vocab {} (padded {}) · mlp hidden {} · chunk {} · outproj norm {} · tied head {}",
+        d.vocab_size, d.vocab_padded, d.mlp_hidden, d.chunk_len, w.config.ssm_cfg.is_outproj_norm, w.config.tie_embeddings
+    );
+    println!(
+        "parameters   {} ({:.2} M)",
+        w.param_count(),
+        w.param_count() as f64 / 1e6
+    );
+    println!(
+        "memory       {:.2} MiB of weights in {}",
+        gib(w.bytes()),
+        a.dtype
+    );
+    let state = d.n_layer * d.state_elems_per_layer() * 4;
+    println!(
+        "state        {:.3} MiB per sequence (f32 angle, ssm, k, v)",
+        gib(state)
+    );
+    println!("config\n{}", w.config.to_json());
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! The `mamba3` command: argument parsing and one module per subcommand. Each subcommand
+//! only calls the library.
+
+pub mod bench;
+pub mod convert;
+pub mod inspect;
+pub mod logits;
+
+use crate::engine::DeviceChoice;
+use crate::error::Result;
+use crate::model::DType;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "mamba3",
+    version,
+    about = "Run Mamba-3 state-space language models on the CPU and NVIDIA GPUs"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Compute logits (and optionally states) for a token sequence, to a safetensors file.
+    Logits(logits::Args),
+    /// Print a model's config, size, dtype and memory footprint.
+    Inspect(inspect::Args),
+    /// Convert a checkpoint (e.g. the official pytorch_model.bin) to safetensors.
+    Convert(convert::Args),
+    /// Measure prefill tokens/s and decode latency on a checkpoint or a synthetic model.
+    Bench(bench::Args),
+}
+
+/// Options every model-running subcommand shares.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunOpts {
+    /// Device: cpu, cuda, cuda:N or auto.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Weight dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+impl RunOpts {
+    pub fn init_threads(&self) {
+        if let Some(n) = self.threads {
+            // Only fails if the pool was already built, in which case it is in use already.
+            let _ = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global();
+        }
+    }
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Logits(a) => logits::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Convert(a) => convert::run(a),
+        Command::Bench(a) => bench::run(a),
+    }
+}
+
+/// Parse `a,b,c` into numbers (clap value parser).
+pub fn parse_list(s: &str) -> std::result::Result<Vec<usize>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| p.trim().parse::<usize>().map_err(|e| format!("`{p}`: {e}")))
+        .collect()
+}
+
+pub type PathArg = PathBuf;
