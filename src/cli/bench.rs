@@ -31,11 +31,11 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub chunk: usize,
     /// Prompt lengths to prefill.
-    #[arg(long, value_parser = super::parse_list, default_value = "512")]
-    pub prompt: Vec<Vec<usize>>,
+    #[arg(long, default_value = "512")]
+    pub prompt: super::List,
     /// Batch sizes.
-    #[arg(long, value_parser = super::parse_list, default_value = "1")]
-    pub batch: Vec<Vec<usize>>,
+    #[arg(long, default_value = "1")]
+    pub batch: super::List,
     /// Decode steps timed after each prefill.
     #[arg(long, default_value_t = 32)]
     pub decode_steps: usize,
@@ -160,8 +160,8 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     let mut rng = Rng::new(42);
-    let batches: Vec<usize> = a.batch.concat();
-    let prompts: Vec<usize> = a.prompt.concat();
+    let batches = a.batch.0.clone();
+    let prompts = a.prompt.0.clone();
     for &b in &batches {
         for &t in &prompts {
             let m = measure(&model, b, t, &a, &mut rng)?;

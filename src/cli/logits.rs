@@ -23,8 +23,8 @@ pub struct Args {
     #[arg(long)]
     pub out: PathArg,
     /// Read the prefill as consecutive continued windows ending at these positions.
-    #[arg(long, value_parser = super::parse_list)]
-    pub windows: Option<Vec<usize>>,
+    #[arg(long)]
+    pub windows: Option<super::List>,
     /// Prefill this many tokens, then decode the rest one token at a time.
     #[arg(long)]
     pub decode_from: Option<usize>,
@@ -129,7 +129,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     // Window ends: the user's, the decode start and the state point, then the end.
-    let mut ends: Vec<usize> = a.windows.clone().unwrap_or_default();
+    let mut ends: Vec<usize> = a.windows.clone().map(|l| l.0).unwrap_or_default();
     for (i, &e) in ends.iter().enumerate() {
         if e == 0 || e > prefill_end || (i > 0 && e <= ends[i - 1]) {
             return Err(Error::input(format!(

@@ -69,12 +69,19 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// Parse `a,b,c` into numbers (clap value parser).
-pub fn parse_list(s: &str) -> std::result::Result<Vec<usize>, String> {
-    s.split(',')
-        .filter(|p| !p.trim().is_empty())
-        .map(|p| p.trim().parse::<usize>().map_err(|e| format!("`{p}`: {e}")))
-        .collect()
+/// A comma-separated list of numbers on the command line: `a,b,c`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct List(pub Vec<usize>);
+
+impl std::str::FromStr for List {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        s.split(',')
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| p.trim().parse::<usize>().map_err(|e| format!("`{p}`: {e}")))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map(List)
+    }
 }
 
 pub type PathArg = PathBuf;
