@@ -7,6 +7,7 @@
 //! of the batch.
 
 use super::real::Real;
+use super::simd::{dots_for_row, Widen};
 use crate::model::dtype::{Element, TensorData};
 use crate::model::weights::Matrix;
 use crate::with_data;
@@ -157,6 +158,16 @@ pub fn matmul_t<F: Real>(x: &[F], rows: usize, w: &Matrix, out: &mut [F]) {
         return;
     }
     if rows <= STREAM_MAX_ROWS {
+        if std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>() {
+            let x32: &[f32] = bytemuck::cast_slice(x);
+            let out32: &mut [f32] = bytemuck::cast_slice_mut(out);
+            return match &w.data {
+                TensorData::F32(v) => stream_rows_f32(x32, rows, v, w.rows, w.cols, out32),
+                TensorData::BF16(v) => stream_rows_f32(x32, rows, v, w.rows, w.cols, out32),
+                TensorData::F16(v) => stream_rows_f32(x32, rows, v, w.rows, w.cols, out32),
+                TensorData::F64(v) => stream_rows(x, rows, v, w.rows, w.cols, out),
+            };
+        }
         return with_data!(&w.data, v => stream_rows(x, rows, v, w.rows, w.cols, out));
     }
     let threads = rayon::current_num_threads();
@@ -224,6 +235,24 @@ fn stream_rows<F: Real, W: Element>(
             let wb = &w[r0 * k..(r0 + t.len() / rows) * k];
             dot_block(x, rows, wb, k, t);
         });
+    for r in 0..rows {
+        for j in 0..n {
+            out[r * n + j] = tmp[j * rows + r];
+        }
+    }
+}
+
+/// The f32 case of [`stream_rows`], on the hand-vectorised dot products.
+fn stream_rows_f32<W: Widen>(x: &[f32], rows: usize, w: &[W], n: usize, k: usize, out: &mut [f32]) {
+    const BLOCK: usize = 16;
+    let mut tmp = vec![0f32; n * rows];
+    tmp.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(blk, t)| {
+        let r0 = blk * BLOCK;
+        for (j, tj) in t.chunks_mut(rows).enumerate() {
+            let row = &w[(r0 + j) * k..(r0 + j + 1) * k];
+            dots_for_row(x, rows, k, row, tj);
+        }
+    });
     for r in 0..rows {
         for j in 0..n {
             out[r * n + j] = tmp[j * rows + r];

@@ -8,6 +8,7 @@ pub mod mixer;
 pub mod prefill;
 pub mod real;
 pub mod reference;
+pub mod simd;
 pub mod state;
 pub mod step;
 

@@ -9,6 +9,7 @@
 //! result is the same modulo 2π).
 
 use super::math::{rotate_pairs, wrap_angle};
+use super::matmul::dot;
 use super::mixer::MixerCtx;
 use super::real::Real;
 use super::state::LayerState;
@@ -81,13 +82,10 @@ pub fn mixer_step<F: Real>(
         for p in 0..p_n {
             let row = &mut s.ssm[p * n_n..(p + 1) * n_n];
             let (bv, gx) = (beta * s.v[p], gamma * x[p]);
-            let mut acc = F::zero();
             for n in 0..n_n {
-                let v = alpha * row[n] + bv * s.k[n] + gx * k[n];
-                row[n] = v;
-                acc = acc + v * q[n];
+                row[n] = alpha * row[n] + bv * s.k[n] + gx * k[n];
             }
-            s.y[p] = acc + d_skip * x[p];
+            s.y[p] = dot::<F, F, false>(row, &q) + d_skip * x[p];
         }
         s.k.copy_from_slice(&k);
         s.v.copy_from_slice(x);

@@ -1,0 +1,214 @@
+//! Hand-vectorised dot products for the weight-streaming matmul (decode): f32 activations
+//! against f32, bf16 or f16 weight rows, AVX-512 or AVX2+FMA picked at run time.
+//!
+//! The compiler does not vectorise a float reduction by itself (it may not reorder the
+//! additions), and widening bf16 is a shift the autovectoriser handles poorly; both are
+//! spelled out here. Each call computes `R` dot products of one weight row with `R`
+//! activation rows, so a weight row is loaded from memory once for the whole batch.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use crate::model::dtype::Element;
+use half::{bf16, f16};
+
+/// Which instruction set the host offers, detected once.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Isa {
+    Avx512,
+    Avx2,
+    Scalar,
+}
+
+pub fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    })
+}
+
+/// A weight element that can be widened to f32 vectors.
+pub trait Widen: Element {
+    /// 8 elements at `p` as f32.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// 16 elements at `p` as f32.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+impl Widen for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+
+impl Widen for bf16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+impl Widen for f16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
+/// `out[r] = Σ_i x[r·k + i]·w[i]` for `r < R`, on the best ISA of this host.
+#[inline]
+pub fn dot_rows<W: Widen, const R: usize>(x: &[f32], k: usize, w: &[W], out: &mut [f32; R]) {
+    assert!(x.len() >= R * k && w.len() >= k);
+    #[cfg(target_arch = "x86_64")]
+    match isa() {
+        // SAFETY: the ISA was detected on this CPU; every load is within `k` of its row
+        // start, checked by the assert above and the loop bounds below.
+        Isa::Avx512 => return unsafe { dot_rows_avx512::<W, R>(x, k, w, out) },
+        Isa::Avx2 => return unsafe { dot_rows_avx2::<W, R>(x, k, w, out) },
+        Isa::Scalar => {}
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = x[r * k..(r + 1) * k].iter().zip(w).map(|(&a, &b)| a * b.to_f32()).sum();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn dot_rows_avx512<W: Widen, const R: usize>(x: &[f32], k: usize, w: &[W], out: &mut [f32; R]) {
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    // Two tiles per iteration so each accumulator chain has two FMAs in flight.
+    let mut a0 = [_mm512_setzero_ps(); R];
+    let mut a1 = [_mm512_setzero_ps(); R];
+    let mut i = 0;
+    while i + 32 <= k {
+        let w0 = W::load16(wp.add(i));
+        let w1 = W::load16(wp.add(i + 16));
+        for r in 0..R {
+            a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(r * k + i)), w0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(r * k + i + 16)), w1, a1[r]);
+        }
+        i += 32;
+    }
+    while i + 16 <= k {
+        let w0 = W::load16(wp.add(i));
+        for r in 0..R {
+            a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(r * k + i)), w0, a0[r]);
+        }
+        i += 16;
+    }
+    for r in 0..R {
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+        for j in i..k {
+            s += *xp.add(r * k + j) * (*wp.add(j)).to_f32();
+        }
+        out[r] = s;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_rows_avx2<W: Widen, const R: usize>(x: &[f32], k: usize, w: &[W], out: &mut [f32; R]) {
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let mut a0 = [_mm256_setzero_ps(); R];
+    let mut a1 = [_mm256_setzero_ps(); R];
+    let mut i = 0;
+    while i + 16 <= k {
+        let w0 = W::load8(wp.add(i));
+        let w1 = W::load8(wp.add(i + 8));
+        for r in 0..R {
+            a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(r * k + i)), w0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(r * k + i + 8)), w1, a1[r]);
+        }
+        i += 16;
+    }
+    for r in 0..R {
+        let v = _mm256_add_ps(a0[r], a1[r]);
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_add_ss(h, _mm_shuffle_ps::<1>(h, h));
+        let mut s = _mm_cvtss_f32(h);
+        for j in i..k {
+            s += *xp.add(r * k + j) * (*wp.add(j)).to_f32();
+        }
+        out[r] = s;
+    }
+}
+
+/// `t[r] = ⟨x_r, w⟩` for every one of `rows` activation rows (`x` is `[rows, k]`),
+/// in groups of 8, 4, 2 and 1 rows.
+pub fn dots_for_row<W: Widen>(x: &[f32], rows: usize, k: usize, w: &[W], t: &mut [f32]) {
+    let mut r = 0;
+    macro_rules! group {
+        ($n:literal) => {
+            while rows - r >= $n {
+                let mut o = [0f32; $n];
+                dot_rows::<W, $n>(&x[r * k..(r + $n) * k], k, w, &mut o);
+                t[r..r + $n].copy_from_slice(&o);
+                r += $n;
+            }
+        };
+    }
+    group!(8);
+    group!(4);
+    group!(2);
+    group!(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::rng::Rng;
+
+    fn check<W: Widen>(conv: fn(f32) -> W) {
+        let mut rng = Rng::new(3);
+        for k in [1, 15, 16, 31, 32, 33, 100, 768] {
+            let x: Vec<f32> = (0..4 * k).map(|_| rng.normal() as f32).collect();
+            let w: Vec<W> = (0..k).map(|_| conv(rng.normal() as f32)).collect();
+            let mut out = [0f32; 4];
+            dot_rows::<W, 4>(&x, k, &w, &mut out);
+            for r in 0..4 {
+                let want: f64 = (0..k).map(|i| x[r * k + i] as f64 * w[i].to_f64()).sum();
+                assert!((out[r] as f64 - want).abs() < 1e-4 * (k as f64).sqrt(), "k {k} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn dot_rows_matches_f64_for_each_weight_type() {
+        check::<f32>(|v| v);
+        check::<bf16>(bf16::from_f32);
+        check::<f16>(f16::from_f32);
+    }
+}
