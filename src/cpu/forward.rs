@@ -76,6 +76,18 @@ fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize) -> Vec<F> {
     out
 }
 
+/// Cut the picked rows (`[picked, width]`) back into one block per sequence.
+fn split_rows<F: Real>(rows: Vec<F>, spans: &[Span], want: LogitsWant, width: usize) -> Vec<Vec<F>> {
+    match want {
+        LogitsWant::All => spans
+            .iter()
+            .map(|s| rows[s.start * width..(s.start + s.len) * width].to_vec())
+            .collect(),
+        LogitsWant::Last => rows.chunks(width).map(|c| c.to_vec()).collect(),
+        LogitsWant::None => vec![Vec::new(); spans.len()],
+    }
+}
+
 fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {
     acc.par_chunks_mut(4096)
         .zip(x.par_chunks(4096))
@@ -104,6 +116,29 @@ impl<F: Real> CpuModel<F> {
         seqs: &[&[u32]],
         states: &mut [&mut SeqState<F>],
         want: LogitsWant,
+    ) -> Result<Vec<Vec<F>>> {
+        self.run(seqs, states, want, true)
+    }
+
+    /// Like [`CpuModel::forward`], but returns the hidden states after the final norm
+    /// (`norm_f`), `[positions, d_model]` flattened, instead of logits: the features that
+    /// embeddings pool.
+    pub fn hidden(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<F>>> {
+        self.run(seqs, states, want, false)
+    }
+
+    /// The forward pass; `head` selects logits (true) or the normed hidden rows (false).
+    fn run(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+        head: bool,
     ) -> Result<Vec<Vec<F>>> {
         let w = &*self.weights;
         check_batch(w, seqs, states.len())?;
@@ -195,6 +230,9 @@ impl<F: Real> CpuModel<F> {
             sel[i * dm..(i + 1) * dm].copy_from_slice(&res[r * dm..(r + 1) * dm]);
         }
         let normed = norm_rows(&sel, &w.norm_f, dm);
+        if !head {
+            return Ok(split_rows(normed, &spans, want, dm));
+        }
         let vp = d.vocab_padded;
         let mut logits = vec![F::zero(); picked.len() * vp];
         matmul_t(&normed, picked.len(), w.head(), &mut logits);
