@@ -100,6 +100,9 @@ impl Read for BodyReader {
     }
 }
 
+/// Status, headers, and the body still to read.
+pub type Head = (u16, Vec<(String, String)>, BodyReader);
+
 /// Send a request and read the status line and headers; the body is left to read.
 pub fn send(
     addr: SocketAddr,
@@ -107,7 +110,7 @@ pub fn send(
     path: &str,
     headers: &[(&str, &str)],
     body: Option<&[u8]>,
-) -> io::Result<(u16, Vec<(String, String)>, BodyReader)> {
+) -> io::Result<Head> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(300)))?;
     s.set_nodelay(true)?;
