@@ -4,6 +4,9 @@
 //! [`cpu`] (the reference recurrence and the fast CPU paths), [`engine`] (device-agnostic
 //! model, states, prefill and decode).
 
+// Numeric kernels index several arrays with one loop variable, as the spec writes them.
+#![allow(clippy::needless_range_loop)]
+
 pub mod cli;
 pub mod cpu;
 pub mod engine;
