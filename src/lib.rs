@@ -12,6 +12,8 @@ pub mod cpu;
 pub mod engine;
 pub mod error;
 pub mod model;
+pub mod serve;
+pub mod text;
 
 pub use engine::{Device, Logits, LogitsWant, Model, State};
 pub use error::{Error, Result};

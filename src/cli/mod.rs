@@ -2,9 +2,12 @@
 //! only calls the library.
 
 pub mod bench;
+pub mod bench_serve;
 pub mod convert;
+pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod serve;
 
 use crate::engine::DeviceChoice;
 use crate::error::Result;
@@ -33,6 +36,12 @@ pub enum Command {
     Convert(convert::Args),
     /// Measure prefill tokens/s and decode latency on a checkpoint or a synthetic model.
     Bench(bench::Args),
+    /// Continue a prompt: stream the generated text to stdout, a summary to stderr.
+    Generate(generate::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::Args),
+    /// Load-test the server: aggregate decode tokens/s at N clients, prefix-cache TTFT.
+    BenchServe(bench_serve::Args),
 }
 
 /// Options every model-running subcommand shares.
@@ -66,6 +75,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::Serve(a) => serve::run(a),
+        Command::BenchServe(a) => bench_serve::run(a),
     }
 }
 

@@ -73,6 +73,23 @@ fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize, out: &mut [F]) {
         .for_each(|(o, r)| rms_norm(r, w, F::from_f(NORM_EPS), o));
 }
 
+/// Cut the picked rows (`[picked, width]`) back into one block per sequence.
+fn split_rows<F: Real>(
+    rows: Vec<F>,
+    spans: &[Span],
+    want: LogitsWant,
+    width: usize,
+) -> Vec<Vec<F>> {
+    match want {
+        LogitsWant::All => spans
+            .iter()
+            .map(|s| rows[s.start * width..(s.start + s.len) * width].to_vec())
+            .collect(),
+        LogitsWant::Last => rows.chunks(width).map(|c| c.to_vec()).collect(),
+        LogitsWant::None => vec![Vec::new(); spans.len()],
+    }
+}
+
 fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {
     acc.par_chunks_mut(1 << 14)
         .zip(x.par_chunks(1 << 14))
@@ -102,16 +119,40 @@ impl<F: Real> CpuModel<F> {
         states: &mut [&mut SeqState<F>],
         want: LogitsWant,
     ) -> Result<Vec<Vec<F>>> {
-        // One trip into the thread pool per call: the parallel loops below then split
-        // their work locally instead of handing it across threads each time.
-        rayon::scope(|_| self.forward_in_pool(seqs, states, want))
+        self.run(seqs, states, want, true)
     }
 
-    fn forward_in_pool(
+    /// Like [`CpuModel::forward`], but returns the hidden states after the final norm
+    /// (`norm_f`), `[positions, d_model]` flattened, instead of logits: the features that
+    /// embeddings pool.
+    pub fn hidden(
         &self,
         seqs: &[&[u32]],
         states: &mut [&mut SeqState<F>],
         want: LogitsWant,
+    ) -> Result<Vec<Vec<F>>> {
+        self.run(seqs, states, want, false)
+    }
+
+    /// The forward pass; `head` selects logits (true) or the normed hidden rows (false).
+    fn run(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+        head: bool,
+    ) -> Result<Vec<Vec<F>>> {
+        // One trip into the thread pool per call: the parallel loops below then split
+        // their work locally instead of handing it across threads each time.
+        rayon::scope(|_| self.run_in_pool(seqs, states, want, head))
+    }
+
+    fn run_in_pool(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+        head: bool,
     ) -> Result<Vec<Vec<F>>> {
         let w = &*self.weights;
         check_batch(w, seqs, states.len())?;
@@ -205,16 +246,12 @@ impl<F: Real> CpuModel<F> {
         }
         let mut normed = vec![F::zero(); sel.len()];
         norm_rows(&sel, &w.norm_f, dm, &mut normed);
+        if !head {
+            return Ok(split_rows(normed, &spans, want, dm));
+        }
         let vp = d.vocab_padded;
         let mut logits = vec![F::zero(); picked.len() * vp];
         matmul_t(&normed, picked.len(), w.head(), &mut logits);
-        Ok(match want {
-            LogitsWant::All => spans
-                .iter()
-                .map(|s| logits[s.start * vp..(s.start + s.len) * vp].to_vec())
-                .collect(),
-            LogitsWant::Last => logits.chunks(vp).map(|c| c.to_vec()).collect(),
-            LogitsWant::None => vec![Vec::new(); seqs.len()],
-        })
+        Ok(split_rows(logits, &spans, want, vp))
     }
 }

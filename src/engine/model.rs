@@ -261,3 +261,40 @@ impl Model {
         Ok(out)
     }
 }
+
+/// Hidden states for embeddings (a separate, small addition: the product layer's
+/// `/v1/embeddings` pools these).
+impl Model {
+    /// Read `tokens` from `state` like [`Model::prefill`], but return the hidden states
+    /// after the final norm (`norm_f`) instead of logits: `[rows, d_model]` row-major, for
+    /// all positions or the last (`LogitsWant::None` returns nothing). Long inputs are read
+    /// as consecutive continued windows, as in prefill.
+    ///
+    /// Runs on the CPU backend whatever the model's device (on a CUDA model the state is
+    /// brought to the host first and stays there until the next GPU call places it back).
+    pub fn hidden(&self, tokens: &[u32], state: &mut State, want: LogitsWant) -> Result<Vec<f32>> {
+        crate::cpu::forward::check_batch(&self.weights, &[tokens], 1)?;
+        self.check_state(state, 0)?;
+        #[cfg(feature = "cuda")]
+        if let StateData::Cuda(_) = &state.data {
+            state.data = StateData::Host(Arc::new(state.to_host()?));
+        }
+        let cpu = CpuModel::<f32>::new(self.weights.clone());
+        let mut out = Vec::new();
+        for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
+            let host = match &mut state.data {
+                StateData::Host(h) => Arc::make_mut(h),
+                #[cfg(feature = "cuda")]
+                StateData::Cuda(_) => unreachable!("brought to the host above"),
+            };
+            let rows = cpu.hidden(&[piece], &mut [host], want)?.remove(0);
+            state.position += piece.len() as u64;
+            match want {
+                LogitsWant::All => out.extend(rows),
+                LogitsWant::Last => out = rows,
+                LogitsWant::None => {}
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,314 @@
+//! `mamba3 bench-serve`: the server under load, measured as a client sees it.
+//!
+//! 1. Aggregate decode throughput: C concurrent streaming clients (C from `--clients`),
+//!    each with its own random prompt, greedy, `--max-tokens` tokens each (end-of-sequence
+//!    ignored); tokens/s = all tokens received / wall time from the first request to the
+//!    last stream's end. Median over `--repeats`.
+//! 2. Time to first token on a shared prefix of `--prefix-len` tokens: a cold request
+//!    (fresh prefix + suffix), a second one on the same prefix (the server snapshots the
+//!    branch point), then a third one that starts from the cached prefix state (a hit).
+//!
+//! Runs an in-process server on the model given (or a synthetic model of the shape given),
+//! or drives a running server with `--url`.
+
+use super::{List, PathArg, RunOpts};
+use crate::error::{Error, Result};
+use crate::model::rng::Rng;
+use crate::model::Config;
+use crate::serve::client;
+use crate::serve::metrics::sample;
+use crate::serve::scheduler::SchedulerConfig;
+use crate::serve::ServeConfig;
+use crate::text::ModelSource;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Drive the server at this address (host:port or http://host:port) instead of
+    /// starting one.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Model directory; without it (and without --url) a synthetic model of the shape below.
+    #[arg(long)]
+    pub model: Option<PathArg>,
+    #[arg(long, default_value_t = 512)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 8)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 64)]
+    pub d_state: usize,
+    #[arg(long, default_value_t = 64)]
+    pub headdim: usize,
+    #[arg(long, default_value_t = 2)]
+    pub expand: usize,
+    #[arg(long, default_value_t = 32000)]
+    pub vocab: usize,
+    /// Concurrent clients to measure.
+    #[arg(long, default_value = "1,8,32")]
+    pub clients: List,
+    /// Tokens each client generates.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Prompt tokens of each throughput client.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// Shared prefix length for the time-to-first-token test (0 skips it).
+    #[arg(long, default_value_t = 4096)]
+    pub prefix_len: usize,
+    /// Suffix after the shared prefix.
+    #[arg(long, default_value_t = 16)]
+    pub suffix_len: usize,
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Server slots (in-process server).
+    #[arg(long, default_value_t = 64)]
+    pub max_batch: usize,
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub cache_mib: usize,
+    /// One JSON object per line after the table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub run: RunOpts,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// One streaming request: (time to first token, tokens received, end time).
+fn stream_one(
+    addr: SocketAddr,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> Result<(Duration, usize, Instant)> {
+    let body = json!({
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+        "stream": true, "return_token_ids": true,
+    });
+    let t0 = Instant::now();
+    let mut ev = client::stream(addr, "/v1/completions", &[], &body)
+        .map_err(|e| Error::Other(format!("request to {addr} failed: {e}")))?;
+    if ev.status != 200 {
+        let status = ev.status;
+        return Err(Error::Other(format!(
+            "server answered {status}: {}",
+            ev.rest()
+        )));
+    }
+    let mut ttft = None;
+    let mut n = 0;
+    while let Some(d) = ev
+        .next_data()
+        .map_err(|e| Error::Other(format!("reading the stream failed: {e}")))?
+    {
+        if d == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(&d).unwrap_or_default();
+        if let Some(e) = v.get("error") {
+            return Err(Error::Other(format!("server error in stream: {e}")));
+        }
+        let k = v["choices"][0]["token_ids"]
+            .as_array()
+            .map_or(0, |a| a.len());
+        if k > 0 && ttft.is_none() {
+            ttft = Some(t0.elapsed());
+        }
+        n += k;
+    }
+    Ok((ttft.unwrap_or_default(), n, Instant::now()))
+}
+
+fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|_| rng.below(vocab as u64) as u32).collect()
+}
+
+pub fn run(a: Args) -> Result<()> {
+    a.run.init_threads();
+    let mut _server = None;
+    let (addr, vocab, what) = match &a.url {
+        Some(u) => {
+            let hp = u.trim_start_matches("http://").trim_end_matches('/');
+            let addr: SocketAddr = hp
+                .parse()
+                .map_err(|_| Error::input(format!("--url {u}: expected http://IP:PORT")))?;
+            let models = client::get(addr, "/v1/models")
+                .map_err(|e| Error::Other(format!("{addr}: {e}")))?;
+            (
+                addr,
+                a.vocab,
+                format!("server at {addr} ({})", models.text().trim()),
+            )
+        }
+        None => {
+            let source = match &a.model {
+                Some(_) => ModelSource::resolve(a.model.as_deref())?,
+                None => ModelSource::Synthetic {
+                    config: Config::synthetic(
+                        a.d_model, a.layers, a.d_state, a.headdim, a.expand, 1, a.vocab,
+                    ),
+                    seed: 0,
+                },
+            };
+            let mut cfg = ServeConfig::new(source.clone());
+            cfg.device = a.run.device.resolve();
+            cfg.dtype = a.run.dtype;
+            cfg.addr = SocketAddr::from(([127, 0, 0, 1], 0));
+            cfg.max_queue = 4096;
+            cfg.max_tokens_limit = a.max_tokens.max(1);
+            cfg.scheduler = SchedulerConfig {
+                max_batch: a.max_batch,
+                prefill_chunk: a.prefill_chunk,
+                cache_bytes: a.cache_mib << 20,
+                ..SchedulerConfig::default()
+            };
+            let vocab = match &source {
+                ModelSource::Dir(d) => Config::from_file(&d.join("config.json"))?.vocab_size,
+                ModelSource::Synthetic { config, .. } => config.vocab_size,
+            };
+            let h = crate::serve::spawn(cfg)?;
+            let addr = h.addr;
+            _server = Some(h);
+            let what = format!(
+                "in-process server, {} on {} ({}), {} threads",
+                match &a.model {
+                    Some(p) => p.display().to_string(),
+                    None => format!(
+                        "synthetic d_model {} · layers {} · d_state {} · headdim {} · vocab {}",
+                        a.d_model, a.layers, a.d_state, a.headdim, a.vocab
+                    ),
+                },
+                a.run.device.resolve(),
+                a.run.dtype,
+                rayon::current_num_threads()
+            );
+            (addr, vocab, what)
+        }
+    };
+    // Wait for the model.
+    let t0 = Instant::now();
+    loop {
+        match client::get(addr, "/health") {
+            Ok(r) if r.status == 200 => break,
+            Ok(r) if t0.elapsed() > Duration::from_secs(600) => {
+                return Err(Error::Other(format!("server not ready: {}", r.text())))
+            }
+            Err(e) if t0.elapsed() > Duration::from_secs(600) => {
+                return Err(Error::Other(format!("server not reachable: {e}")))
+            }
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+    println!("{what}");
+    let mut rng = Rng::new(1234);
+    // Warm-up.
+    stream_one(addr, &random_prompt(&mut rng, a.prompt_len, vocab), 4)?;
+
+    println!(
+        "{:>8} {:>10} {:>16} {:>10} {:>12}",
+        "clients", "tokens", "aggregate tok/s", "TTFT ms", "x 1 client"
+    );
+    let mut base = None;
+    let mut rows = Vec::new();
+    for &c in &a.clients.0 {
+        let mut tps = Vec::new();
+        let mut ttfts = Vec::new();
+        let mut total = 0;
+        for _ in 0..a.repeats.max(1) {
+            let prompts: Vec<Vec<u32>> = (0..c)
+                .map(|_| random_prompt(&mut rng, a.prompt_len, vocab))
+                .collect();
+            let start = Instant::now();
+            let results: Vec<Result<(Duration, usize, Instant)>> = std::thread::scope(|s| {
+                let hs: Vec<_> = prompts
+                    .iter()
+                    .map(|p| s.spawn(move || stream_one(addr, p, a.max_tokens)))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(Error::Other("client thread panicked".into())))
+                    })
+                    .collect()
+            });
+            let mut n = 0;
+            let mut end = start;
+            for r in results {
+                let (ttft, k, e) = r?;
+                n += k;
+                end = end.max(e);
+                ttfts.push(ttft.as_secs_f64());
+            }
+            total = n;
+            tps.push(n as f64 / (end - start).as_secs_f64());
+        }
+        let t = median(tps);
+        let b = *base.get_or_insert(t);
+        println!(
+            "{:>8} {:>10} {:>16.1} {:>10.1} {:>12.2}",
+            c,
+            total,
+            t,
+            median(ttfts.clone()) * 1e3,
+            t / b
+        );
+        rows.push(json!({"test": "throughput", "clients": c, "tokens": total,
+                         "aggregate_tokens_per_s": t, "median_ttft_ms": median(ttfts) * 1e3,
+                         "speedup_vs_first": t / b, "max_tokens": a.max_tokens,
+                         "prompt_len": a.prompt_len}));
+    }
+
+    if a.prefix_len > 0 {
+        let (mut cold, mut hit) = (Vec::new(), Vec::new());
+        for _ in 0..a.repeats.max(1) {
+            let prefix = random_prompt(&mut rng, a.prefix_len, vocab);
+            let with = |rng: &mut Rng| {
+                let mut p = prefix.clone();
+                p.extend(random_prompt(rng, a.suffix_len, vocab));
+                p
+            };
+            let (p1, p2, p3) = (with(&mut rng), with(&mut rng), with(&mut rng));
+            cold.push(stream_one(addr, &p1, 1)?.0.as_secs_f64());
+            stream_one(addr, &p2, 1)?; // snapshots the branch point (the shared prefix)
+            hit.push(stream_one(addr, &p3, 1)?.0.as_secs_f64());
+        }
+        let (c, h) = (median(cold), median(hit));
+        println!(
+            "TTFT on a {}-token shared prefix (+{} tokens): cold {:.1} ms · prefix-cache hit {:.1} ms · {:.1}x faster",
+            a.prefix_len,
+            a.suffix_len,
+            c * 1e3,
+            h * 1e3,
+            c / h
+        );
+        rows.push(
+            json!({"test": "prefix_ttft", "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
+                         "cold_ms": c * 1e3, "hit_ms": h * 1e3, "speedup": c / h}),
+        );
+    }
+    let m = client::get(addr, "/metrics")
+        .map_err(|e| Error::Other(format!("{addr}/metrics: {e}")))?
+        .text();
+    let bytes = sample(&m, "mamba3_prefix_cache_bytes").unwrap_or(f64::NAN);
+    let budget = sample(&m, "mamba3_prefix_cache_budget_bytes").unwrap_or(f64::NAN);
+    println!(
+        "prefix cache: {:.1} MiB held of a {:.1} MiB budget, {} entries, {} hits",
+        bytes / 1048576.0,
+        budget / 1048576.0,
+        sample(&m, "mamba3_prefix_cache_entries").unwrap_or(f64::NAN),
+        sample(&m, "mamba3_prefix_cache_hits_total").unwrap_or(f64::NAN)
+    );
+    rows.push(json!({"test": "prefix_cache", "bytes": bytes, "budget": budget}));
+    if a.json {
+        for r in rows {
+            println!("{r}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! `mamba3 serve`: the OpenAI-compatible HTTP server (see [`crate::serve`]).
+
+use super::{PathArg, RunOpts};
+use crate::error::{Error, Result};
+use crate::serve::scheduler::SchedulerConfig;
+use crate::serve::ServeConfig;
+use crate::text::ModelSource;
+use std::net::SocketAddr;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model directory (config.json, weights, tokenizer.json, tokenizer_config.json).
+    #[arg(long)]
+    pub model: Option<PathArg>,
+    /// tokenizer.json to use instead of the model directory's.
+    #[arg(long)]
+    pub tokenizer: Option<PathArg>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// The model name clients send (default: the model directory's name).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_batch: usize,
+    /// Sequences waiting for a slot at most; past it requests get 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// Prompt tokens prefilled per scheduler turn (between two decode steps).
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Prefix-state cache budget in MiB (0 disables it).
+    #[arg(long, default_value_t = 1024)]
+    pub cache_mib: usize,
+    /// Tokens one request may generate at most.
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens_limit: usize,
+    /// Tokens a prompt may have at most.
+    #[arg(long, default_value_t = 131072)]
+    pub max_prompt_tokens: usize,
+    #[command(flatten)]
+    pub run: RunOpts,
+}
+
+impl Args {
+    pub fn config(&self) -> Result<ServeConfig> {
+        let source = ModelSource::resolve(self.model.as_deref())?;
+        let ip: std::net::IpAddr = self.host.parse().map_err(|_| {
+            Error::input(format!(
+                "--host {}: expected an IP address such as 127.0.0.1",
+                self.host
+            ))
+        })?;
+        let mut cfg = ServeConfig::new(source);
+        cfg.tokenizer = self.tokenizer.clone();
+        cfg.device = self.run.device.resolve();
+        cfg.dtype = self.run.dtype;
+        cfg.addr = SocketAddr::new(ip, self.port);
+        cfg.api_key = self.api_key.clone().filter(|k| !k.is_empty());
+        cfg.model_name = self.model_name.clone();
+        cfg.max_queue = self.max_queue;
+        cfg.max_tokens_limit = self.max_tokens_limit.max(1);
+        cfg.max_prompt_tokens = self.max_prompt_tokens.max(1);
+        cfg.scheduler = SchedulerConfig {
+            max_batch: self.max_batch.max(1),
+            prefill_chunk: self.prefill_chunk.max(1),
+            cache_bytes: self.cache_mib << 20,
+            ..SchedulerConfig::default()
+        };
+        Ok(cfg)
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    a.run.init_threads();
+    crate::serve::run(a.config()?)
+}

@@ -1,0 +1,284 @@
+//! The HTTP server: OpenAI-compatible routes (completions, chat completions, embeddings,
+//! models), `/health` and Prometheus `/metrics`, on axum + tokio, with continuous
+//! batching and exact prefix-state reuse on one engine thread ([`scheduler`]).
+//!
+//! The server binds first and loads the model on the engine thread, so `/health` answers
+//! 503 while the weights load and 200 once they are ready.
+
+pub mod api;
+pub mod client;
+pub mod error;
+pub mod metrics;
+pub mod prefix_cache;
+pub mod routes;
+pub mod scheduler;
+
+use crate::engine::Device;
+use crate::error::{Error, Result};
+use crate::model::DType;
+use crate::text::{ChatTemplate, ModelSource, Tokenizer};
+use axum::routing::{get, post};
+use axum::Router;
+use metrics::Metrics;
+use scheduler::{Scheduler, SchedulerConfig, Shared, Work};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    pub source: ModelSource,
+    pub tokenizer: Option<PathBuf>,
+    pub device: Device,
+    pub dtype: DType,
+    pub addr: SocketAddr,
+    pub api_key: Option<String>,
+    /// The name clients use (`model` field); default: the model directory's name.
+    pub model_name: Option<String>,
+    /// Sequences waiting for a slot at most; past it requests get 429.
+    pub max_queue: usize,
+    /// Tokens one request may generate at most.
+    pub max_tokens_limit: usize,
+    /// Tokens a prompt may have at most.
+    pub max_prompt_tokens: usize,
+    /// `max_tokens` of a completion that names none (OpenAI's default is 16).
+    pub default_max_tokens: usize,
+    pub max_body_bytes: usize,
+    pub scheduler: SchedulerConfig,
+    /// Adds `/debug/panic` (for tests of the panic guard).
+    pub debug_routes: bool,
+}
+
+impl ServeConfig {
+    pub fn new(source: ModelSource) -> ServeConfig {
+        ServeConfig {
+            source,
+            tokenizer: None,
+            device: Device::Cpu,
+            dtype: DType::F32,
+            addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            api_key: None,
+            model_name: None,
+            max_queue: 256,
+            max_tokens_limit: 4096,
+            max_prompt_tokens: 131_072,
+            default_max_tokens: 16,
+            max_body_bytes: 32 << 20,
+            scheduler: SchedulerConfig::default(),
+            debug_routes: false,
+        }
+    }
+}
+
+/// What the handlers need once the model is loaded.
+pub struct Ready {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub chat: Option<ChatTemplate>,
+}
+
+/// State shared by all handlers.
+pub struct App {
+    pub cfg: ServeConfig,
+    pub name: String,
+    pub created: u64,
+    pub metrics: Arc<Metrics>,
+    pub shared: Arc<Shared>,
+    pub work: std::sync::mpsc::Sender<Work>,
+    pub ready: OnceLock<Ready>,
+    pub load_error: OnceLock<String>,
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    let mut r = Router::new()
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/chat/completions", post(routes::chat))
+        .route("/v1/embeddings", post(routes::embeddings))
+        .route("/v1/models", get(routes::models))
+        .route("/v1/models/{id}", get(routes::model))
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics));
+    if app.cfg.debug_routes {
+        r = r.route("/debug/panic", get(routes::panic_route));
+    }
+    r.fallback(routes::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            routes::guard,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::max(app.cfg.max_body_bytes))
+        .with_state(app)
+}
+
+/// Start the engine thread: it loads the model, marks the app ready and serves `rx`.
+/// `on_loaded` hears the outcome of the load.
+fn start_engine(
+    app: Arc<App>,
+    rx: std::sync::mpsc::Receiver<Work>,
+    on_loaded: impl FnOnce(std::result::Result<(), String>) + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("mamba3-engine".into())
+        .spawn(move || {
+            let cfg = &app.cfg;
+            let loaded = cfg
+                .source
+                .load(cfg.device, cfg.dtype, cfg.tokenizer.as_deref());
+            let loaded = match loaded {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = app.load_error.set(e.to_string());
+                    on_loaded(Err(e.to_string()));
+                    return;
+                }
+            };
+            let d = loaded.model.dims();
+            let _ = app.ready.set(Ready {
+                vocab_size: d.vocab_size,
+                d_model: d.d_model,
+                tokenizer: loaded.tokenizer.clone(),
+                chat: loaded.chat,
+            });
+            on_loaded(Ok(()));
+            let sched = Scheduler::new(
+                loaded.model,
+                loaded.tokenizer,
+                cfg.scheduler.clone(),
+                app.shared.clone(),
+            );
+            drop(app);
+            sched.run(rx);
+        })
+}
+
+fn make_app(cfg: ServeConfig) -> (Arc<App>, std::sync::mpsc::Receiver<Work>) {
+    let metrics = Arc::new(Metrics::new());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = cfg.model_name.clone().unwrap_or_else(|| cfg.source.name());
+    let app = Arc::new(App {
+        name,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        shared: Arc::new(Shared {
+            metrics: metrics.clone(),
+            queued: Default::default(),
+        }),
+        metrics,
+        work: tx,
+        ready: OnceLock::new(),
+        load_error: OnceLock::new(),
+        cfg,
+    });
+    (app, rx)
+}
+
+/// A server running on a background thread (tests, benchmarks).
+pub struct ServerHandle {
+    pub addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ServerHandle {
+    /// Stop accepting connections and wait for the server thread.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+    fn stop_inner(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Other(format!("starting the async runtime failed: {e}")))
+}
+
+/// Bind `cfg.addr` (port 0 picks a free one) and serve on a background thread.
+pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
+    let rt = runtime()?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(cfg.addr))
+        .map_err(|e| Error::Other(format!("cannot listen on {}: {e}", cfg.addr)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::Other(e.to_string()))?;
+    let (app, rx) = make_app(cfg);
+    start_engine(app.clone(), rx, |_| {})
+        .map_err(|e| Error::Other(format!("starting the engine thread failed: {e}")))?;
+    let (tx, stop) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("mamba3-http".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                let _ = axum::serve(listener, router(app))
+                    .with_graceful_shutdown(async move {
+                        let _ = stop.await;
+                    })
+                    .await;
+            });
+        })
+        .map_err(|e| Error::Other(format!("starting the server thread failed: {e}")))?;
+    Ok(ServerHandle {
+        addr,
+        shutdown: Some(tx),
+        thread: Some(thread),
+    })
+}
+
+/// Serve in the foreground until Ctrl-C (the `mamba3 serve` command). Fails if the
+/// address cannot be bound or the model cannot be loaded.
+pub fn run(cfg: ServeConfig) -> Result<()> {
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(cfg.addr)
+            .await
+            .map_err(|e| Error::Other(format!("cannot listen on {}: {e}", cfg.addr)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Other(e.to_string()))?;
+        let (app, rx) = make_app(cfg);
+        let (load_tx, load_rx) = tokio::sync::oneshot::channel();
+        let name = app.name.clone();
+        start_engine(app.clone(), rx, move |r| {
+            let _ = load_tx.send(r);
+        })
+        .map_err(|e| Error::Other(format!("starting the engine thread failed: {e}")))?;
+        eprintln!("mamba3 serve: listening on http://{addr} (model `{name}` loading)");
+        let server = axum::serve(listener, router(app)).with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("mamba3 serve: shutting down");
+        });
+        let server = tokio::spawn(async move { server.await });
+        match load_rx.await {
+            Ok(Ok(())) => eprintln!("mamba3 serve: model ready"),
+            Ok(Err(e)) => return Err(Error::Other(format!("loading the model failed: {e}"))),
+            Err(_) => {
+                return Err(Error::Other(
+                    "the engine thread stopped while loading".into(),
+                ))
+            }
+        }
+        server
+            .await
+            .map_err(|e| Error::Other(format!("server task failed: {e}")))?
+            .map_err(|e| Error::Other(format!("server failed: {e}")))
+    })
+}

@@ -1,0 +1,645 @@
+//! The HTTP routes: OpenAI's completions, chat completions, embeddings and models, plus
+//! health and metrics; and the middleware every request passes (API key, panic → 500,
+//! request counting).
+
+use super::api::{self, GenRequest, Limits, PromptIn};
+use super::error::ApiError;
+use super::scheduler::{EmbedJob, Event, GenJob, Work};
+use super::App;
+use crate::text::FinishReason;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{MatchedPath, Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::FutureExt;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+type AppState = State<Arc<App>>;
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn request_id(prefix: &str) -> String {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = N.fetch_add(1, Relaxed);
+    format!("{prefix}-{:x}{n:06x}", now_secs())
+}
+
+/// API key, panics and request counting, around every route.
+pub async fn guard(State(app): AppState, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    let resp = match check_key(&app, req.headers(), &route) {
+        Err(e) => e.into_response(),
+        Ok(()) => match AssertUnwindSafe(next.run(req)).catch_unwind().await {
+            Ok(r) => r,
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                ApiError::internal(format!("internal error while handling {route}: {msg}"))
+                    .into_response()
+            }
+        },
+    };
+    app.metrics.count_request(&route, resp.status().as_u16());
+    resp
+}
+
+fn check_key(app: &App, headers: &HeaderMap, route: &str) -> Result<(), ApiError> {
+    let Some(key) = &app.cfg.api_key else {
+        return Ok(());
+    };
+    if !route.starts_with("/v1/") {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).trim());
+    match given {
+        None => Err(ApiError::unauthorized(
+            "missing API key: send the header `Authorization: Bearer <key>`",
+        )),
+        Some(g) if g == key => Ok(()),
+        Some(_) => Err(ApiError::unauthorized("incorrect API key provided")),
+    }
+}
+
+pub async fn health(State(app): AppState) -> Response {
+    if app.ready.get().is_some() {
+        return (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response();
+    }
+    let message = match app.load_error.get() {
+        Some(e) => format!("loading the model failed: {e}"),
+        None => "Loading model".to_string(),
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        axum::Json(
+            json!({"error": {"code": 503, "message": message, "type": "unavailable_error"}}),
+        ),
+    )
+        .into_response()
+}
+
+pub async fn metrics(State(app): AppState) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+fn model_card(app: &App) -> Value {
+    json!({"id": app.name, "object": "model", "created": app.created, "owned_by": "mamba3"})
+}
+
+pub async fn models(State(app): AppState) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_card(&app)]})).into_response()
+}
+
+pub async fn model(State(app): AppState, Path(id): Path<String>) -> Response {
+    if id == app.name {
+        axum::Json(model_card(&app)).into_response()
+    } else {
+        unknown_model(&app, &id).into_response()
+    }
+}
+
+fn unknown_model(app: &App, id: &str) -> ApiError {
+    ApiError::not_found(format!(
+        "the model `{id}` does not exist: this server serves `{}`",
+        app.name
+    ))
+    .code("model_not_found")
+}
+
+pub async fn not_found(req: Request) -> Response {
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.uri().path()
+    ))
+    .into_response()
+}
+
+pub async fn panic_route() -> Response {
+    panic!("a test panic from /debug/panic");
+}
+
+/// The body bytes, or an OpenAI-style error for a body that could not be read.
+fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let mut err = ApiError::invalid(format!(
+            "could not read the request body: {}",
+            e.body_text()
+        ));
+        err.status = e.status();
+        err
+    })
+}
+
+fn check_model(app: &App, model: &Option<String>) -> Result<(), ApiError> {
+    match model.as_deref() {
+        None | Some("") => Ok(()),
+        Some(m) if m == app.name => Ok(()),
+        Some(m) => Err(unknown_model(app, m)),
+    }
+}
+
+fn limits(app: &App) -> Limits {
+    Limits {
+        max_tokens: app.cfg.max_tokens_limit,
+        max_prompt_tokens: app.cfg.max_prompt_tokens,
+    }
+}
+
+/// Put the sequences in the engine's queue, or refuse with 429 when it is full.
+fn submit(
+    app: &App,
+    prompts: Vec<Vec<u32>>,
+    params: crate::text::GenParams,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
+    let n = prompts.len();
+    let max = app.cfg.max_queue;
+    if app
+        .shared
+        .queued
+        .fetch_update(Relaxed, Relaxed, |q| (q + n <= max).then_some(q + n))
+        .is_err()
+    {
+        return Err(ApiError::overloaded(format!(
+            "the server is busy: {max} sequences are already waiting (--max-queue); retry later"
+        )));
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let arrived = Instant::now();
+    for (index, prompt) in prompts.into_iter().enumerate() {
+        let job = GenJob {
+            prompt,
+            params: params.clone(),
+            index,
+            events: tx.clone(),
+            arrived,
+        };
+        if app.work.send(Work::Generate(job)).is_err() {
+            app.shared.queued.fetch_sub(n - index, Relaxed);
+            return Err(ApiError::unavailable("the engine has stopped"));
+        }
+    }
+    Ok(rx)
+}
+
+fn ready(app: &App) -> Result<&super::Ready, ApiError> {
+    app.ready
+        .get()
+        .ok_or_else(|| ApiError::unavailable("the model is still loading; retry shortly"))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// How a response is written, per route.
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: usize,
+    n: usize,
+    stream: bool,
+    include_usage: bool,
+    return_ids: bool,
+}
+
+impl Reply {
+    fn object(&self) -> &'static str {
+        match (self.kind, self.stream) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn usage(&self, completion: usize, cached: usize) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+
+    fn chunk(&self, choices: Value) -> Value {
+        json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model,
+               "choices": choices})
+    }
+
+    /// One streamed piece of choice `index`.
+    fn delta(
+        &self,
+        index: usize,
+        text: &str,
+        tokens: &[u32],
+        finish: Option<FinishReason>,
+    ) -> Value {
+        let fin = finish.map(|f| f.as_str());
+        let mut c = match self.kind {
+            Kind::Completion => {
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": fin})
+            }
+            Kind::Chat => {
+                let delta = if text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": fin})
+            }
+        };
+        if self.return_ids {
+            c["token_ids"] = json!(tokens);
+        }
+        self.chunk(json!([c]))
+    }
+}
+
+/// Collected output of one choice.
+#[derive(Default, Clone)]
+struct Choice {
+    text: String,
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+    cached: usize,
+}
+
+async fn collect(reply: &Reply, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+    let mut choices = vec![Choice::default(); reply.n];
+    let mut left = reply.n;
+    while left > 0 {
+        match rx.recv().await {
+            Some(Event::Started {
+                index,
+                cached_tokens,
+            }) => choices[index].cached = cached_tokens,
+            Some(Event::Token {
+                index,
+                token,
+                text,
+                finish,
+            }) => {
+                let c = &mut choices[index];
+                c.text.push_str(&text);
+                c.tokens.push(token);
+                if finish.is_some() {
+                    c.finish = finish;
+                    left -= 1;
+                }
+            }
+            Some(Event::Error { message, .. }) => return Err(ApiError::internal(message)),
+            None => {
+                return Err(ApiError::internal(
+                    "the engine stopped before the answer was complete",
+                ))
+            }
+        }
+    }
+    let completion: usize = choices.iter().map(|c| c.tokens.len()).sum();
+    let cached: usize = choices.iter().map(|c| c.cached).sum();
+    let list: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let fin = c.finish.map(|f| f.as_str());
+            let mut v = match reply.kind {
+                Kind::Completion => {
+                    json!({"index": i, "text": c.text, "logprobs": null, "finish_reason": fin})
+                }
+                Kind::Chat => {
+                    json!({"index": i, "message": {"role": "assistant", "content": c.text},
+                                     "logprobs": null, "finish_reason": fin})
+                }
+            };
+            if reply.return_ids {
+                v["token_ids"] = json!(c.tokens);
+            }
+            v
+        })
+        .collect();
+    let mut body = reply.chunk(json!(list));
+    body["usage"] = reply.usage(completion, cached);
+    Ok(axum::Json(body).into_response())
+}
+
+struct StreamState {
+    rx: UnboundedReceiver<Event>,
+    reply: Reply,
+    out: VecDeque<SseEvent>,
+    left: usize,
+    completion: usize,
+    cached: usize,
+    done: bool,
+}
+
+impl StreamState {
+    fn push_json(&mut self, v: Value) {
+        self.out.push_back(SseEvent::default().data(v.to_string()));
+    }
+
+    fn finish(&mut self) {
+        if self.reply.include_usage {
+            let mut u = self.reply.chunk(json!([]));
+            u["usage"] = self.reply.usage(self.completion, self.cached);
+            self.push_json(u);
+        }
+        self.out.push_back(SseEvent::default().data("[DONE]"));
+        self.done = true;
+    }
+
+    fn take(&mut self, ev: Option<Event>) {
+        match ev {
+            Some(Event::Started {
+                index,
+                cached_tokens,
+            }) => {
+                self.cached += cached_tokens;
+                if self.reply.kind == Kind::Chat {
+                    let c = json!([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": null, "finish_reason": null}]);
+                    let v = self.reply.chunk(c);
+                    self.push_json(v);
+                }
+            }
+            Some(Event::Token {
+                index,
+                token,
+                text,
+                finish,
+            }) => {
+                self.completion += 1;
+                if !text.is_empty() || finish.is_some() || self.reply.return_ids {
+                    let v = self.reply.delta(index, &text, &[token], finish);
+                    self.push_json(v);
+                }
+                if finish.is_some() {
+                    self.left -= 1;
+                    if self.left == 0 {
+                        self.finish();
+                    }
+                }
+            }
+            Some(Event::Error { message, .. }) => {
+                self.push_json(ApiError::internal(message).body());
+                self.out.push_back(SseEvent::default().data("[DONE]"));
+                self.done = true;
+            }
+            None => {
+                self.push_json(
+                    ApiError::internal("the engine stopped before the answer was complete").body(),
+                );
+                self.out.push_back(SseEvent::default().data("[DONE]"));
+                self.done = true;
+            }
+        }
+    }
+}
+
+fn stream(reply: Reply, rx: UnboundedReceiver<Event>) -> Response {
+    let st = StreamState {
+        rx,
+        left: reply.n,
+        reply,
+        out: VecDeque::new(),
+        completion: 0,
+        cached: 0,
+        done: false,
+    };
+    let s = futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(e) = st.out.pop_front() {
+                return Some((Ok::<_, Infallible>(e), st));
+            }
+            if st.done {
+                return None;
+            }
+            let ev = st.rx.recv().await;
+            st.take(ev);
+        }
+    });
+    Sse::new(s).keep_alive(KeepAlive::default()).into_response()
+}
+
+async fn generate(
+    app: &App,
+    kind: Kind,
+    req: GenRequest,
+    prompts: Vec<Vec<u32>>,
+    default_max: usize,
+) -> Result<Response, ApiError> {
+    let r = ready(app)?;
+    let params = api::gen_params(
+        &req,
+        &limits(app),
+        default_max,
+        r.vocab_size,
+        r.tokenizer.is_some(),
+    )?;
+    let reply = Reply {
+        kind,
+        id: request_id(if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        }),
+        created: now_secs(),
+        model: app.name.clone(),
+        prompt_tokens: prompts.iter().map(Vec::len).sum(),
+        n: prompts.len(),
+        stream: req.stream.unwrap_or(false),
+        include_usage: req
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+        return_ids: req.return_token_ids.unwrap_or(r.tokenizer.is_none()),
+    };
+    let rx = submit(app, prompts, params)?;
+    if reply.stream {
+        Ok(stream(reply, rx))
+    } else {
+        collect(&reply, rx).await
+    }
+}
+
+pub async fn completions(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Response {
+    let run = async {
+        let body = body_of(body)?;
+        let r = ready(&app)?;
+        let req: GenRequest = api::parse_body(&body)?;
+        check_model(&app, &req.model)?;
+        let prompt = req
+            .prompt
+            .as_ref()
+            .ok_or_else(|| ApiError::param("prompt", "`prompt` is missing"))?;
+        let prompts = api::prompts("prompt", prompt)?
+            .iter()
+            .map(|p| {
+                api::tokens_of(
+                    "prompt",
+                    p,
+                    r.tokenizer.as_deref(),
+                    true,
+                    r.vocab_size,
+                    &limits(&app),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        generate(
+            &app,
+            Kind::Completion,
+            req,
+            prompts,
+            app.cfg.default_max_tokens,
+        )
+        .await
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
+}
+
+pub async fn chat(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Response {
+    let run = async {
+        let body = body_of(body)?;
+        let r = ready(&app)?;
+        let req: GenRequest = api::parse_body(&body)?;
+        check_model(&app, &req.model)?;
+        let msgs = api::messages(req.messages.as_ref())?;
+        let Some(template) = &r.chat else {
+            return Err(ApiError::invalid(format!(
+                "the model `{}` has no chat template (no `chat_template` in its tokenizer_config.json): \
+                 use /v1/completions with a plain prompt",
+                app.name
+            ))
+            .code("no_chat_template"));
+        };
+        let text = template
+            .render(&msgs, req.add_generation_prompt.unwrap_or(true))
+            .map_err(|e| ApiError::param("messages", e.to_string()))?;
+        // The template writes the special tokens itself (BOS included).
+        let tokens = api::tokens_of(
+            "messages",
+            &PromptIn::Text(text),
+            r.tokenizer.as_deref(),
+            false,
+            r.vocab_size,
+            &limits(&app),
+        )?;
+        let default_max = app.cfg.max_tokens_limit;
+        generate(&app, Kind::Chat, req, vec![tokens], default_max).await
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
+}
+
+pub async fn embeddings(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Response {
+    let run = async {
+        let body = body_of(body)?;
+        let r = ready(&app)?;
+        let req: api::EmbedRequest = api::parse_body(&body)?;
+        check_model(&app, &req.model)?;
+        if req.dimensions.is_some() {
+            return Err(ApiError::param(
+                "dimensions",
+                format!(
+                    "`dimensions` is not supported: embeddings have the model's width ({})",
+                    r.d_model
+                ),
+            ));
+        }
+        let base64 = match req.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => {
+                return Err(ApiError::param(
+                    "encoding_format",
+                    format!("`encoding_format` is {other:?}: expected \"float\" or \"base64\""),
+                ))
+            }
+        };
+        let pooling = api::pooling(&req.pooling)?;
+        let input = req
+            .input
+            .as_ref()
+            .ok_or_else(|| ApiError::param("input", "`input` is missing"))?;
+        let inputs = api::prompts("input", input)?
+            .iter()
+            .map(|p| {
+                api::tokens_of(
+                    "input",
+                    p,
+                    r.tokenizer.as_deref(),
+                    true,
+                    r.vocab_size,
+                    &limits(&app),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let tokens: usize = inputs.iter().map(Vec::len).sum();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        app.work
+            .send(Work::Embed(EmbedJob {
+                inputs,
+                pooling,
+                reply: tx,
+            }))
+            .map_err(|_| ApiError::unavailable("the engine has stopped"))?;
+        let vecs = rx
+            .await
+            .map_err(|_| ApiError::internal("the engine dropped the request"))?
+            .map_err(ApiError::internal)?;
+        let data: Vec<Value> = vecs
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let emb = if base64 {
+                    json!(api::base64_f32(v))
+                } else {
+                    json!(v)
+                };
+                json!({"object": "embedding", "index": i, "embedding": emb})
+            })
+            .collect();
+        Ok(axum::Json(json!({
+            "object": "list",
+            "data": data,
+            "model": app.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }))
+        .into_response())
+    };
+    run.await.unwrap_or_else(|e: ApiError| e.into_response())
+}

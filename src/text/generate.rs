@@ -1,0 +1,234 @@
+//! The generation loop, shared by `mamba3 generate` and the server.
+//!
+//! [`Continuation`] is one sequence's output side: from each row of logits it samples a
+//! token, turns it into text (streaming detokenization), applies the stop rules and says
+//! when the sequence is finished. The server drives many of them from one batched decode;
+//! [`generate`] drives one, with the prompt prefilled in chunks.
+
+use super::detok::StreamDecoder;
+use super::sampling::{Sampler, SamplingParams};
+use super::stop::StopMatcher;
+use super::tokenizer::Tokenizer;
+use crate::engine::{LogitsWant, Model, State};
+use crate::error::Result;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Everything a request says about how to continue a prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenParams {
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the tokenizer's end-of-sequence ids.
+    pub ignore_eos: bool,
+}
+
+impl Default for GenParams {
+    fn default() -> Self {
+        GenParams {
+            sampling: SamplingParams::default(),
+            max_tokens: 256,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop string, a stop token or end-of-sequence.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// The result of one step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOut {
+    pub token: u32,
+    /// Text that became final with this token (may be empty).
+    pub text: String,
+    pub finish: Option<FinishReason>,
+}
+
+pub struct Continuation {
+    sampler: Sampler,
+    stop: StopMatcher,
+    detok: Option<(Arc<Tokenizer>, StreamDecoder)>,
+    stop_ids: Vec<u32>,
+    max_tokens: usize,
+    generated: Vec<u32>,
+    finished: Option<FinishReason>,
+}
+
+impl Continuation {
+    /// `prompt` feeds the repetition penalty; `tokenizer` (if any) turns tokens into text
+    /// and gives the end-of-sequence ids.
+    pub fn new(params: &GenParams, prompt: &[u32], tokenizer: Option<Arc<Tokenizer>>) -> Self {
+        let mut stop_ids = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            if let Some(t) = &tokenizer {
+                stop_ids.extend(&t.eos_ids);
+            }
+        }
+        Continuation {
+            sampler: Sampler::new(params.sampling.clone(), prompt),
+            stop: StopMatcher::new(&params.stop),
+            detok: tokenizer.map(|t| (t, StreamDecoder::new())),
+            stop_ids,
+            max_tokens: params.max_tokens,
+            generated: Vec::new(),
+            finished: None,
+        }
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+    pub fn finished(&self) -> Option<FinishReason> {
+        self.finished
+    }
+
+    /// Sample the next token from `logits` (exactly `vocab_size` entries), and say what
+    /// text it adds and whether the sequence is done.
+    pub fn step(&mut self, logits: &[f32]) -> StepOut {
+        let token = self.sampler.sample(logits);
+        self.push(token)
+    }
+
+    /// Take `token` as the next one (sampled elsewhere, or forced).
+    pub fn push(&mut self, token: u32) -> StepOut {
+        self.sampler.accept(token);
+        self.generated.push(token);
+        let mut finish = None;
+        let mut text = String::new();
+        let mut cut = false;
+        if self.stop_ids.contains(&token) {
+            finish = Some(FinishReason::Stop);
+        } else if let Some((tok, d)) = &mut self.detok {
+            let r = self.stop.push(&d.push(tok, token));
+            text = r.text;
+            cut = r.stopped;
+            if cut {
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        if finish.is_none() && self.generated.len() >= self.max_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() && !cut {
+            // The end: let out what the detokenizer and the stop matcher still hold.
+            if let Some((tok, d)) = &mut self.detok {
+                let r = self.stop.push(&d.flush(tok));
+                text.push_str(&r.text);
+                if r.stopped {
+                    finish = Some(FinishReason::Stop);
+                } else {
+                    text.push_str(&self.stop.flush());
+                }
+            }
+        }
+        self.finished = finish;
+        StepOut {
+            token,
+            text,
+            finish,
+        }
+    }
+}
+
+/// Timings of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct GenStats {
+    pub prompt_tokens: usize,
+    pub prefill: Duration,
+    pub generated: usize,
+    pub decode: Duration,
+    pub finish: Option<FinishReason>,
+}
+
+/// Prefill `tokens` into `state` in chunks of `chunk` tokens (continued windows, exact),
+/// calling `progress(done, total)` after each; returns the logits row of the last token
+/// (`vocab_padded` entries).
+pub fn prefill_chunked(
+    model: &Model,
+    tokens: &[u32],
+    state: &mut State,
+    chunk: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<f32>> {
+    let mut last = Vec::new();
+    let mut done = 0;
+    for piece in tokens.chunks(chunk.max(1)) {
+        last = model.prefill(piece, state, LogitsWant::Last)?.data;
+        done += piece.len();
+        progress(done, tokens.len());
+    }
+    Ok(last)
+}
+
+/// Generate from `state` after `prompt`: prefill the prompt in chunks, then decode one
+/// token at a time until the continuation finishes; `on_step` sees every step. When the
+/// prompt is empty, `last_logits` must hold the logits of the state's last token.
+/// On return the state has read the prompt and every generated token but the last
+/// (`feed_last` feeds that one too, so the state holds the whole text).
+#[allow(clippy::too_many_arguments)]
+pub fn generate(
+    model: &Model,
+    state: &mut State,
+    prompt: &[u32],
+    last_logits: Option<Vec<f32>>,
+    cont: &mut Continuation,
+    chunk: usize,
+    feed_last: bool,
+    mut progress: impl FnMut(usize, usize),
+    mut on_step: impl FnMut(&StepOut),
+) -> Result<GenStats> {
+    let vocab = model.dims().vocab_size;
+    let t0 = Instant::now();
+    let mut logits = if prompt.is_empty() {
+        last_logits.ok_or_else(|| {
+            crate::Error::input(
+                "nothing to continue from: the prompt is empty and no logits were given",
+            )
+        })?
+    } else {
+        prefill_chunked(model, prompt, state, chunk, &mut progress)?
+    };
+    model.synchronize()?;
+    let prefill = t0.elapsed();
+    let t1 = Instant::now();
+    let mut stats = GenStats {
+        prompt_tokens: prompt.len(),
+        prefill,
+        ..Default::default()
+    };
+    loop {
+        let out = cont.step(&logits[..vocab]);
+        on_step(&out);
+        stats.generated += 1;
+        if out.finish.is_some() {
+            stats.finish = out.finish;
+            if feed_last {
+                model.decode(&[out.token], &mut [state])?;
+            }
+            break;
+        }
+        logits = model.decode(&[out.token], &mut [state])?.data;
+    }
+    model.synchronize()?;
+    stats.decode = t1.elapsed();
+    Ok(stats)
+}

@@ -1,0 +1,388 @@
+//! Choosing the next token from a row of logits.
+//!
+//! Order of operations (HF's): logit bias, repetition penalty (over prompt and generated
+//! tokens: positive logits divided by it, negative ones multiplied), frequency and presence
+//! penalties (OpenAI's, over generated tokens), then greedy argmax when the temperature is
+//! 0, else temperature, top-k, top-p, min-p, and a draw from the deterministic generator
+//! seeded by `seed` (same seed and logits, same token). Only the first `vocab_size` entries
+//! of a row are ever considered: the padded rows of the head are not tokens.
+
+use crate::error::{Error, Result};
+use crate::model::rng::Rng;
+use std::collections::{HashMap, HashSet};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// 1 = off.
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub seed: Option<u64>,
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: None,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> SamplingParams {
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
+    }
+
+    /// Refuse values outside their ranges, naming the field (`param`), what is allowed and
+    /// what was given.
+    pub fn validate(&self) -> std::result::Result<(), (String, String)> {
+        let bad = |field: &str, want: &str, v: f32| {
+            Err((
+                field.to_string(),
+                format!("`{field}` must be {want}, found {v}"),
+            ))
+        };
+        if !(self.temperature.is_finite() && (0.0..=100.0).contains(&self.temperature)) {
+            return bad("temperature", "in [0, 100]", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", "in (0, 1]", self.top_p);
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", "in [0, 1]", self.min_p);
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(
+                "repetition_penalty",
+                "a positive number",
+                self.repetition_penalty,
+            );
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty);
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence_penalty", "in [-2, 2]", self.presence_penalty);
+        }
+        if let Some((_, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return bad("logit_bias", "finite numbers", *b);
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < 1e-5
+    }
+}
+
+/// Sampling state of one sequence: its generator and the tokens it has seen.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    /// Prompt and generated tokens (repetition penalty).
+    seen: HashSet<u32>,
+    /// Generated tokens and their counts (frequency and presence penalties).
+    counts: HashMap<u32, u32>,
+    scratch: Vec<f32>,
+    idx: Vec<(u32, f32)>,
+}
+
+static SEED_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn fresh_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ SEED_COUNTER
+        .fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed)
+        .rotate_left(17)
+}
+
+/// Index of the largest value (the first one on ties; NaN never wins).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &v) in row.iter().enumerate() {
+        if v > bv {
+            bv = v;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Sampler {
+        let rng = Rng::new(params.seed.unwrap_or_else(fresh_seed));
+        let seen = if params.repetition_penalty != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
+        Sampler {
+            params,
+            rng,
+            seen,
+            counts: HashMap::new(),
+            scratch: Vec::new(),
+            idx: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Record a token as generated (for the penalties).
+    pub fn accept(&mut self, token: u32) {
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(token);
+        }
+        if self.params.frequency_penalty != 0.0 || self.params.presence_penalty != 0.0 {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+    }
+
+    /// The next token from `logits`, a row of exactly `vocab_size` entries (the caller cuts
+    /// the padding off). Does not record it: call [`Sampler::accept`].
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let plain = p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.frequency_penalty == 0.0
+            && p.presence_penalty == 0.0;
+        if plain && p.is_greedy() {
+            return argmax(logits);
+        }
+        let mut l = std::mem::take(&mut self.scratch);
+        l.clear();
+        l.extend_from_slice(logits);
+        let n = l.len();
+        for &(t, b) in &p.logit_bias {
+            if (t as usize) < n {
+                l[t as usize] += b;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            for &t in &self.seen {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = if *x > 0.0 {
+                        *x / p.repetition_penalty
+                    } else {
+                        *x * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        for (&t, &c) in &self.counts {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x -= c as f32 * p.frequency_penalty + p.presence_penalty;
+            }
+        }
+        let tok = if p.is_greedy() {
+            argmax(&l)
+        } else {
+            self.draw(&l)
+        };
+        self.scratch = l;
+        tok
+    }
+
+    /// Temperature, top-k, top-p, min-p, then a draw.
+    fn draw(&mut self, l: &[f32]) -> u32 {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        let desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let cand = &mut self.idx;
+        cand.clear();
+        cand.extend(
+            l.iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_nan())
+                .map(|(i, &v)| (i as u32, v * inv_t)),
+        );
+        if cand.is_empty() {
+            return 0;
+        }
+        let mut sorted = false;
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, desc);
+            cand.truncate(p.top_k);
+            cand.sort_unstable_by(desc);
+            sorted = true;
+        }
+        // Softmax weights (unnormalised), max-subtracted.
+        let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        for c in cand.iter_mut() {
+            c.1 = (c.1 - max).exp();
+        }
+        let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
+        if p.top_p < 1.0 {
+            if !sorted {
+                // Most of the mass usually sits in a few hundred tokens: sort those first.
+                let m = cand.len().min(1024);
+                if m < cand.len() {
+                    cand.select_nth_unstable_by(m - 1, desc);
+                }
+                cand[..m].sort_unstable_by(desc);
+                let head: f64 = cand[..m].iter().map(|c| c.1 as f64).sum();
+                if head < p.top_p as f64 * total && m < cand.len() {
+                    cand.sort_unstable_by(desc);
+                }
+            }
+            let target = p.top_p as f64 * total;
+            let mut acc = 0.0;
+            let mut keep = cand.len();
+            for (i, c) in cand.iter().enumerate() {
+                acc += c.1 as f64;
+                if acc >= target {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 {
+            // The max weight is exp(0) = 1 (it is always a candidate).
+            let floor = p.min_p;
+            cand.retain(|c| c.1 >= floor);
+        }
+        let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
+        let mut r = self.rng.uniform() * total;
+        for c in cand.iter() {
+            r -= c.1 as f64;
+            if r < 0.0 {
+                return c.0;
+            }
+        }
+        cand.last().map_or(0, |c| c.0)
+    }
+}
+
+/// Parse OpenAI's `logit_bias` (`{"token id": bias}`) against the vocabulary.
+pub fn parse_logit_bias(
+    map: &std::collections::BTreeMap<String, f32>,
+    vocab: usize,
+) -> Result<Vec<(u32, f32)>> {
+    map.iter()
+        .map(|(k, &v)| match k.parse::<u32>() {
+            Ok(t) if (t as usize) < vocab => Ok((t, v)),
+            _ => Err(Error::input(format!(
+                "logit_bias key `{k}` is not a token id in 0..{vocab}"
+            ))),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams {
+            seed: Some(7),
+            ..Default::default()
+        };
+        f(&mut p);
+        p
+    }
+
+    #[test]
+    fn greedy_is_argmax_and_penalties_apply() {
+        let logits = [0.1, 3.0, 2.9, -1.0];
+        let mut s = Sampler::new(SamplingParams::greedy(), &[]);
+        assert_eq!(s.sample(&logits), 1);
+        // Token 1 seen in the prompt: 3.0/1.2 = 2.5 < 2.9.
+        let mut s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 1.2,
+                ..SamplingParams::greedy()
+            },
+            &[1],
+        );
+        assert_eq!(s.sample(&logits), 2);
+        let mut s = Sampler::new(
+            SamplingParams {
+                logit_bias: vec![(3, 10.0)],
+                ..SamplingParams::greedy()
+            },
+            &[],
+        );
+        assert_eq!(s.sample(&logits), 3);
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 0.5,
+                ..SamplingParams::greedy()
+            },
+            &[],
+        );
+        s.accept(1);
+        assert_eq!(s.sample(&logits), 2);
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_top_k_one_is_greedy() {
+        let logits: Vec<f32> = (0..500).map(|i| ((i * 37) % 500) as f32 * 0.01).collect();
+        let draw = |p: SamplingParams| {
+            let mut s = Sampler::new(p, &[]);
+            (0..50).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(params(|_| {})), draw(params(|_| {})));
+        assert_ne!(draw(params(|_| {})), draw(params(|p| p.seed = Some(8))));
+        let g = argmax(&logits);
+        assert!(draw(params(|p| p.top_k = 1)).iter().all(|&t| t == g));
+        assert!(draw(params(|p| p.top_p = 1e-6)).iter().all(|&t| t == g));
+        assert!(draw(params(|p| p.min_p = 1.0)).iter().all(|&t| t == g));
+    }
+
+    #[test]
+    fn top_k_and_top_p_keep_only_their_sets() {
+        // Probabilities ∝ exp(logit): tokens 0..4 hold almost all the mass.
+        let mut logits = vec![-30.0f32; 3000];
+        for (i, v) in [5.0, 4.0, 3.0, 2.0].iter().enumerate() {
+            logits[i] = *v;
+        }
+        let mut s = Sampler::new(params(|p| p.top_k = 2), &[]);
+        for _ in 0..200 {
+            assert!(s.sample(&logits) < 2);
+        }
+        // top_p 0.7: token 0 has ~64%, tokens 0+1 ~88%: the set is {0, 1}.
+        let mut s = Sampler::new(params(|p| p.top_p = 0.7), &[]);
+        let draws: Vec<u32> = (0..400).map(|_| s.sample(&logits)).collect();
+        assert!(draws.iter().all(|&t| t < 2));
+        assert!(draws.contains(&0) && draws.contains(&1));
+        // min_p 0.2 of the top: exp(-1)=0.37 and exp(-2)=0.14: {0, 1}.
+        let mut s = Sampler::new(params(|p| p.min_p = 0.2), &[]);
+        assert!((0..200).all(|_| s.sample(&logits) < 2));
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        let (f, msg) = params(|p| p.top_p = 0.0).validate().unwrap_err();
+        assert_eq!(f, "top_p");
+        assert!(msg.contains("(0, 1]") && msg.contains("found 0"), "{msg}");
+        assert!(params(|p| p.temperature = -1.0).validate().is_err());
+        assert!(params(|_| {}).validate().is_ok());
+    }
+}

@@ -1,0 +1,112 @@
+"""The official `openai` Python client drives `mamba3 serve` unchanged.
+
+Run by scripts/openai-client-test against a server on a tiny model (the siso-mlp-norm
+fixture's weights with the byte-level test tokenizer and its chat template), started with
+--api-key sk-ci --model-name tiny --max-tokens-limit 64.
+"""
+import base64
+import struct
+import sys
+import traceback
+
+import openai
+
+BASE = sys.argv[1]
+MODEL = "tiny"
+client = openai.OpenAI(base_url=BASE, api_key="sk-ci", max_retries=0, timeout=60)
+results = []
+
+
+def test(fn):
+    try:
+        fn()
+        results.append((fn.__name__, None))
+        print(f"ok   {fn.__name__}")
+    except Exception:  # noqa: BLE001 - report every failure and go on
+        results.append((fn.__name__, traceback.format_exc()))
+        print(f"FAIL {fn.__name__}\n{traceback.format_exc()}")
+    return fn
+
+
+@test
+def models_list():
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL], ids
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+@test
+def completion_plain_and_streamed_agree():
+    r = client.completions.create(model=MODEL, prompt="The state of", max_tokens=12, temperature=0)
+    text = r.choices[0].text
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens == 1 + len("The state of".encode()) - 2, r.usage
+    chunks = list(client.completions.create(model=MODEL, prompt="The state of", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == text, (streamed, text)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+@test
+def completion_token_id_prompt():
+    r = client.completions.create(model=MODEL, prompt=[264, 40, 41, 42], max_tokens=5, temperature=0)
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 5
+
+
+@test
+def same_seed_same_text():
+    a = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    b = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+
+
+@test
+def chat_plain_and_streamed_agree():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    text = r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert streamed == text, (streamed, text)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@test
+def embeddings_base64_and_float():
+    r = client.embeddings.create(model=MODEL, input=["first text", "second"])  # the client asks for base64
+    assert len(r.data) == 2 and len(r.data[0].embedding) == 96, len(r.data[0].embedding)
+    f = client.embeddings.create(model=MODEL, input=["first text", "second"], encoding_format="float")
+    for a, b in zip(r.data, f.data):
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-6
+    assert r.data[0].embedding != r.data[1].embedding
+    assert r.usage.prompt_tokens == f.usage.prompt_tokens > 0
+
+
+@test
+def errors_are_openai_errors():
+    try:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+        raise AssertionError("unknown model accepted")
+    except openai.NotFoundError as e:
+        assert "does not exist" in str(e)
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=10_000)
+        raise AssertionError("max_tokens over the limit accepted")
+    except openai.BadRequestError as e:
+        assert "at most 64" in str(e)
+    bad = openai.OpenAI(base_url=BASE, api_key="wrong", max_retries=0)
+    try:
+        bad.models.list()
+        raise AssertionError("wrong key accepted")
+    except openai.AuthenticationError:
+        pass
+
+
+failed = [n for n, e in results if e]
+print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+sys.exit(1 if failed else 0)
