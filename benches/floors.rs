@@ -30,7 +30,10 @@ fn time<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let (dm, layers, t) = (
         *args.first().unwrap_or(&768),
         *args.get(1).unwrap_or(&24),

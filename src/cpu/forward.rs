@@ -65,19 +65,21 @@ pub fn check_batch(w: &Weights, seqs: &[&[u32]], n_states: usize) -> Result<()> 
     Ok(())
 }
 
-/// Row-wise RMSNorm of `[rows, width]`.
-fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize) -> Vec<F> {
-    let mut out = vec![F::zero(); x.len()];
+/// Row-wise RMSNorm of `[rows, width]` into `out`.
+fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize, out: &mut [F]) {
     out.par_chunks_mut(width)
         .zip(x.par_chunks(width))
-        .for_each(|(o, r)| {
-            rms_norm(r, w, F::from_f(NORM_EPS), o);
-        });
-    out
+        .with_min_len(8)
+        .for_each(|(o, r)| rms_norm(r, w, F::from_f(NORM_EPS), o));
 }
 
 /// Cut the picked rows (`[picked, width]`) back into one block per sequence.
-fn split_rows<F: Real>(rows: Vec<F>, spans: &[Span], want: LogitsWant, width: usize) -> Vec<Vec<F>> {
+fn split_rows<F: Real>(
+    rows: Vec<F>,
+    spans: &[Span],
+    want: LogitsWant,
+    width: usize,
+) -> Vec<Vec<F>> {
     match want {
         LogitsWant::All => spans
             .iter()
@@ -89,8 +91,8 @@ fn split_rows<F: Real>(rows: Vec<F>, spans: &[Span], want: LogitsWant, width: us
 }
 
 fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {
-    acc.par_chunks_mut(4096)
-        .zip(x.par_chunks(4096))
+    acc.par_chunks_mut(1 << 14)
+        .zip(x.par_chunks(1 << 14))
         .for_each(|(a, b)| {
             a.iter_mut().zip(b).for_each(|(a, &b)| *a = *a + b);
         });
@@ -140,6 +142,18 @@ impl<F: Real> CpuModel<F> {
         want: LogitsWant,
         head: bool,
     ) -> Result<Vec<Vec<F>>> {
+        // One trip into the thread pool per call: the parallel loops below then split
+        // their work locally instead of handing it across threads each time.
+        rayon::scope(|_| self.run_in_pool(seqs, states, want, head))
+    }
+
+    fn run_in_pool(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+        head: bool,
+    ) -> Result<Vec<Vec<F>>> {
         let w = &*self.weights;
         check_batch(w, seqs, states.len())?;
         let d = w.dims;
@@ -177,11 +191,16 @@ impl<F: Real> CpuModel<F> {
             });
         });
         let mut res = vec![F::zero(); rows * dm];
+        // Buffers reused by every layer (each is fully overwritten before it is read).
+        let mut normed = vec![F::zero(); rows * dm];
+        let mut proj = vec![F::zero(); rows * d.d_in_proj];
+        let mut y = vec![F::zero(); rows * d.d_inner];
+        let mut vg = vec![F::zero(); rows * 2 * d.mlp_hidden];
+        let mut act = vec![F::zero(); rows * d.mlp_hidden];
         let cfg = &w.config;
         for (l, lw) in w.layers.iter().enumerate() {
             add_assign(&mut res, &hs);
-            let normed = norm_rows(&res, &lw.norm, dm);
-            let mut proj = vec![F::zero(); rows * d.d_in_proj];
+            norm_rows(&res, &lw.norm, dm, &mut normed);
             matmul_t(&normed, rows, &lw.in_proj, &mut proj);
             let ctx = MixerCtx {
                 d,
@@ -191,21 +210,17 @@ impl<F: Real> CpuModel<F> {
             };
             let mut layer_states: Vec<&mut LayerState<F>> =
                 states.iter_mut().map(|s| &mut s[l]).collect();
-            let mut y = vec![F::zero(); rows * d.d_inner];
             if one_token_each {
                 mixer_step(&ctx, &proj, &mut layer_states, &mut y);
             } else {
                 mixer_prefill(&ctx, &proj, &spans, &mut layer_states, &mut y);
             }
-            drop(proj);
             matmul_t(&y, rows, &lw.out_proj, &mut hs);
             if let Some(mlp) = &lw.mlp {
                 add_assign(&mut res, &hs);
-                let normed = norm_rows(&res, &mlp.norm, dm);
+                norm_rows(&res, &mlp.norm, dm, &mut normed);
                 let hidden = d.mlp_hidden;
-                let mut vg = vec![F::zero(); rows * 2 * hidden];
                 matmul_t(&normed, rows, &mlp.fc1, &mut vg);
-                let mut act = vec![F::zero(); rows * hidden];
                 act.par_chunks_mut(hidden)
                     .zip(vg.par_chunks(2 * hidden))
                     .for_each(|(a, vg)| {
@@ -229,20 +244,14 @@ impl<F: Real> CpuModel<F> {
         for (i, &r) in picked.iter().enumerate() {
             sel[i * dm..(i + 1) * dm].copy_from_slice(&res[r * dm..(r + 1) * dm]);
         }
-        let normed = norm_rows(&sel, &w.norm_f, dm);
+        let mut normed = vec![F::zero(); sel.len()];
+        norm_rows(&sel, &w.norm_f, dm, &mut normed);
         if !head {
             return Ok(split_rows(normed, &spans, want, dm));
         }
         let vp = d.vocab_padded;
         let mut logits = vec![F::zero(); picked.len() * vp];
         matmul_t(&normed, picked.len(), w.head(), &mut logits);
-        Ok(match want {
-            LogitsWant::All => spans
-                .iter()
-                .map(|s| logits[s.start * vp..(s.start + s.len) * vp].to_vec())
-                .collect(),
-            LogitsWant::Last => logits.chunks(vp).map(|c| c.to_vec()).collect(),
-            LogitsWant::None => vec![Vec::new(); seqs.len()],
-        })
+        Ok(split_rows(logits, &spans, want, vp))
     }
 }

@@ -225,13 +225,13 @@ fn stream_rows<F: Real, W: Element>(
     k: usize,
     out: &mut [F],
 ) {
-    const BLOCK: usize = 16;
+    let block = stream_block(n, k, rows);
     // tmp is [n, rows] so each task owns a contiguous block; transposed into out after.
     let mut tmp = vec![F::zero(); n * rows];
-    tmp.par_chunks_mut(BLOCK * rows)
+    tmp.par_chunks_mut(block * rows)
         .enumerate()
         .for_each(|(blk, t)| {
-            let r0 = blk * BLOCK;
+            let r0 = blk * block;
             let wb = &w[r0 * k..(r0 + t.len() / rows) * k];
             dot_block(x, rows, wb, k, t);
         });
@@ -242,17 +242,29 @@ fn stream_rows<F: Real, W: Element>(
     }
 }
 
+/// Weight rows per task: a few tasks per thread, so that scheduling costs stay far below
+/// the time to stream the rows (a task per 16 rows cost ~10% of a decode step).
+/// Each task also gets at least ~64k multiply-adds, so small models do not pay more for
+/// waking threads than they save.
+fn stream_block(n: usize, k: usize, rows: usize) -> usize {
+    let by_threads = n.div_ceil(4 * rayon::current_num_threads());
+    let by_work = (1usize << 16).div_ceil(k * rows);
+    by_threads.max(by_work).max(16)
+}
+
 /// The f32 case of [`stream_rows`], on the hand-vectorised dot products.
 fn stream_rows_f32<W: Widen>(x: &[f32], rows: usize, w: &[W], n: usize, k: usize, out: &mut [f32]) {
-    const BLOCK: usize = 16;
+    let block = stream_block(n, k, rows);
     let mut tmp = vec![0f32; n * rows];
-    tmp.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(blk, t)| {
-        let r0 = blk * BLOCK;
-        for (j, tj) in t.chunks_mut(rows).enumerate() {
-            let row = &w[(r0 + j) * k..(r0 + j + 1) * k];
-            dots_for_row(x, rows, k, row, tj);
-        }
-    });
+    tmp.par_chunks_mut(block * rows)
+        .enumerate()
+        .for_each(|(blk, t)| {
+            let r0 = blk * block;
+            for (j, tj) in t.chunks_mut(rows).enumerate() {
+                let row = &w[(r0 + j) * k..(r0 + j + 1) * k];
+                dots_for_row(x, rows, k, row, tj);
+            }
+        });
     for r in 0..rows {
         for j in 0..n {
             out[r * n + j] = tmp[j * rows + r];

@@ -49,6 +49,7 @@ impl MixerCtx<'_> {
             .zip(pre.lambda.par_chunks_mut(h_n))
             .zip(pre.theta.par_chunks_mut(s_n))
             .enumerate()
+            .with_min_len(16)
             .for_each(|(t, ((((bc, delta), a), lambda), theta))| {
                 let row = &proj[t * d.d_in_proj..(t + 1) * d.d_in_proj];
                 let (bn, cn) = bc.split_at_mut(g_n * n_n);

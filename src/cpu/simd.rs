@@ -28,7 +28,10 @@ pub fn isa() -> Isa {
             if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return Isa::Avx2;
             }
         }
@@ -37,11 +40,21 @@ pub fn isa() -> Isa {
 }
 
 /// A weight element that can be widened to f32 vectors.
+///
+/// # Safety
+/// `load8`/`load16` read 8/16 elements starting at `p`: the caller guarantees they are in
+/// bounds and that the CPU has the features the vector types need (AVX2/F16C, AVX-512).
 pub trait Widen: Element {
     /// 8 elements at `p` as f32.
+    ///
+    /// # Safety
+    /// `p..p+8` in bounds; AVX2 and F16C present.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> __m256;
     /// 16 elements at `p` as f32.
+    ///
+    /// # Safety
+    /// `p..p+16` in bounds; AVX-512F/BW present.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> __m512;
 }
@@ -100,13 +113,22 @@ pub fn dot_rows<W: Widen, const R: usize>(x: &[f32], k: usize, w: &[W], out: &mu
         Isa::Scalar => {}
     }
     for (r, o) in out.iter_mut().enumerate() {
-        *o = x[r * k..(r + 1) * k].iter().zip(w).map(|(&a, &b)| a * b.to_f32()).sum();
+        *o = x[r * k..(r + 1) * k]
+            .iter()
+            .zip(w)
+            .map(|(&a, &b)| a * b.to_f32())
+            .sum();
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn dot_rows_avx512<W: Widen, const R: usize>(x: &[f32], k: usize, w: &[W], out: &mut [f32; R]) {
+unsafe fn dot_rows_avx512<W: Widen, const R: usize>(
+    x: &[f32],
+    k: usize,
+    w: &[W],
+    out: &mut [f32; R],
+) {
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     // Two tiles per iteration so each accumulator chain has two FMAs in flight.
     let mut a0 = [_mm512_setzero_ps(); R];
@@ -139,7 +161,12 @@ unsafe fn dot_rows_avx512<W: Widen, const R: usize>(x: &[f32], k: usize, w: &[W]
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_rows_avx2<W: Widen, const R: usize>(x: &[f32], k: usize, w: &[W], out: &mut [f32; R]) {
+unsafe fn dot_rows_avx2<W: Widen, const R: usize>(
+    x: &[f32],
+    k: usize,
+    w: &[W],
+    out: &mut [f32; R],
+) {
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     let mut a0 = [_mm256_setzero_ps(); R];
     let mut a1 = [_mm256_setzero_ps(); R];
@@ -200,7 +227,10 @@ mod tests {
             dot_rows::<W, 4>(&x, k, &w, &mut out);
             for r in 0..4 {
                 let want: f64 = (0..k).map(|i| x[r * k + i] as f64 * w[i].to_f64()).sum();
-                assert!((out[r] as f64 - want).abs() < 1e-4 * (k as f64).sqrt(), "k {k} row {r}");
+                assert!(
+                    (out[r] as f64 - want).abs() < 1e-4 * (k as f64).sqrt(),
+                    "k {k} row {r}"
+                );
             }
         }
     }

@@ -59,7 +59,9 @@ pub fn mixer_step<F: Real>(
         }
     }
     let bc_w = 2 * d.ngroups * n_n;
-    slots.par_iter_mut().for_each(|s| {
+    // At least ~32k state elements per task: below that, waking a thread costs more.
+    let min_len = (1usize << 15).div_ceil(p_n * n_n);
+    slots.par_iter_mut().with_min_len(min_len).for_each(|s| {
         let (t, h) = (s.row, s.h);
         let delta = pre.delta[t * d.nheads + h];
         let lambda = pre.lambda[t * d.nheads + h];

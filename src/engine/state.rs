@@ -176,3 +176,20 @@ fn dims_text(d: &Dims) -> String {
         d.n_layer, d.nheads, d.headdim, d.d_state, d.num_rope_angles
     )
 }
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let place = match &self.data {
+            StateData::Host(_) => "host".to_string(),
+            #[cfg(feature = "cuda")]
+            StateData::Cuda(_) => "cuda".to_string(),
+        };
+        write!(
+            f,
+            "State {{ model: {:016x}, position: {}, {} bytes on {place} }}",
+            self.model,
+            self.position,
+            self.bytes()
+        )
+    }
+}

@@ -279,14 +279,14 @@ impl Config {
             )));
         }
         let d_inner = (s.expand * self.d_model as f64) as usize;
-        if d_inner % s.headdim != 0 {
+        if !d_inner.is_multiple_of(s.headdim) {
             return Err(bad(format!(
                 "`ssm_cfg.headdim` ({}) must divide d_inner = expand·d_model = {d_inner}",
                 s.headdim
             )));
         }
         let nheads = d_inner / s.headdim;
-        if nheads % s.ngroups != 0 {
+        if !nheads.is_multiple_of(s.ngroups) {
             return Err(bad(format!(
                 "`ssm_cfg.ngroups` ({}) must divide nheads = {nheads}",
                 s.ngroups
@@ -316,7 +316,7 @@ impl Config {
 
     fn rope_angles(d_state: usize, rope_fraction: f64) -> usize {
         let mut split = (d_state as f64 * rope_fraction) as usize;
-        if split % 2 == 1 {
+        if !split.is_multiple_of(2) {
             split -= 1;
         }
         split / 2

@@ -228,7 +228,7 @@ impl TensorData {
     }
     /// Decode little-endian bytes of `dtype` into owned storage.
     pub fn from_le_bytes(bytes: &[u8], dtype: DType) -> Result<Self> {
-        if bytes.len() % dtype.size() != 0 {
+        if !bytes.len().is_multiple_of(dtype.size()) {
             return Err(Error::Other(format!(
                 "{} bytes is not a whole number of {} elements",
                 bytes.len(),
