@@ -670,3 +670,51 @@ fn thirty_two_streaming_clients_then_disconnects() {
     assert_eq!(r.status, 200);
     std::thread::sleep(Duration::from_millis(10));
 }
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
+    let dir = model_dir(false, false);
+    let h = start(dir_source(&dir), |c| {
+        c.scheduler.prefill_chunk = 16;
+        c.max_tokens_limit = 1_000_000;
+    });
+    // A running sequence, recording when each of its tokens arrives.
+    let mut ev = client::stream(
+        h.addr,
+        "/v1/completions",
+        &[],
+        &json!({"prompt": [1, 2, 3], "max_tokens": 1_000_000, "ignore_eos": true, "stream": true}),
+    )
+    .unwrap();
+    assert!(ev.next_data().unwrap().is_some());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut times = Vec::new();
+        while let Ok(Some(_)) = ev.next_data() {
+            times.push(std::time::Instant::now());
+            if rx.try_recv().is_ok() {
+                break;
+            }
+        }
+        times
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    // A 2000-token prompt: 125 windows of 16 tokens, each followed by a decode step.
+    let long: Vec<u32> = (0..2000u32).map(|i| (i * 7 + 1) % 256).collect();
+    let t0 = std::time::Instant::now();
+    let r = post_json(
+        h.addr,
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 1}),
+    )
+    .unwrap();
+    let t1 = std::time::Instant::now();
+    assert_eq!(r.status, 200);
+    tx.send(()).unwrap();
+    let times = reader.join().unwrap();
+    let during = times.iter().filter(|&&t| t > t0 && t < t1).count();
+    assert!(
+        during >= 60,
+        "only {during} tokens of the running sequence during the prefill"
+    );
+}
