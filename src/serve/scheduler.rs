@@ -15,7 +15,9 @@
 //!    there goes into the prefix cache;
 //! 4. decodes one token for every running sequence in one batched step, samples, streams
 //!    the text out, and lets finished sequences leave at once (their slot is free for the
-//!    next turn).
+//!    next turn);
+//! 5. reads at most `prefill_chunk` tokens of the oldest embedding request (each input
+//!    from a fresh state: the whole-page, stateless read) and answers it when done.
 //!
 //! A panic inside a turn fails the sequences of that turn with an error event and the
 //! thread carries on.
@@ -131,6 +133,20 @@ pub struct Scheduler {
     shared: Arc<Shared>,
     waiting: VecDeque<GenJob>,
     active: Vec<Seq>,
+    embeds: VecDeque<EmbedTask>,
+}
+
+/// An embedding request being read, one input after another.
+struct EmbedTask {
+    job: EmbedJob,
+    /// The input being read.
+    input: usize,
+    state: Option<State>,
+    /// Tokens of that input already read.
+    fed: usize,
+    /// Sum of its pooled rows so far (f64).
+    sum: Vec<f64>,
+    out: Vec<Vec<f32>>,
 }
 
 impl Scheduler {
@@ -152,13 +168,14 @@ impl Scheduler {
             shared,
             waiting: VecDeque::new(),
             active: Vec::new(),
+            embeds: VecDeque::new(),
         }
     }
 
     /// Serve until every sender of `rx` is gone.
     pub fn run(mut self, rx: Receiver<Work>) {
         loop {
-            if self.active.is_empty() && self.waiting.is_empty() {
+            if self.idle() {
                 match rx.recv() {
                     Ok(w) => self.take(w),
                     Err(_) => return,
@@ -169,7 +186,7 @@ impl Scheduler {
                     Ok(w) => self.take(w),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
-                        if self.active.is_empty() && self.waiting.is_empty() {
+                        if self.idle() {
                             return;
                         }
                         break;
@@ -189,6 +206,12 @@ impl Scheduler {
                         message: format!("internal error in the engine: {msg}"),
                     });
                 }
+                if let Some(t) = self.embeds.pop_front() {
+                    let _ = t
+                        .job
+                        .reply
+                        .send(Err(format!("internal error in the engine: {msg}")));
+                }
             }
             self.publish();
         }
@@ -198,37 +221,78 @@ impl Scheduler {
         match w {
             Work::Generate(job) => self.waiting.push_back(job),
             Work::Embed(job) => {
-                let r = std::panic::catch_unwind(AssertUnwindSafe(|| self.embed(&job)))
-                    .unwrap_or_else(|_| Err("internal error while embedding".into()));
-                let _ = job.reply.send(r);
+                let d = self.model.dims().d_model;
+                self.embeds.push_back(EmbedTask {
+                    job,
+                    input: 0,
+                    state: None,
+                    fed: 0,
+                    sum: vec![0.0; d],
+                    out: Vec::new(),
+                });
             }
         }
     }
 
-    fn embed(&self, job: &EmbedJob) -> Result<Vec<Vec<f32>>, String> {
-        let d = self.model.dims().d_model;
-        job.inputs
-            .iter()
-            .map(|tokens| {
-                let mut state = self.model.new_state();
-                let want = match job.pooling {
-                    Pooling::Last => LogitsWant::Last,
-                    Pooling::Mean => LogitsWant::All,
-                };
-                let rows = self
-                    .model
-                    .hidden(tokens, &mut state, want)
-                    .map_err(|e| e.to_string())?;
-                let n = rows.len() / d;
-                let mut v = vec![0f64; d];
-                for r in rows.chunks(d) {
-                    v.iter_mut().zip(r).for_each(|(a, &b)| *a += b as f64);
+    fn idle(&self) -> bool {
+        self.active.is_empty() && self.waiting.is_empty() && self.embeds.is_empty()
+    }
+
+    /// Read at most `prefill_chunk` tokens of the oldest embedding request (each input
+    /// from a fresh state, in continued windows), so that a long input does not stall the
+    /// running sequences; answer it when its last input is read.
+    fn embed_step(&mut self) -> Result<(), String> {
+        let mut budget = self.cfg.prefill_chunk.max(1);
+        while budget > 0 {
+            let Some(task) = self.embeds.front_mut() else {
+                return Ok(());
+            };
+            if task.job.reply.is_closed() {
+                self.embeds.pop_front();
+                continue;
+            }
+            let tokens = &task.job.inputs[task.input];
+            let end = tokens.len().min(task.fed + budget);
+            let last = end == tokens.len();
+            let want = match (task.job.pooling, last) {
+                (Pooling::Mean, _) => LogitsWant::All,
+                (Pooling::Last, true) => LogitsWant::Last,
+                (Pooling::Last, false) => LogitsWant::None,
+            };
+            let state = task.state.get_or_insert_with(|| self.model.new_state());
+            let rows = self
+                .model
+                .hidden(&tokens[task.fed..end], state, want)
+                .map_err(|e| e.to_string())?;
+            let d = task.sum.len();
+            for r in rows.chunks(d) {
+                task.sum
+                    .iter_mut()
+                    .zip(r)
+                    .for_each(|(a, &b)| *a += b as f64);
+            }
+            budget -= end - task.fed;
+            task.fed = end;
+            if !last {
+                continue;
+            }
+            let n = match task.job.pooling {
+                Pooling::Mean => tokens.len(),
+                Pooling::Last => 1,
+            };
+            let v = task.sum.iter().map(|&x| (x / n as f64) as f32).collect();
+            task.out.push(v);
+            task.sum.iter_mut().for_each(|x| *x = 0.0);
+            task.state = None;
+            task.fed = 0;
+            task.input += 1;
+            if task.input == task.job.inputs.len() {
+                if let Some(t) = self.embeds.pop_front() {
+                    let _ = t.job.reply.send(Ok(t.out));
                 }
-                Ok(v.into_iter()
-                    .map(|x| (x / n.max(1) as f64) as f32)
-                    .collect())
-            })
-            .collect()
+            }
+        }
+        Ok(())
     }
 
     fn publish(&self) {
@@ -267,6 +331,11 @@ impl Scheduler {
         self.publish();
         self.prefill_step();
         self.decode_step();
+        if let Err(e) = self.embed_step() {
+            if let Some(t) = self.embeds.pop_front() {
+                let _ = t.job.reply.send(Err(format!("embedding failed: {e}")));
+            }
+        }
         self.active.retain(|s| !s.closed);
     }
 
