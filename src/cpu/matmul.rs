@@ -143,8 +143,10 @@ pub fn gemm<F: Real>(
     }
 }
 
-/// Up to this many rows, `x·Wᵀ` runs on the weight-streaming kernel instead of GEMM.
-pub const STREAM_MAX_ROWS: usize = 8;
+/// Up to this many rows (a decode batch), `x·Wᵀ` runs on the weight-streaming kernel: each
+/// weight row is read from memory once and dotted with every input row from L1, where a
+/// GEMM would first pack (copy) the whole weight matrix.
+pub const STREAM_MAX_ROWS: usize = 64;
 
 /// `out[rows, W.rows] = x[rows, W.cols] · Wᵀ` for a weight matrix in any storage dtype.
 pub fn matmul_t<F: Real>(x: &[F], rows: usize, w: &Matrix, out: &mut [F]) {
