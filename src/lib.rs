@@ -14,6 +14,7 @@ pub mod error;
 pub mod model;
 pub mod serve;
 pub mod text;
+pub mod train;
 
 pub use engine::{Device, Logits, LogitsWant, Model, State};
 pub use error::{Error, Result};
