@@ -2,8 +2,8 @@
 //! optimiser state, and the `mamba3 train` loop.
 //!
 //! - [`params`]: trainable tensors by official name (f32 master weights, f64 for checks).
-//! - [`scan`]: the mixer's chunked training forward and its exact backward (the
-//!   derivation is in that module's doc).
+//! - [`scan`], [`scan_backward`]: the mixer's chunked training forward and its exact
+//!   backward (the derivation is in `scan`'s module doc).
 //! - [`model`]: the LM forward that keeps activations, the cross-entropy loss and the
 //!   backward through every layer.
 //! - [`backend`]: the [`backend::Backend`] trait the trainer calls; the CPU implements it,
@@ -23,6 +23,7 @@ pub mod optim;
 pub mod params;
 pub mod plot;
 pub mod scan;
+pub mod scan_backward;
 pub mod trainer;
 
 pub use backend::{Backend, CpuBackend};

@@ -15,7 +15,8 @@
 
 use super::ops::{linear, linear_dw, linear_dx, rms_bwd, rms_fwd, silu_grad};
 use super::params::{LayerParams, Params};
-use super::scan::{mixer_backward, mixer_forward, MixerSaved, MixerShape};
+use super::scan::{mixer_forward, MixerSaved, MixerShape};
+use super::scan_backward::mixer_backward;
 use crate::cpu::math::silu;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
