@@ -9,6 +9,8 @@
 
 pub mod cli;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod model;
