@@ -9,11 +9,14 @@
 
 pub mod cli;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod model;
 pub mod serve;
 pub mod text;
+pub mod train;
 
 pub use engine::{Device, Logits, LogitsWant, Model, State};
 pub use error::{Error, Result};

@@ -48,6 +48,10 @@ pub struct Args {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// GPU: time decode without CUDA graphs (by default each batch size's decode step is
+    /// captured as a graph before it is timed).
+    #[arg(long)]
+    pub no_graphs: bool,
     #[command(flatten)]
     pub run: RunOpts,
 }
@@ -57,6 +61,8 @@ pub struct Measurement {
     pub prompt_len: usize,
     pub prefill_s: f64,
     pub decode_step_s: f64,
+    /// the first (untimed) prefill of this point, start-up costs included
+    pub first_prefill_s: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -82,15 +88,22 @@ pub fn measure(
     let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
     let mut prefill_times = Vec::new();
     let mut states: Vec<State> = Vec::new();
+    let mut first_prefill_s = f64::NAN;
     for i in 0..a.warmup + a.repeats.max(1) {
         states = (0..batch).map(|_| model.new_state()).collect();
         let mut st: Vec<&mut State> = states.iter_mut().collect();
         let t0 = Instant::now();
         model.prefill_batch(&refs, &mut st, LogitsWant::Last)?;
         model.synchronize()?;
+        if i == 0 {
+            first_prefill_s = t0.elapsed().as_secs_f64();
+        }
         if i >= a.warmup {
             prefill_times.push(t0.elapsed().as_secs_f64());
         }
+    }
+    if model.device() != crate::engine::Device::Cpu && !a.no_graphs {
+        model.capture_decode_graph(batch)?;
     }
     let mut decode_times = Vec::new();
     let mut tokens: Vec<u32> = (0..batch).map(|_| rng.below(vocab) as u32).collect();
@@ -117,12 +130,14 @@ pub fn measure(
         prompt_len,
         prefill_s: median(prefill_times),
         decode_step_s: median(decode_times),
+        first_prefill_s,
     })
 }
 
 pub fn run(a: Args) -> Result<()> {
     a.run.init_threads();
     let device = a.run.device.resolve();
+    let t_load = Instant::now();
     let model = match &a.model {
         Some(dir) => Model::load(dir, device, a.run.dtype)?,
         None => {
@@ -133,6 +148,7 @@ pub fn run(a: Args) -> Result<()> {
             Model::from_weights(Weights::synthetic(cfg, a.run.dtype, 0)?, device)?
         }
     };
+    let load_s = t_load.elapsed().as_secs_f64();
     let d = model.dims();
     let shape = format!(
         "d_model {} · layers {} · d_state {} · headdim {} · expand {} · groups {} · vocab {} · chunk {}",
@@ -148,11 +164,12 @@ pub fn run(a: Args) -> Result<()> {
     let device_name = model.device_name();
     if !a.json {
         println!(
-            "{} on {} · {} · {:.1} M params",
+            "{} on {} · {} · {:.1} M params · loaded in {:.2} s",
             shape,
             device_name,
             model.dtype(),
-            model.weights().param_count() as f64 / 1e6
+            model.weights().param_count() as f64 / 1e6,
+            load_s
         );
         println!(
             "{:>6} {:>7} {:>16} {:>12} {:>14} {:>16}",
@@ -183,6 +200,10 @@ pub fn run(a: Args) -> Result<()> {
                     "headdim": d.headdim, "expand": d.d_inner / d.d_model, "ngroups": d.ngroups,
                     "vocab_padded": d.vocab_padded, "chunk": d.chunk_len,
                     "threads": rayon::current_num_threads(),
+                    "load_s": load_s,
+                    "first_prefill_s": m.first_prefill_s,
+                    "gpu_options": model.gpu_options()?.map(|o| format!("{o:?}")),
+                    "graphs": model.device() != crate::engine::Device::Cpu && !a.no_graphs,
                 });
                 println!("{j}");
             } else {

@@ -8,16 +8,18 @@ use crate::model::{DType, Weights};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Model directory (config.json + model.safetensors or pytorch_model.bin).
+    /// Model directory (config.json + model.safetensors or pytorch_model.bin); the
+    /// built-in default model when not given.
     #[arg(long)]
-    pub model: PathArg,
+    pub model: Option<PathArg>,
     /// Dtype to account the memory footprint in.
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let (config_path, weights_path) = locate(&a.model)?;
+    let model = crate::model::default_model::resolve(a.model.as_deref())?;
+    let (config_path, weights_path) = locate(&model)?;
     let file = TensorFile::open(&weights_path)?;
     let disk_dtypes: std::collections::BTreeSet<String> = file
         .names()
@@ -31,7 +33,14 @@ pub fn run(a: Args) -> Result<()> {
     )?;
     let d = &w.dims;
     let gib = |b: usize| b as f64 / (1u64 << 20) as f64;
-    println!("model        {}", a.model.display());
+    match &a.model {
+        Some(m) => println!("model        {}", m.display()),
+        None => println!(
+            "model        {} ({})",
+            model.display(),
+            crate::model::default_model::DESCRIPTION
+        ),
+    }
     println!(
         "weights      {} (on disk: {})",
         weights_path.display(),

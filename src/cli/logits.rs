@@ -13,9 +13,9 @@ use std::path::Path;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Model directory.
+    /// Model directory (the built-in default model when not given).
     #[arg(long)]
-    pub model: PathArg,
+    pub model: Option<PathArg>,
     /// Token ids: a safetensors file with tensor `input_ids` (any integer dtype) or a JSON array.
     #[arg(long)]
     pub input_ids: PathArg,
@@ -112,7 +112,8 @@ pub fn to_tokens(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
 
 pub fn run(a: Args) -> Result<()> {
     a.run.init_threads();
-    let model = Model::load(&a.model, a.run.device.resolve(), a.run.dtype)?;
+    let model_dir = crate::model::default_model::resolve(a.model.as_deref())?;
+    let model = Model::load(&model_dir, a.run.device.resolve(), a.run.dtype)?;
     let tokens = to_tokens(&read_input_ids(&a.input_ids)?, model.dims().vocab_size)?;
     let t_len = tokens.len();
     let prefill_end = a.decode_from.unwrap_or(t_len);

@@ -8,6 +8,7 @@ pub mod generate;
 pub mod inspect;
 pub mod logits;
 pub mod serve;
+pub mod train;
 
 use crate::engine::DeviceChoice;
 use crate::error::Result;
@@ -42,6 +43,8 @@ pub enum Command {
     Serve(serve::Args),
     /// Load-test the server: aggregate decode tokens/s at N clients, prefix-cache TTFT.
     BenchServe(bench_serve::Args),
+    /// Train a model on text files (byte-level), with checkpoints and a loss plot.
+    Train(train::Args),
 }
 
 /// Options every model-running subcommand shares.
@@ -78,6 +81,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => generate::run(a),
         Command::Serve(a) => serve::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
+        Command::Train(a) => train::run(a),
     }
 }
 

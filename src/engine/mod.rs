@@ -8,7 +8,7 @@ pub mod state;
 
 pub use crate::cpu::LogitsWant;
 pub use device::{Device, DeviceChoice};
-pub use model::{Logits, Model};
+pub use model::{GpuOptions, Logits, Model};
 pub use state::State;
 
 /// Number of CUDA devices visible (0 without the `cuda` feature or without a driver).

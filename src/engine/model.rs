@@ -34,7 +34,7 @@ impl Logits {
 enum Backend {
     Cpu(CpuModel<f32>),
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaModel),
+    Cuda(Box<crate::cuda::CudaModel>),
 }
 
 pub struct Model {
@@ -46,6 +46,57 @@ pub struct Model {
 /// At most this many tokens go through one pass of the layers; longer prompts are read as
 /// consecutive continued windows, which is exact and bounds activation memory.
 pub const MAX_TOKENS_PER_PASS: usize = 8192;
+
+/// The same bound on a GPU, where memory is plentiful and larger passes run faster.
+pub const MAX_TOKENS_PER_PASS_GPU: usize = 65536;
+
+/// Numeric and launch options of a GPU model (ignored on the CPU). They can change at
+/// any time; CUDA graphs captured under other options refuse to replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GpuOptions {
+    /// f32 models: GEMMs and scan products on TF32 tensor cores instead of exact f32.
+    pub tf32: bool,
+    /// bf16/f16 models: 16-bit in_proj input and 16-bit scan operands — faster, about
+    /// 2× the error (see docs/benchmarks.md). Off: the in_proj input is split into
+    /// hi + lo halves and the scan runs on TF32.
+    pub fast: bool,
+    /// Programmatic dependent launch between kernels (Hopper and newer).
+    pub pdl: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            tf32: false,
+            fast: false,
+            pdl: true,
+        }
+    }
+}
+
+impl GpuOptions {
+    /// The defaults, overridden by `MAMBA3_GPU_TF32=1`, `MAMBA3_GPU_FAST=1`,
+    /// `MAMBA3_GPU_PDL=0`.
+    pub fn from_env() -> GpuOptions {
+        let flag = |k: &str, d: bool| match std::env::var(k).as_deref() {
+            Ok("1") | Ok("true") | Ok("on") => true,
+            Ok("0") | Ok("false") | Ok("off") => false,
+            _ => d,
+        };
+        let d = GpuOptions::default();
+        GpuOptions {
+            tf32: flag("MAMBA3_GPU_TF32", d.tf32),
+            fast: flag("MAMBA3_GPU_FAST", d.fast),
+            pdl: flag("MAMBA3_GPU_PDL", d.pdl),
+        }
+    }
+}
+
+fn no_graphs_on_cpu(what: &str) -> Error {
+    Error::Device(format!(
+        "{what} need a CUDA device; this model runs on the CPU"
+    ))
+}
 
 impl Model {
     /// Load a model directory (config.json + model.safetensors or pytorch_model.bin).
@@ -63,9 +114,10 @@ impl Model {
         let backend = match device {
             Device::Cpu => Backend::Cpu(CpuModel::new(weights.clone())),
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => {
-                Backend::Cuda(crate::cuda::CudaModel::new(weights.clone(), ordinal)?)
-            }
+            Device::Cuda(ordinal) => Backend::Cuda(Box::new(crate::cuda::CudaModel::new(
+                weights.clone(),
+                ordinal,
+            )?)),
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
                 return Err(Error::Device(
@@ -148,7 +200,13 @@ impl Model {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            (Backend::Cuda(_), StateData::Cuda(_)) => Ok(()),
+            (Backend::Cuda(m), StateData::Cuda(s)) => {
+                if !s.is_on(m.gpu()) {
+                    let host = s.to_host(&state.dims)?;
+                    state.data = StateData::Cuda(m.upload_state(&host)?);
+                }
+                Ok(())
+            }
         }
     }
 
@@ -166,6 +224,15 @@ impl Model {
     /// and leave the state after them.
     pub fn prefill(&self, tokens: &[u32], state: &mut State, want: LogitsWant) -> Result<Logits> {
         Ok(self.prefill_batch(&[tokens], &mut [state], want)?.remove(0))
+    }
+
+    /// How many tokens one pass of the layers takes at most on this model's device.
+    pub fn max_tokens_per_pass(&self) -> usize {
+        match &self.backend {
+            Backend::Cpu(_) => MAX_TOKENS_PER_PASS,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => MAX_TOKENS_PER_PASS_GPU,
+        }
     }
 
     /// Prefill a batch of sequences of any lengths, each from and into its own state.
@@ -190,7 +257,7 @@ impl Model {
             let live: Vec<usize> = (0..seqs.len())
                 .filter(|&b| done[b] < seqs[b].len())
                 .collect();
-            let share = (MAX_TOKENS_PER_PASS / live.len()).max(1);
+            let share = (self.max_tokens_per_pass() / live.len()).max(1);
             let pieces: Vec<&[u32]> = live
                 .iter()
                 .map(|&b| &seqs[b][done[b]..(done[b] + share).min(seqs[b].len())])
@@ -218,19 +285,137 @@ impl Model {
     }
 
     /// One token for each sequence of a batch, each from and into its own state. Returns
-    /// `[B, vocab_padded]` logits.
+    /// `[B, vocab_padded]` logits. On a GPU with a captured decode graph that holds the
+    /// batch (see [`Model::capture_decode_graph`]) the step is a graph replay.
     pub fn decode(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Logits> {
-        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
-        crate::cpu::forward::check_batch(&self.weights, &seqs, states.len())?;
-        for (b, s) in states.iter_mut().enumerate() {
-            self.check_state(s, b)?;
-            self.place(s)?;
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(m) = &self.backend {
+            if m.decode_bucket(tokens.len())?.is_some() {
+                return self.decode_graph(tokens, states);
+            }
         }
+        self.decode_eager(tokens, states)
+    }
+
+    /// [`Model::decode`] without CUDA graphs.
+    pub fn decode_eager(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Logits> {
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.check_and_place(&seqs, states)?;
         let rows = self.forward(&seqs, states, LogitsWant::Last)?;
         Ok(Logits::from_rows(
             rows.concat(),
             self.weights.dims.vocab_padded,
         ))
+    }
+
+    fn check_and_place(&self, seqs: &[&[u32]], states: &mut [&mut State]) -> Result<()> {
+        crate::cpu::forward::check_batch(&self.weights, seqs, states.len())?;
+        for (b, s) in states.iter_mut().enumerate() {
+            self.check_state(s, b)?;
+            self.place(s)?;
+        }
+        Ok(())
+    }
+
+    /// The GPU options (`None` on the CPU).
+    pub fn gpu_options(&self) -> Result<Option<GpuOptions>> {
+        match &self.backend {
+            Backend::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.options().map(Some),
+        }
+    }
+
+    /// Change the GPU options (an error on the CPU).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn set_gpu_options(&self, o: GpuOptions) -> Result<()> {
+        match &self.backend {
+            Backend::Cpu(_) => Err(no_graphs_on_cpu("GPU options")),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.set_options(o),
+        }
+    }
+
+    /// Capture the decode step for batches of up to `bucket` sequences as one CUDA graph;
+    /// [`Model::decode`] replays it from then on for batches that fit.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn capture_decode_graph(&self, bucket: usize) -> Result<()> {
+        match &self.backend {
+            Backend::Cpu(_) => Err(no_graphs_on_cpu("CUDA graphs")),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.capture_decode(bucket),
+        }
+    }
+
+    /// Replay the captured decode graph of the smallest bucket that holds the batch; an
+    /// error if there is none or the model's options changed since the capture.
+    pub fn decode_graph(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Logits> {
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.check_and_place(&seqs, states)?;
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(m) = &self.backend {
+            let rows = m.decode_graph(tokens, states)?;
+            for s in states.iter_mut() {
+                s.position += 1;
+            }
+            return Ok(Logits::from_rows(
+                rows.concat(),
+                self.weights.dims.vocab_padded,
+            ));
+        }
+        Err(no_graphs_on_cpu("CUDA graphs"))
+    }
+
+    /// Capture one prefill pass of sequences of exactly these lengths as a CUDA graph.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn capture_prefill_graph(&self, lens: &[usize], want: LogitsWant) -> Result<()> {
+        match &self.backend {
+            Backend::Cpu(_) => Err(no_graphs_on_cpu("CUDA graphs")),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => {
+                if lens.iter().sum::<usize>() > self.max_tokens_per_pass() {
+                    return Err(Error::input(format!(
+                        "a prefill graph holds one pass of at most {} tokens",
+                        self.max_tokens_per_pass()
+                    )));
+                }
+                m.capture_prefill(lens, want)
+            }
+        }
+    }
+
+    /// Replay the prefill graph captured for exactly these lengths; an error if there is
+    /// none or the model's options changed since the capture.
+    pub fn prefill_graph(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut State],
+        want: LogitsWant,
+    ) -> Result<Vec<Logits>> {
+        self.check_and_place(seqs, states)?;
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(m) = &self.backend {
+            let rows = m.prefill_graph(seqs, states, want)?;
+            for (s, t) in states.iter_mut().zip(seqs) {
+                s.position += t.len() as u64;
+            }
+            let vocab = self.weights.dims.vocab_padded;
+            return Ok(rows
+                .into_iter()
+                .map(|d| Logits::from_rows(d, vocab))
+                .collect());
+        }
+        let _ = want; // (used only with CUDA support)
+        Err(no_graphs_on_cpu("CUDA graphs"))
+    }
+
+    /// Drop every captured CUDA graph (a no-op on the CPU).
+    pub fn clear_graphs(&self) -> Result<()> {
+        match &self.backend {
+            Backend::Cpu(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.clear_graphs(),
+        }
     }
 
     /// One pass of the layers over a checked batch whose states are on this device.

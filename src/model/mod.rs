@@ -2,6 +2,7 @@
 //! dtype conversions.
 
 pub mod config;
+pub mod default_model;
 pub mod dtype;
 pub mod rng;
 pub mod tensor_file;

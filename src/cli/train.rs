@@ -1,0 +1,254 @@
+//! `mamba3 train`: train a Mamba-3 SISO language model on text files (byte-level
+//! tokens), with a progress bar, validation loss, checkpoints (resumable) and a loss plot.
+
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::train::data::Dataset;
+use crate::train::optim::{AdamWConfig, Schedule};
+use crate::train::trainer::{Progress, RunConfig, Trainer};
+use crate::train::CpuBackend;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Text files to train on (concatenated).
+    #[arg(long, required_unless_present = "resume", num_args = 1..)]
+    pub data: Vec<PathBuf>,
+    /// Checkpoint directory (written every --ckpt-every steps and at the end).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Continue the run saved in --out (its settings are kept; --steps may extend it).
+    #[arg(long)]
+    pub resume: bool,
+    /// Tokenizer: `byte` (vocabulary 256; a tokenizer.json is written beside the model).
+    #[arg(long, default_value = "byte")]
+    pub tokenizer: String,
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    pub n_layer: usize,
+    #[arg(long, default_value_t = 64)]
+    pub d_state: usize,
+    #[arg(long, default_value_t = 64)]
+    pub headdim: usize,
+    #[arg(long, default_value_t = 2)]
+    pub expand: usize,
+    #[arg(long, default_value_t = 1)]
+    pub ngroups: usize,
+    /// GatedMLP width (0: no MLP).
+    #[arg(long, default_value_t = 0)]
+    pub d_intermediate: usize,
+    #[arg(long, default_value_t = 64)]
+    pub chunk_size: usize,
+    #[arg(long, default_value_t = 0.5)]
+    pub rope_fraction: f64,
+    /// Gated RMSNorm before out_proj.
+    #[arg(long)]
+    pub outproj_norm: bool,
+    /// Separate lm_head instead of the tied embedding.
+    #[arg(long)]
+    pub untied: bool,
+    /// Optimiser steps (default 1000; with --resume, the saved run's count unless given).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Micro-batches per optimiser step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    pub accum: usize,
+    #[arg(long, default_value_t = 256)]
+    pub seq_len: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    /// Final learning rate of the cosine schedule.
+    #[arg(long, default_value_t = 3e-4)]
+    pub min_lr: f64,
+    #[arg(long, default_value_t = 100)]
+    pub warmup: u64,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f64,
+    /// Clip gradients to this global norm (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Every N-th block of 4 KiB of the text is held out for validation.
+    #[arg(long, default_value_t = 20)]
+    pub val_every_block: usize,
+    /// Validate every N steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    pub eval_every: u64,
+    /// Validation windows (of --seq-len tokens) per evaluation.
+    #[arg(long, default_value_t = 256)]
+    pub eval_windows: usize,
+    /// Checkpoint every N steps.
+    #[arg(long, default_value_t = 200)]
+    pub ckpt_every: u64,
+    /// Print a log line every N steps (always, besides the bar).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: u64,
+    /// Device: cpu (the GPU backward is not there yet).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Stop (with a checkpoint to resume from) once this many seconds have passed.
+    #[arg(long)]
+    pub max_seconds: Option<f64>,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+fn model_config(a: &Args) -> Result<Config> {
+    let mut c = Config::synthetic(
+        a.d_model,
+        a.n_layer,
+        a.d_state,
+        a.headdim,
+        a.expand,
+        a.ngroups,
+        crate::train::data::BYTE_VOCAB,
+    );
+    c.d_intermediate = a.d_intermediate;
+    c.tie_embeddings = !a.untied;
+    c.ssm_cfg.chunk_size = a.chunk_size;
+    c.ssm_cfg.rope_fraction = a.rope_fraction;
+    c.ssm_cfg.is_outproj_norm = a.outproj_norm;
+    c.validate()?;
+    Ok(c)
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.device != "cpu" {
+        return Err(Error::Device(format!(
+            "training on `{}`: only `cpu` is implemented so far",
+            a.device
+        )));
+    }
+    if let Some(n) = a.threads {
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
+    }
+    std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
+    let mut trainer = if a.resume {
+        let mut t = Trainer::resume(&a.out, CpuBackend, None)?;
+        if let Some(s) = a.steps {
+            t.run.steps = s;
+        }
+        t
+    } else {
+        let steps = a.steps.unwrap_or(1000);
+        let run = RunConfig {
+            model: model_config(&a)?,
+            data: a.data.clone(),
+            tokenizer: a.tokenizer.clone(),
+            steps,
+            batch: a.batch,
+            accum: a.accum.max(1),
+            seq_len: a.seq_len,
+            schedule: Schedule {
+                peak: a.lr,
+                min: a.min_lr,
+                warmup: a.warmup,
+                total: steps,
+            },
+            adamw: AdamWConfig {
+                beta1: a.beta1,
+                beta2: a.beta2,
+                eps: 1e-8,
+                weight_decay: a.weight_decay,
+            },
+            clip: a.clip,
+            seed: a.seed,
+            val_every_block: a.val_every_block,
+            eval_every: a.eval_every,
+            eval_windows: a.eval_windows,
+            ckpt_every: a.ckpt_every,
+        };
+        let data = Dataset::load(&run.data, run.val_every_block)?;
+        Trainer::with_data(run, CpuBackend, data)?
+    };
+    let r = &trainer.run;
+    eprintln!(
+        "training {} parameters ({} layers, d_model {}, d_state {}, headdim {}) on {}: \
+         {} steps × {} × {} × {} tokens, from step {}",
+        trainer.params.numel(),
+        r.model.n_layer,
+        r.model.d_model,
+        r.model.ssm_cfg.d_state,
+        r.model.ssm_cfg.headdim,
+        crate::train::Backend::name(&trainer.backend),
+        r.steps,
+        r.accum,
+        r.batch,
+        r.seq_len,
+        trainer.progress.step
+    );
+    eprintln!(
+        "unigram baseline on the validation split: {:.4} bits/byte",
+        trainer.progress.unigram_bits
+    );
+    let pb = ProgressBar::new(r.steps);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap(),
+    );
+    pb.set_position(trainer.progress.step);
+    let log_every = a.log_every.max(1);
+    let mut ema: Option<f64> = None;
+    let mut hook = |p: &Progress, loss: f64, lr: f64, norm: f64, tps: f64| {
+        let e = ema.map_or(loss, |e| 0.95 * e + 0.05 * loss);
+        ema = Some(e);
+        let val = p
+            .val_loss
+            .last()
+            .map(|&(_, v)| format!(" val {:.4} ({:.3} bpb)", v, v / std::f64::consts::LN_2))
+            .unwrap_or_default();
+        pb.set_message(format!("loss {e:.4}{val} {tps:.0} tok/s"));
+        pb.set_position(p.step);
+        if p.step.is_multiple_of(log_every) || p.step == 1 {
+            let line = format!(
+                "step {} loss {loss:.4} (avg {e:.4}){val} lr {lr:.2e} |g| {norm:.3} {tps:.0} tok/s {:.0}s",
+                p.step, p.seconds
+            );
+            if pb.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                pb.println(line);
+            }
+        }
+    };
+    let deadline = a
+        .max_seconds
+        .map(|s| std::time::Instant::now() + std::time::Duration::from_secs_f64(s));
+    let done = trainer.train(&a.out, &mut hook, deadline)?;
+    pb.finish();
+    if !done {
+        eprintln!(
+            "time limit reached at step {}: checkpoint in {}; continue with --resume",
+            trainer.progress.step,
+            a.out.display()
+        );
+    }
+    let p = &trainer.progress;
+    if let Some(&(_, v)) = p.val_loss.last() {
+        eprintln!(
+            "final validation loss {v:.4} nats/byte = {:.4} bits/byte (unigram {:.4})",
+            v / std::f64::consts::LN_2,
+            p.unigram_bits
+        );
+    }
+    let png = a.out.join("loss.png");
+    crate::train::plot::loss_png(p, &png)?;
+    eprintln!("checkpoint and loss plot in {}", a.out.display());
+    Ok(())
+}

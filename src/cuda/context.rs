@@ -1,0 +1,235 @@
+//! One GPU: its context and stream, device memory, and kernel launches.
+//!
+//! Everything runs on one stream, in order, so no event tracking is needed: buffers are
+//! raw device allocations (`DevBuf`) and kernels are launched through `cuLaunchKernelEx`,
+//! with programmatic dependent launch when enabled (each kernel calls
+//! `griddepcontrol.wait` before it touches what the previous one wrote, see
+//! kernels/common.cuh).
+
+use crate::error::{Error, Result};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// A driver (or library) failure as our error, naming what was being done.
+pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device(format!("{what}: {e:?}"))
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub name: String,
+    pub ordinal: usize,
+    /// Compute capability.
+    pub cc: (i32, i32),
+    pub sms: usize,
+    /// The most dynamic shared memory one block may ask for.
+    pub max_smem: usize,
+}
+
+impl Gpu {
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        let n = super::device_count();
+        if ordinal >= n {
+            return Err(Error::Device(format!(
+                "CUDA device {ordinal} requested, but {n} device(s) are visible"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("creating the CUDA context", e))?;
+        // One stream, used in order: cudarc's per-buffer events are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| dev_err("creating a stream", e))?;
+        let attr = |a| {
+            ctx.attribute(a)
+                .map_err(|e| dev_err("reading a device attribute", e))
+        };
+        use sys::CUdevice_attribute as A;
+        let cc = (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
+        Ok(Gpu {
+            name: ctx
+                .name()
+                .map_err(|e| dev_err("reading the device name", e))?,
+            sms: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
+            max_smem: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
+            cc,
+            ordinal,
+            ctx,
+            stream,
+        })
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("binding the CUDA context", e))
+    }
+
+    pub fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| dev_err("synchronizing the stream (a kernel failed)", e))
+    }
+
+    /// An uninitialised device buffer of `n` elements of `T`.
+    pub fn alloc<T>(&self, n: usize) -> Result<DevBuf> {
+        DevBuf::new(&self.ctx, n * std::mem::size_of::<T>())
+    }
+
+    /// A device buffer holding `data`.
+    pub fn upload<T: Copy>(&self, data: &[T]) -> Result<DevBuf> {
+        let b = self.alloc::<T>(data.len().max(1))?;
+        self.htod(data, b.ptr)?;
+        Ok(b)
+    }
+
+    /// Queue a copy host → device (the host slice may be dropped on return).
+    pub fn htod<T: Copy>(&self, src: &[T], dst: u64) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        unsafe { result::memcpy_htod_async(dst, src, self.cu_stream()) }
+            .map_err(|e| dev_err("copying to the device", e))
+    }
+
+    /// Copy device → host, waiting for the stream first.
+    pub fn dtoh<T: Copy>(&self, src: u64, dst: &mut [T]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        unsafe { result::memcpy_dtoh_async(dst, src, self.cu_stream()) }
+            .map_err(|e| dev_err("copying from the device", e))?;
+        self.sync()
+    }
+
+    pub fn dtod(&self, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
+            .map_err(|e| dev_err("copying on the device", e))
+    }
+
+    pub fn zero(&self, dst: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.cu_stream()) }
+            .map_err(|e| dev_err("clearing device memory", e))
+    }
+
+    /// Launch `k` on the stream: `grid` blocks of `block` threads, `smem` bytes of dynamic
+    /// shared memory. `pdl` lets it start before the previous kernel has finished (the
+    /// kernel waits with `griddepcontrol.wait` before reading its inputs).
+    pub fn launch(
+        &self,
+        k: &Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        args: &[&dyn KArg],
+    ) -> Result<()> {
+        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.ptr()).collect();
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(pdl),
+        };
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                k.func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| dev_err(&format!("launching kernel `{}`", k.name), e))
+    }
+}
+
+/// A loaded kernel.
+pub struct Kernel {
+    pub name: &'static str,
+    pub func: CudaFunction,
+}
+
+/// A kernel argument: anything whose bytes are passed by value.
+pub trait KArg {
+    fn ptr(&self) -> *mut c_void;
+}
+macro_rules! karg {
+    ($($t:ty),*) => {$(
+        impl KArg for $t {
+            fn ptr(&self) -> *mut c_void {
+                self as *const $t as *mut c_void
+            }
+        }
+    )*};
+}
+karg!(u64, i32, u32, f32);
+
+/// Raw device memory, freed on drop. `ptr` is the device address.
+pub struct DevBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DevBuf {
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DevBuf> {
+        ctx.bind_to_thread()
+            .map_err(|e| dev_err("binding the CUDA context", e))?;
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| {
+            let free = result::mem_get_info().map(|m| m.0).unwrap_or(0);
+            Error::Device(format!(
+                "allocating {bytes} bytes of device memory failed ({e:?}; {free} bytes free)"
+            ))
+        })?;
+        Ok(DevBuf {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+        })
+    }
+    /// The address `elems` elements of `T` in.
+    pub fn at<T>(&self, elems: usize) -> u64 {
+        self.ptr + (elems * std::mem::size_of::<T>()) as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // Nothing useful to do with an error while dropping.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}

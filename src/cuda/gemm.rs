@@ -1,0 +1,235 @@
+//! Row-major GEMMs through cuBLASLt: `D[rows, n] (+)= A[rows, k] · W[n, k]ᵀ`, the shape of
+//! every projection (PyTorch `nn.Linear` weights are `[out, in]`). The CPU twin is
+//! `matmul_t` in src/cpu/matmul.rs.
+//!
+//! In cuBLAS's column-major terms that is `Dᵀ = op_T(W)·Aᵀ` ("TN"): m = n, n = rows,
+//! both operands K-major. A and W are f32, bf16 or f16, D is f32 (the in_proj output, the
+//! residual stream, the logits) or the activation dtype; accumulation is always f32
+//! (`CUBLAS_COMPUTE_32F`, or `…_FAST_TF32` when asked for with f32 operands). With
+//! `accumulate`, D is also the addend (β = 1): the residual add of out_proj and fc2 rides
+//! in the GEMM epilogue.
+//!
+//! Each shape's descriptors and algorithm are chosen once and kept, so that eager runs and
+//! graph captures replay the very same kernel; split-K reductions that use atomics are
+//! excluded, so results are bit-reproducible.
+
+use super::context::{dev_err, DevBuf, Gpu};
+use crate::error::{Error, Result};
+use cudarc::cublaslt::{result as lt, sys};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ElemType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl ElemType {
+    fn cuda(self) -> sys::cudaDataType {
+        match self {
+            ElemType::F32 => sys::cudaDataType::CUDA_R_32F,
+            ElemType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            ElemType::F16 => sys::cudaDataType::CUDA_R_16F,
+        }
+    }
+    pub fn of(d: crate::model::DType) -> ElemType {
+        match d {
+            crate::model::DType::BF16 => ElemType::BF16,
+            crate::model::DType::F16 => ElemType::F16,
+            _ => ElemType::F32,
+        }
+    }
+    pub fn size(self) -> usize {
+        match self {
+            ElemType::F32 => 4,
+            _ => 2,
+        }
+    }
+}
+
+/// One GEMM shape and its numeric choices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmSpec {
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+    /// row stride of D (≥ n)
+    pub ldd: usize,
+    pub a: ElemType,
+    pub w: ElemType,
+    pub d: ElemType,
+    pub accumulate: bool,
+    pub tf32: bool,
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+pub struct Lt {
+    handle: sys::cublasLtHandle_t,
+    workspace: DevBuf,
+    plans: Mutex<HashMap<GemmSpec, Plan>>,
+}
+
+// The handle and descriptors are only used under the model's lock, on its stream.
+unsafe impl Send for Lt {}
+unsafe impl Sync for Lt {}
+
+fn blas_err(what: &str, e: lt::CublasError) -> Error {
+    dev_err(&format!("cuBLASLt {what}"), e)
+}
+
+impl Lt {
+    pub fn new(gpu: &Gpu) -> Result<Lt> {
+        let present =
+            std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
+        if !present {
+            return Err(Error::Device(
+                "libcublasLt was not found: put the CUDA toolkit's lib directory \
+                 (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        gpu.bind()?;
+        let handle = lt::create_handle().map_err(|e| blas_err("handle", e))?;
+        Ok(Lt {
+            handle,
+            workspace: gpu.alloc::<u8>(WORKSPACE_BYTES)?,
+            plans: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn plan(&self, s: &GemmSpec) -> Result<Plan> {
+        let compute = if s.tf32 && s.a == ElemType::F32 && s.w == ElemType::F32 {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F)
+            .map_err(|e| blas_err("matmul descriptor", e))?;
+        let set = |attr, v: i32| unsafe {
+            lt::set_matmul_desc_attribute(desc, attr, (&v as *const i32).cast(), 4)
+        };
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        set(D::CUBLASLT_MATMUL_DESC_TRANSA, 1).map_err(|e| blas_err("transa", e))?;
+        set(D::CUBLASLT_MATMUL_DESC_TRANSB, 0).map_err(|e| blas_err("transb", e))?;
+        let lay = |t: ElemType, r: usize, c: usize, ld: usize| {
+            lt::create_matrix_layout(t.cuda(), r as u64, c as u64, ld as i64)
+                .map_err(|e| blas_err("matrix layout", e))
+        };
+        // W: k × n (col-major, ld k), used transposed; A: k × rows; D: n × rows.
+        let layouts = [
+            lay(s.w, s.k, s.n, s.k)?,
+            lay(s.a, s.k, s.rows, s.k)?,
+            lay(s.d, s.n, s.rows, s.ldd)?,
+        ];
+        let pref = lt::create_matmul_pref().map_err(|e| blas_err("preference", e))?;
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        let ws = WORKSPACE_BYTES as u64;
+        // No in-place (atomic) split-K reduction: keep results reproducible.
+        let mask: u32 = 2 | 4;
+        let r = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const u64).cast(),
+                8,
+            )
+            .and_then(|_| {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    (&mask as *const u32).cast(),
+                    4,
+                )
+            })
+            .and_then(|_| {
+                lt::get_matmul_algo_heuristic(
+                    self.handle,
+                    desc,
+                    layouts[0],
+                    layouts[1],
+                    layouts[2],
+                    layouts[2],
+                    pref,
+                )
+            })
+        };
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let heur = r.map_err(|e| {
+            Error::Device(format!(
+                "cuBLASLt has no algorithm for a {}×{}×{} GEMM ({:?}·{:?} → {:?}): {e:?}",
+                s.rows, s.n, s.k, s.a, s.w, s.d
+            ))
+        })?;
+        Ok(Plan {
+            desc,
+            layouts,
+            algo: heur.algo,
+        })
+    }
+
+    /// `D (+)= A · Wᵀ` on the GPU's stream. Device addresses; `spec` gives the shape.
+    pub fn gemm(&self, gpu: &Gpu, s: &GemmSpec, a: u64, w: u64, d: u64) -> Result<()> {
+        if s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
+        if !plans.contains_key(s) {
+            let p = self.plan(s)?;
+            plans.insert(*s, p);
+        }
+        let p = &plans[s];
+        let alpha = 1.0f32;
+        let beta = if s.accumulate { 1.0f32 } else { 0.0 };
+        gpu.bind()?;
+        unsafe {
+            lt::matmul(
+                self.handle,
+                p.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w as *const c_void,
+                p.layouts[0],
+                a as *const c_void,
+                p.layouts[1],
+                d as *const c_void,
+                p.layouts[2],
+                d as *mut c_void,
+                p.layouts[2],
+                &p.algo,
+                self.workspace.ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                gpu.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| blas_err(&format!("GEMM {}×{}×{}", s.rows, s.n, s.k), e))
+    }
+}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        if let Ok(plans) = self.plans.get_mut() {
+            for p in plans.values() {
+                unsafe {
+                    let _ = lt::destroy_matmul_desc(p.desc);
+                    for l in p.layouts {
+                        let _ = lt::destroy_matrix_layout(l);
+                    }
+                }
+            }
+        }
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}

@@ -1,0 +1,279 @@
+//! CUDA graphs: a whole decode step for a batch-size bucket, or a whole prefill for fixed
+//! sequence lengths, captured once and replayed with one launch.
+//!
+//! A captured graph owns its work buffers (so nothing an eager pass reallocates can move
+//! under it) and records what it was captured with: the numeric options, the kernels and
+//! the weights. Replay copies the tokens and the state addresses into the graph's own
+//! tables, launches, and reads the logits back. It refuses, with an error, a batch larger
+//! than the bucket, lengths other than the captured ones, and any change of options,
+//! kernels or weights since the capture. Replay runs exactly the launches of an eager pass
+//! with the same shapes, so results are bit-identical; a decode batch smaller than its
+//! bucket is padded with a scratch state, and as every kernel of the small-batch decode
+//! treats each row on its own, the padding does not change the other rows' results.
+
+use super::context::dev_err;
+use super::model::{split_logits, CudaModel};
+use super::state::CudaState;
+use super::work::{Caps, Layout, Work};
+use crate::cpu::LogitsWant;
+use crate::engine::state::State;
+use crate::engine::GpuOptions;
+use crate::error::{Error, Result};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaGraph;
+use std::collections::BTreeMap;
+
+/// What a graph was captured with; replay needs all of it unchanged.
+#[derive(Clone, Debug, PartialEq)]
+struct CaptureKey {
+    opts: GpuOptions,
+    kernels: usize,
+    weights: u64,
+}
+
+struct Captured {
+    graph: CudaGraph,
+    work: Work,
+    key: CaptureKey,
+    /// padding rows' state (decode)
+    scratch: CudaState,
+    layout: Layout,
+}
+
+#[derive(Default)]
+pub struct Graphs {
+    decode: BTreeMap<usize, Captured>,
+    prefill: Vec<(Vec<usize>, LogitsWant, Captured)>,
+}
+
+impl Graphs {
+    pub fn decode_buckets(&self) -> Vec<usize> {
+        self.decode.keys().copied().collect()
+    }
+}
+
+enum Kind {
+    Decode,
+    Prefill,
+}
+
+impl CudaModel {
+    fn capture_key(
+        &self,
+        opts: GpuOptions,
+        k: &std::sync::Arc<super::kernels::Kernels>,
+    ) -> CaptureKey {
+        CaptureKey {
+            opts,
+            kernels: std::sync::Arc::as_ptr(k) as usize,
+            weights: self.gw.embedding.ptr,
+        }
+    }
+
+    /// Capture one pass of `lay` into a graph over fresh buffers.
+    fn capture(&self, lay: Layout, kind: Kind) -> Result<Captured> {
+        let mut inner = self.lock()?;
+        let opts = inner.opts;
+        let k = self.kernels(&mut inner, opts)?;
+        let d = self.weights.dims;
+        let gpu = self.gpu();
+        let work = Work::new(gpu, &d, self.weights.dtype.size(), Caps::of(&lay))?;
+        let mut scratch = CudaState::zeros(gpu, &d)?;
+        let sp = scratch.unique_ptr()?;
+        let n = lay.seqs.len();
+        work.put_layout(gpu, &lay)?;
+        gpu.htod(&vec![0u32; lay.rows], work.tokens.ptr)?;
+        gpu.htod(&vec![sp; n], work.states.ptr)?;
+        let pipe = self.pipe(&k, opts);
+        let run = |w: &Work| match kind {
+            Kind::Decode => pipe.decode(w, n),
+            Kind::Prefill => pipe.prefill(w, &lay),
+        };
+        // A warm-up pass first: cuBLASLt plans and lazy loading happen outside the capture.
+        run(&work)?;
+        gpu.sync()?;
+        gpu.bind()?;
+        gpu.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| dev_err("beginning a graph capture", e))?;
+        let captured = run(&work);
+        let ended = gpu
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(|e| dev_err("ending a graph capture", e));
+        captured?;
+        let graph =
+            ended?.ok_or_else(|| Error::Device("the graph capture recorded nothing".into()))?;
+        graph
+            .upload()
+            .map_err(|e| dev_err("uploading the graph", e))?;
+        gpu.sync()?;
+        Ok(Captured {
+            graph,
+            work,
+            key: self.capture_key(opts, &k),
+            scratch,
+            layout: lay,
+        })
+    }
+
+    /// Capture the decode step for batches of up to `bucket` sequences.
+    pub fn capture_decode(&self, bucket: usize) -> Result<()> {
+        if bucket == 0 {
+            return Err(Error::input(
+                "a decode graph needs a batch size of at least 1",
+            ));
+        }
+        let c = self.capture(Layout::decode(bucket, &self.weights.dims), Kind::Decode)?;
+        self.lock()?.graphs.decode.insert(bucket, c);
+        Ok(())
+    }
+
+    /// Capture a prefill of sequences of exactly these lengths (continued or fresh states).
+    pub fn capture_prefill(&self, lens: &[usize], want: LogitsWant) -> Result<()> {
+        if lens.is_empty() || lens.contains(&0) {
+            return Err(Error::input(format!(
+                "a prefill graph needs one or more non-empty sequences, got lengths {lens:?}"
+            )));
+        }
+        if lens.iter().all(|&n| n == 1) {
+            return Err(Error::input(
+                "one token per sequence is a decode step: capture a decode graph instead",
+            ));
+        }
+        let lay = Layout::new(lens, &self.weights.dims, self.gpu().sms, want);
+        let c = self.capture(lay, Kind::Prefill)?;
+        let mut inner = self.lock()?;
+        inner
+            .graphs
+            .prefill
+            .retain(|(l, w, _)| !(l == lens && *w == want));
+        inner.graphs.prefill.push((lens.to_vec(), want, c));
+        Ok(())
+    }
+
+    /// The smallest captured decode bucket that holds `batch` sequences.
+    pub fn decode_bucket(&self, batch: usize) -> Result<Option<usize>> {
+        Ok(self
+            .lock()?
+            .graphs
+            .decode
+            .range(batch..)
+            .next()
+            .map(|(&b, _)| b))
+    }
+
+    /// Drop every captured graph.
+    pub fn clear_graphs(&self) -> Result<()> {
+        self.lock()?.graphs = Graphs::default();
+        Ok(())
+    }
+
+    /// Replay the decode graph of the smallest bucket ≥ the batch.
+    pub fn decode_graph(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Vec<Vec<f32>>> {
+        let b = tokens.len();
+        let ptrs = self.state_ptrs(states)?;
+        let mut inner = self.lock()?;
+        let opts = inner.opts;
+        let k = self.kernels(&mut inner, opts)?;
+        let key = self.capture_key(opts, &k);
+        let buckets = inner.graphs.decode_buckets();
+        let Some((&bucket, cap)) = inner.graphs.decode.range_mut(b..).next() else {
+            return Err(Error::Device(format!(
+                "no decode graph holds a batch of {b}: captured buckets {buckets:?}"
+            )));
+        };
+        check_key(&cap.key, &key, &format!("decode graph for batch {bucket}"))?;
+        let sp = cap.scratch.unique_ptr()?;
+        let mut p = ptrs;
+        p.resize(bucket, sp);
+        let mut t = tokens.to_vec();
+        t.resize(bucket, 0);
+        self.replay(cap, &t, &p, b).map(|l| {
+            l.chunks(self.weights.dims.vocab_padded)
+                .map(<[f32]>::to_vec)
+                .collect()
+        })
+    }
+
+    /// Replay the prefill graph captured for exactly these sequence lengths.
+    pub fn prefill_graph(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut State],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let ptrs = self.state_ptrs(states)?;
+        let mut inner = self.lock()?;
+        let opts = inner.opts;
+        let k = self.kernels(&mut inner, opts)?;
+        let key = self.capture_key(opts, &k);
+        let shapes: Vec<String> = inner
+            .graphs
+            .prefill
+            .iter()
+            .map(|(l, w, _)| format!("{l:?} {w:?}"))
+            .collect();
+        let Some((_, _, cap)) = inner
+            .graphs
+            .prefill
+            .iter_mut()
+            .find(|(l, w, _)| *l == lens && *w == want)
+        else {
+            return Err(Error::Device(format!(
+                "no prefill graph was captured for lengths {lens:?} with logits {want:?}; captured: [{}]",
+                shapes.join(", ")
+            )));
+        };
+        check_key(
+            &cap.key,
+            &key,
+            &format!("prefill graph for lengths {lens:?}"),
+        )?;
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        let picked = cap.layout.picked.len();
+        let logits = self.replay(cap, &tokens, &ptrs, picked)?;
+        Ok(split_logits(
+            &logits,
+            seqs,
+            want,
+            self.weights.dims.vocab_padded,
+            false,
+        ))
+    }
+
+    fn replay(
+        &self,
+        cap: &Captured,
+        tokens: &[u32],
+        ptrs: &[u64],
+        rows: usize,
+    ) -> Result<Vec<f32>> {
+        let gpu = self.gpu();
+        gpu.htod(tokens, cap.work.tokens.ptr)?;
+        gpu.htod(ptrs, cap.work.states.ptr)?;
+        gpu.bind()?;
+        cap.graph
+            .launch()
+            .map_err(|e| dev_err("launching a CUDA graph", e))?;
+        let mut logits = vec![0f32; rows * self.weights.dims.vocab_padded];
+        gpu.dtoh(cap.work.logits.ptr, &mut logits)?;
+        Ok(logits)
+    }
+}
+
+fn check_key(captured: &CaptureKey, now: &CaptureKey, what: &str) -> Result<()> {
+    if captured.opts != now.opts {
+        return Err(Error::Device(format!(
+            "the {what} was captured with GPU options {:?}, the model now runs {:?}: capture it again",
+            captured.opts, now.opts
+        )));
+    }
+    if captured.kernels != now.kernels || captured.weights != now.weights {
+        return Err(Error::Device(format!(
+            "the {what} was captured over other kernels or weights than the model now holds: capture it again"
+        )));
+    }
+    Ok(())
+}

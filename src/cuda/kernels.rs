@@ -1,0 +1,390 @@
+//! The CUDA C kernels (`kernels/*.cu`, embedded in the binary), compiled by NVRTC at run
+//! time for the device's architecture (`sm_90a` on Hopper) with the model's dimensions as
+//! compile-time constants, and cached on disk as cubin so that later starts skip the
+//! compile.
+//!
+//! Cache: `$MAMBA3_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mamba3/kernels`, else
+//! `~/.cache/mamba3/kernels`; one file per (source, options, NVRTC version, architecture).
+//! A cache that cannot be read or written only costs the compile.
+//! CUDA headers (`cuda_bf16.h`, `mma.h`): `$CUDA_INCLUDE_DIR`, else `$CUDA_HOME/include`,
+//! else `/usr/local/cuda/include`.
+
+use super::context::{dev_err, Gpu, Kernel};
+use crate::error::{Error, Result};
+use crate::model::weights::Fnv;
+use crate::model::{Config, DType, Dims};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use std::path::PathBuf;
+
+/// Every kernel source, in the order they are concatenated into one program.
+pub const SOURCES: [(&str, &str); 5] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("dense.cu", include_str!("kernels/dense.cu")),
+    ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
+    ("scan.cu", include_str!("kernels/scan.cu")),
+    ("step.cu", include_str!("kernels/step.cu")),
+];
+
+/// The kernels every module exports.
+pub const KERNEL_NAMES: [&str; 12] = [
+    "embed",
+    "rms_norm_rows",
+    "swiglu_rows",
+    "gemv_dmodel",
+    "gemv_dinner",
+    "gemv_hidden",
+    "prefill_pre",
+    "angle_pass",
+    "scan_states",
+    "scan_outputs",
+    "scan_pass",
+    "mixer_step",
+];
+
+/// How the chunk products of the scan are computed (`SCAN_MMA` in kernels/scan.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScanMath {
+    /// exact f32 FMA
+    F32 = 0,
+    /// TF32 tensor cores, f32 accumulate
+    Tf32 = 1,
+    /// bf16/f16 tensor cores (the model dtype), f32 accumulate
+    Half = 2,
+}
+
+/// Everything a compiled module depends on besides the source.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KernelConfig {
+    pub defines: Vec<(String, String)>,
+}
+
+impl KernelConfig {
+    /// The constants of one model's kernels. `scan` is downgraded to exact f32 when the
+    /// shape does not tile for the tensor cores (chunk, headdim, d_state multiples of 16).
+    pub fn new(cfg: &Config, dims: &Dims, dtype: DType, scan: ScanMath) -> Result<KernelConfig> {
+        let d = dims;
+        let act = match dtype {
+            DType::F32 => 0,
+            DType::BF16 => 1,
+            DType::F16 => 2,
+            DType::F64 => {
+                return Err(Error::Device(
+                    "the GPU runs f32, bf16 or f16 models, not f64".into(),
+                ))
+            }
+        };
+        let tiles = [d.chunk_len, d.headdim, d.d_state]
+            .iter()
+            .all(|&v| v.is_multiple_of(16));
+        let scan = match scan {
+            ScanMath::Half if dtype == DType::F32 => ScanMath::Tf32,
+            _ if !tiles => ScanMath::F32,
+            s => s,
+        };
+        if !d.d_state.is_multiple_of(4) {
+            return Err(Error::Device(format!(
+                "d_state {} is not a multiple of 4, which the GPU kernels need",
+                d.d_state
+            )));
+        }
+        let i = |k: &str, v: usize| (k.to_string(), v.to_string());
+        let defines = vec![
+            i("D_MODEL", d.d_model),
+            i("D_INNER", d.d_inner),
+            i("NHEADS", d.nheads),
+            i("HEADDIM", d.headdim),
+            i("DSTATE", d.d_state),
+            i("NGROUPS", d.ngroups),
+            i("NANGLES", d.num_rope_angles),
+            i("D_IN_PROJ", d.d_in_proj),
+            i("PROJ_LD", proj_ld(d)),
+            i("CHUNK", d.chunk_len),
+            i("MLP_HIDDEN", d.mlp_hidden),
+            i("OUTNORM", usize::from(cfg.ssm_cfg.is_outproj_norm)),
+            i(
+                "A_ACT",
+                match cfg.ssm_cfg.a_activation {
+                    crate::model::config::AActivation::HeavyTail => 0,
+                    crate::model::config::AActivation::Softplus => 1,
+                },
+            ),
+            ("A_FLOOR".into(), f32_literal(cfg.ssm_cfg.a_floor as f32)),
+            (
+                "NORM_EPS".into(),
+                f32_literal(crate::model::config::NORM_EPS as f32),
+            ),
+            i("ACT", act),
+            i("SCAN_MMA", scan as usize),
+        ];
+        Ok(KernelConfig { defines })
+    }
+
+    pub fn scan_math(&self) -> ScanMath {
+        match self.define("SCAN_MMA") {
+            Some("1") => ScanMath::Tf32,
+            Some("2") => ScanMath::Half,
+            _ => ScanMath::F32,
+        }
+    }
+
+    fn define(&self, k: &str) -> Option<&str> {
+        self.defines
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// The row stride of the in_proj output: `d_in_proj` rounded up to 8 (16-byte-aligned f32
+/// rows; cuBLASLt's bf16 kernels were seen to write NaN into f32 rows 2760 bytes apart).
+pub fn proj_ld(d: &Dims) -> usize {
+    d.d_in_proj.next_multiple_of(8)
+}
+
+/// An f32 constant written so that NVRTC reads back exactly the same bits.
+fn f32_literal(v: f32) -> String {
+    format!("__int_as_float({:#010x})", v.to_bits())
+}
+
+/// The whole program: every source file, in order.
+pub fn program_source() -> String {
+    SOURCES
+        .iter()
+        .map(|(name, text)| format!("// ---- {name}\n{text}\n"))
+        .collect()
+}
+
+/// Where the CUDA headers are, if anywhere.
+pub fn cuda_include_dir() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("CUDA_INCLUDE_DIR").map(PathBuf::from),
+        std::env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("include")),
+        Some(PathBuf::from("/usr/local/cuda/include")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|p| p.join("cuda_bf16.h").is_file())
+}
+
+/// Whether libnvrtc can be loaded (never panics).
+pub fn nvrtc_available() -> bool {
+    std::panic::catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false)
+}
+
+/// NVRTC's version, e.g. (13, 0).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_available() {
+        return Err(Error::Device(
+            "libnvrtc was not found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) \
+             and put its lib directory on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let (mut a, mut b) = (0, 0);
+    unsafe { nvrtc_sys::nvrtcVersion(&mut a, &mut b) }
+        .result()
+        .map_err(|e| dev_err("asking NVRTC for its version", e))?;
+    Ok((a, b))
+}
+
+/// The `--gpu-architecture` for a compute capability: `sm_90a` on Hopper (for its own
+/// instructions), `sm_XY` elsewhere.
+pub fn arch_for(cc: (i32, i32)) -> String {
+    if cc == (9, 0) {
+        "sm_90a".into()
+    } else {
+        format!("sm_{}{}", cc.0, cc.1)
+    }
+}
+
+/// NVRTC options for one configuration.
+fn options(cfg: &KernelConfig, arch: &str, include: &std::path::Path) -> Vec<String> {
+    let mut o = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".into(),
+        "-default-device".into(),
+        "-lineinfo".into(),
+        format!("--include-path={}", include.display()),
+    ];
+    o.extend(cfg.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+    o
+}
+
+/// Compile the program for `arch` and return the cubin, with the compiler's log.
+pub fn compile_cubin(cfg: &KernelConfig, arch: &str) -> Result<(Vec<u8>, String)> {
+    nvrtc_version()?;
+    let include = cuda_include_dir().ok_or_else(|| {
+        Error::Device(
+            "the CUDA headers (cuda_bf16.h) were not found: set CUDA_INCLUDE_DIR or CUDA_HOME"
+                .into(),
+        )
+    })?;
+    let src = std::ffi::CString::new(program_source())
+        .map_err(|_| Error::Device("kernel source holds a NUL byte".into()))?;
+    let prog = nvrtc::create_program(&src, Some(c"mamba3.cu"))
+        .map_err(|e| dev_err("creating the NVRTC program", e))?;
+    let opts = options(cfg, arch, &include);
+    let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
+    let log = unsafe { nvrtc::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    let out = compiled
+        .map_err(|e| {
+            Error::Device(format!(
+                "NVRTC failed to compile the kernels for {arch} ({e:?}):\n{log}"
+            ))
+        })
+        .and_then(|_| {
+            let mut size = 0usize;
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }
+                .result()
+                .map_err(|e| dev_err("reading the cubin size", e))?;
+            let mut cubin = vec![0u8; size];
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }
+                .result()
+                .map_err(|e| dev_err("reading the cubin", e))?;
+            Ok(cubin)
+        });
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    Ok((out?, log))
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("MAMBA3_KERNEL_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("mamba3").join("kernels"))
+}
+
+/// The cubin for `cfg` on `arch`: from the disk cache, or compiled (and cached).
+/// Returns whether it came from the cache.
+pub fn cubin_cached(cfg: &KernelConfig, arch: &str) -> Result<(Vec<u8>, bool)> {
+    let (va, vb) = nvrtc_version()?;
+    let key = Fnv::new()
+        .bytes(program_source().as_bytes())
+        .bytes(format!("{:?}|{arch}|nvrtc {va}.{vb}", cfg.defines).as_bytes())
+        .0;
+    let path = cache_dir().map(|d| d.join(format!("{key:016x}-{arch}.cubin")));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            if !bytes.is_empty() {
+                return Ok((bytes, true));
+            }
+        }
+    }
+    let (cubin, _log) = compile_cubin(cfg, arch)?;
+    if let Some(p) = &path {
+        if let Some(dir) = p.parent() {
+            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            let _ = std::fs::create_dir_all(dir)
+                .and_then(|_| std::fs::write(&tmp, &cubin))
+                .and_then(|_| std::fs::rename(&tmp, p));
+        }
+    }
+    Ok((cubin, false))
+}
+
+/// One model's kernels, loaded on the device.
+pub struct Kernels {
+    pub embed: Kernel,
+    pub rms_norm_rows: Kernel,
+    pub swiglu_rows: Option<Kernel>,
+    /// decode GEMVs by input width: d_model, d_inner, MLP hidden
+    pub gemv_dmodel: Kernel,
+    pub gemv_dinner: Kernel,
+    pub gemv_hidden: Option<Kernel>,
+    pub prefill_pre: Kernel,
+    pub angle_pass: Kernel,
+    pub scan_states: Kernel,
+    pub scan_outputs: Kernel,
+    pub scan_pass: Kernel,
+    pub mixer_step: Kernel,
+    /// Dynamic shared memory of the scan blocks and of prefill_pre, in bytes.
+    pub scan_smem: u32,
+    pub pre_smem: u32,
+    pub config: KernelConfig,
+    /// Whether the cubin came from the disk cache.
+    pub from_cache: bool,
+}
+
+impl Kernels {
+    pub fn load(gpu: &Gpu, cfg: &KernelConfig) -> Result<Kernels> {
+        gpu.bind()?;
+        let arch = arch_for(gpu.cc);
+        let (cubin, from_cache) = cubin_cached(cfg, &arch)?;
+        let module = gpu
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| dev_err("loading the compiled kernels", e))?;
+        let get = |name: &'static str| -> Result<Kernel> {
+            let func = module
+                .load_function(name)
+                .map_err(|e| dev_err(&format!("finding kernel `{name}`"), e))?;
+            Ok(Kernel { name, func })
+        };
+        let global = |name: &str| -> Result<u32> {
+            use cudarc::driver::DevicePtr;
+            let view = module
+                .get_global(name, &gpu.stream)
+                .map_err(|e| dev_err(&format!("finding `{name}`"), e))?;
+            let (ptr, _g) = view.device_ptr(&gpu.stream);
+            let mut v = [0i32];
+            gpu.dtoh(ptr, &mut v)?;
+            Ok(v[0] as u32)
+        };
+        let scan_smem = global("scan_smem_bytes")?;
+        let pre_smem = global("prefill_pre_smem_bytes")?;
+        if scan_smem as usize > gpu.max_smem || pre_smem as usize > gpu.max_smem {
+            return Err(Error::Device(format!(
+                "this model's shape needs {scan_smem} bytes of shared memory per scan block; \
+                 {} allows {} (try a smaller chunk_size or d_state)",
+                gpu.name, gpu.max_smem
+            )));
+        }
+        let mlp = cfg.define("MLP_HIDDEN") != Some("0");
+        let k = Kernels {
+            embed: get("embed")?,
+            rms_norm_rows: get("rms_norm_rows")?,
+            swiglu_rows: mlp.then(|| get("swiglu_rows")).transpose()?,
+            gemv_dmodel: get("gemv_dmodel")?,
+            gemv_dinner: get("gemv_dinner")?,
+            gemv_hidden: mlp.then(|| get("gemv_hidden")).transpose()?,
+            prefill_pre: get("prefill_pre")?,
+            angle_pass: get("angle_pass")?,
+            scan_states: get("scan_states")?,
+            scan_outputs: get("scan_outputs")?,
+            scan_pass: get("scan_pass")?,
+            mixer_step: get("mixer_step")?,
+            scan_smem,
+            pre_smem,
+            config: cfg.clone(),
+            from_cache,
+        };
+        use cudarc::driver::sys::CUfunction_attribute as FA;
+        let max = FA::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        let gemv_smem = gpu.max_smem - 1024;
+        let mut sized = vec![
+            (&k.scan_states, scan_smem as usize),
+            (&k.scan_outputs, scan_smem as usize),
+            (&k.prefill_pre, pre_smem as usize),
+            (&k.gemv_dmodel, gemv_smem),
+            (&k.gemv_dinner, gemv_smem),
+        ];
+        if let Some(g) = &k.gemv_hidden {
+            sized.push((g, gemv_smem));
+        }
+        for (kern, bytes) in sized {
+            kern.func.set_attribute(max, bytes as i32).map_err(|e| {
+                dev_err(&format!("raising the shared memory of `{}`", kern.name), e)
+            })?;
+        }
+        Ok(k)
+    }
+}

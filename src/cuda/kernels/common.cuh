@@ -1,0 +1,107 @@
+// Shared by every kernel of the mamba3 GPU backend. Compiled by NVRTC once per model
+// shape: the dimensions and the numeric mode arrive as -D defines (see src/cuda/kernels.rs),
+// so every loop bound below is a compile-time constant.
+//
+// Types: `w_t` is the weights' dtype and `act_t` the dtype of the activations that feed the
+// GEMMs (ACT: 0 f32, 1 bf16, 2 f16). Everything else — the residual stream, the in_proj
+// output, the B/C norms, per-token scalars, the SSM and angle state — is f32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#if ACT == 0
+typedef float act_t;
+#elif ACT == 1
+typedef __nv_bfloat16 act_t;
+#else
+typedef __half act_t;
+#endif
+typedef act_t w_t;
+
+#define PI_F 3.14159265358979323846f
+#define TWO_PI_F 6.28318530717958647692f
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+// Programmatic dependent launch (sm_90): a kernel may start while the previous one in the
+// stream finishes; `griddep_wait` blocks until that one's writes are visible. Every kernel
+// calls it before touching activations. Without the launch attribute both are no-ops.
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Scalar activations, spec §2.2 (twins of src/cpu/math.rs).
+__device__ __forceinline__ float softplus_f(float u) { return u > 20.f ? u : log1pf(expf(u)); }
+__device__ __forceinline__ float sigmoid_f(float u) { return 1.f / (1.f + expf(-u)); }
+__device__ __forceinline__ float silu_f(float u) { return u * sigmoid_f(u); }
+__device__ __forceinline__ float heavy_tail_f(float u) { return u >= 0.f ? 1.f + u : 1.f / (1.f - u); }
+// A = min(-f(dd_A), -A_floor)
+__device__ __forceinline__ float a_value_f(float dd_a) {
+#if A_ACT == 0
+    float f = heavy_tail_f(dd_a);
+#else
+    float f = softplus_f(dd_a);
+#endif
+    return fminf(-f, -A_FLOOR);
+}
+// wrap(φ) = φ − 2π·floor(φ/2π), into [0, 2π)
+__device__ __forceinline__ float wrap_angle_f(float phi) {
+    float w = phi - TWO_PI_F * floorf(phi / TWO_PI_F);
+    return w >= TWO_PI_F ? w - TWO_PI_F : w;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); `red` holds 32 floats.
+// Every thread gets the total.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float t = lane < nw ? red[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// One sequence's state in one layer, inside its per-sequence buffer (see src/cuda/state.rs):
+// [angle H·S | ssm H·P·N | k H·N | v H·P], f32, layers one after another.
+#define ST_ANGLE 0
+#define ST_SSM (NHEADS * NANGLES)
+#define ST_K (ST_SSM + NHEADS * HEADDIM * DSTATE)
+#define ST_V (ST_K + NHEADS * DSTATE)
+#define ST_LAYER (ST_V + NHEADS * HEADDIM)
+
+// in_proj rows are stored PROJ_LD apart (D_IN_PROJ rounded up to 8: aligned rows).
+// Offsets inside one in_proj row (spec §2.1): z, x, B, C, dd_dt, dd_A, trap, angles.
+#define Z_OFF 0
+#define X_OFF D_INNER
+#define B_OFF (2 * D_INNER)
+#define C_OFF (B_OFF + NGROUPS * DSTATE)
+#define DT_OFF (C_OFF + NGROUPS * DSTATE)
+#define A_OFF (DT_OFF + NHEADS)
+#define TRAP_OFF (DT_OFF + 2 * NHEADS)
+#define ANG_OFF (DT_OFF + 3 * NHEADS)
+#define HEADS_PER_GROUP (NHEADS / NGROUPS)
+// width of one token's normed B̄ then C̄: [2][G][N]
+#define BC_W (2 * NGROUPS * DSTATE)

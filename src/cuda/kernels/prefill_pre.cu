@@ -1,0 +1,113 @@
+// Per-token preprocessing of the chunked prefill (spec §2.1–§2.4, §4.2): the CPU twin is
+// `MixerCtx::token_pre` in src/cpu/mixer.rs plus the per-token part of `scan_head` in
+// src/cpu/prefill.rs. One block per chunk of one sequence (≤ CHUNK tokens).
+//
+// Chunk table entry (int4): {start row, tokens in chunk, end row of the sequence (exclusive),
+// sequence index}. Outputs, all f32:
+//   bcn  [rows][2][G][N]   B̄ then C̄, RMS-normed with their weights (bias added later)
+//   tok  [rows][H][4]      {Δ, γ = λΔ, c = γ + Δ'(1−λ'), Lc = in-chunk inclusive Σ a}
+//                          where Δ', λ' belong to the next token of the same sequence
+//                          (c = γ for the sequence's last token) and a = A·Δ
+//   theta[rows][S]         θ = π·tanh(angle)
+//   csum [chunk][H][S]     Σ over the chunk of θ·Δ (the angle advance, for angle_pass)
+
+#define PRE_THREADS 256
+#define PRE_SMEM_FLOATS ((3 * CHUNK + 2) * NHEADS + CHUNK * NANGLES)
+
+__device__ __forceinline__ void head_scalars(const float* row, int h, const float* dt_bias,
+                                             float* dt, float* a, float* lam) {
+    float d = softplus_f(row[DT_OFF + h] + dt_bias[h]);
+    *dt = d;
+    *a = a_value_f(row[A_OFF + h]) * d;
+    *lam = sigmoid_f(row[TRAP_OFF + h]);
+}
+
+extern "C" __global__ void __launch_bounds__(PRE_THREADS)
+    prefill_pre(const float* __restrict__ proj, const int4* __restrict__ chunks,
+                const float* __restrict__ b_norm, const float* __restrict__ c_norm,
+                const float* __restrict__ dt_bias, float* __restrict__ bcn,
+                float* __restrict__ tok, float* __restrict__ theta, float* __restrict__ csum) {
+    extern __shared__ float pre_smem[];  // PRE_SMEM_FLOATS
+    float(*s_dt)[NHEADS] = reinterpret_cast<float(*)[NHEADS]>(pre_smem);
+    float(*s_lam)[NHEADS] = reinterpret_cast<float(*)[NHEADS]>(pre_smem + (CHUNK + 1) * NHEADS);
+    float(*s_a)[NHEADS] = reinterpret_cast<float(*)[NHEADS]>(pre_smem + 2 * (CHUNK + 1) * NHEADS);
+    float(*s_th)[NANGLES] = reinterpret_cast<float(*)[NANGLES]>(pre_smem + (3 * CHUNK + 2) * NHEADS);
+    griddep_wait();
+    griddep_launch();
+    const int4 ck = chunks[blockIdx.x];
+    const int start = ck.x, len = ck.y, seq_end = ck.z;
+    const bool has_next = start + len < seq_end;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = PRE_THREADS / 32;
+
+    // B̄, C̄: one warp per (token, B|C, group) row of N.
+    for (int task = warp; task < len * 2 * NGROUPS; task += nw) {
+        int j = task / (2 * NGROUPS), r = task % (2 * NGROUPS);
+        int which = r / NGROUPS, g = r % NGROUPS;
+        const float* src = proj + (size_t)(start + j) * PROJ_LD + (which ? C_OFF : B_OFF) + g * DSTATE;
+        const float* wn = which ? c_norm : b_norm;
+        float ss = 0.f;
+        for (int n = lane; n < DSTATE; n += 32) ss += src[n] * src[n];
+        ss = warp_sum(ss);
+        float inv = 1.f / sqrtf(ss / (float)DSTATE + NORM_EPS);
+        float* dst = bcn + (size_t)(start + j) * BC_W + r * DSTATE;
+        for (int n = lane; n < DSTATE; n += 32) dst[n] = src[n] * inv * wn[n];
+    }
+    // Per (token, head) scalars, including the next token after the chunk when it exists.
+    const int jn = has_next ? len + 1 : len;
+    for (int e = threadIdx.x; e < jn * NHEADS; e += PRE_THREADS) {
+        int j = e / NHEADS, h = e % NHEADS;
+        float d, a, l;
+        head_scalars(proj + (size_t)(start + j) * PROJ_LD, h, dt_bias, &d, &a, &l);
+        s_dt[j][h] = d;
+        s_lam[j][h] = l;
+        if (j < len) s_a[j][h] = a;
+    }
+    for (int e = threadIdx.x; e < len * NANGLES; e += PRE_THREADS) {
+        int j = e / NANGLES, i = e % NANGLES;
+        float th = PI_F * tanhf(proj[(size_t)(start + j) * PROJ_LD + ANG_OFF + i]);
+        s_th[j][i] = th;
+        theta[(size_t)(start + j) * NANGLES + i] = th;
+    }
+    __syncthreads();
+    // Trapezoid weights and the in-chunk decay cumsum: one thread per head.
+    for (int h = threadIdx.x; h < NHEADS; h += PRE_THREADS) {
+        float lc = 0.f;
+        for (int j = 0; j < len; ++j) {
+            float gam = s_lam[j][h] * s_dt[j][h];
+            bool nxt = j + 1 < len || has_next;
+            float look = nxt ? s_dt[j + 1][h] * (1.f - s_lam[j + 1][h]) : 0.f;
+            lc += s_a[j][h];
+            float4 v = make_float4(s_dt[j][h], gam, gam + look, lc);
+            reinterpret_cast<float4*>(tok)[(size_t)(start + j) * NHEADS + h] = v;
+        }
+    }
+    // Angle advance of the chunk per (head, angle).
+    for (int e = threadIdx.x; e < NHEADS * NANGLES; e += PRE_THREADS) {
+        int h = e / NANGLES, i = e % NANGLES;
+        float s = 0.f;
+        for (int j = 0; j < len; ++j) s += s_th[j][i] * s_dt[j][h];
+        csum[(size_t)blockIdx.x * NHEADS * NANGLES + e] = s;
+    }
+}
+
+// Angle state passing across chunks (spec §2.4): for each sequence, φ entering each chunk
+// = wrap(φ entering the previous chunk + its advance), seeded from the state's angle; the
+// state is left at the angle after the sequence's last token. One block per sequence.
+// Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
+extern "C" __global__ void angle_pass(const int4* __restrict__ seqs, const float* __restrict__ csum,
+                                      float* __restrict__ phi0, float* const* __restrict__ states,
+                                      int layer) {
+    griddep_wait();
+    griddep_launch();
+    const int4 sq = seqs[blockIdx.x];
+    float* st = states[blockIdx.x] + (size_t)layer * ST_LAYER + ST_ANGLE;
+    for (int e = threadIdx.x; e < NHEADS * NANGLES; e += blockDim.x) {
+        float phi = st[e];
+#pragma unroll 8
+        for (int c = sq.x; c < sq.x + sq.y; ++c) {
+            phi0[(size_t)c * NHEADS * NANGLES + e] = phi;
+            phi = wrap_angle_f(phi + csum[(size_t)c * NHEADS * NANGLES + e]);
+        }
+        st[e] = phi;
+    }
+}

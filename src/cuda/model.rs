@@ -1,0 +1,244 @@
+//! `CudaModel`: a model's weights on one GPU, its compiled kernels, cuBLASLt, the work
+//! buffers of eager passes and the captured CUDA graphs. The engine's `Model` calls it
+//! for `Device::Cuda`; states are already on the device when `forward` is called.
+
+use super::context::Gpu;
+use super::forward::Pipe;
+use super::gemm::Lt;
+use super::graphs::Graphs;
+use super::kernels::{KernelConfig, Kernels, ScanMath};
+use super::state::CudaState;
+use super::weights::GpuWeights;
+use super::work::{Caps, Layout, Work};
+use crate::cpu::{LogitsWant, SeqState};
+use crate::engine::state::{State, StateData};
+use crate::engine::GpuOptions;
+use crate::error::{Error, Result};
+use crate::model::{DType, Dims, Weights};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub struct CudaModel {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) weights: Arc<Weights>,
+    pub(crate) gw: GpuWeights,
+    pub(crate) lt: Lt,
+    inner: Mutex<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub opts: GpuOptions,
+    kernels: HashMap<KernelConfig, Arc<Kernels>>,
+    work: Option<Work>,
+    pub graphs: Graphs,
+}
+
+impl CudaModel {
+    pub fn new(weights: Arc<Weights>, ordinal: usize) -> Result<CudaModel> {
+        let gpu = Arc::new(Gpu::new(ordinal)?);
+        let gw = GpuWeights::upload(&gpu, &weights)?;
+        let lt = Lt::new(&gpu)?;
+        let m = CudaModel {
+            gpu,
+            weights,
+            gw,
+            lt,
+            inner: Mutex::new(Inner {
+                opts: GpuOptions::from_env(),
+                kernels: HashMap::new(),
+                work: None,
+                graphs: Graphs::default(),
+            }),
+        };
+        // Compile (or load) the kernels now, so that the first request is not the slow one.
+        let mut inner = m.lock()?;
+        let opts = inner.opts;
+        m.kernels(&mut inner, opts)?;
+        drop(inner);
+        Ok(m)
+    }
+
+    pub(crate) fn lock(&self) -> Result<MutexGuard<'_, Inner>> {
+        self.inner.lock().map_err(|_| {
+            Error::Device("the CUDA model's lock is poisoned (an earlier call panicked)".into())
+        })
+    }
+
+    pub fn device_name(&self) -> String {
+        self.gpu.name.clone()
+    }
+
+    pub fn dims(&self) -> Dims {
+        self.weights.dims
+    }
+
+    pub fn options(&self) -> Result<GpuOptions> {
+        Ok(self.lock()?.opts)
+    }
+
+    /// Change the numeric options (kernels for new ones are compiled on first use).
+    /// Graphs captured under other options refuse to replay.
+    pub fn set_options(&self, o: GpuOptions) -> Result<()> {
+        let mut inner = self.lock()?;
+        self.kernels(&mut inner, o)?;
+        inner.opts = o;
+        Ok(())
+    }
+
+    fn scan_math(&self, o: GpuOptions) -> ScanMath {
+        match (self.weights.dtype, o.fast, o.tf32) {
+            (DType::F32, _, true) => ScanMath::Tf32,
+            (DType::F32, _, false) => ScanMath::F32,
+            (_, true, _) => ScanMath::Half,
+            (_, false, _) => ScanMath::Tf32,
+        }
+    }
+
+    /// The kernels for options `o`, compiled or loaded once.
+    pub(crate) fn kernels(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
+        let w = &self.weights;
+        let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, self.scan_math(o))?;
+        if let Some(k) = inner.kernels.get(&cfg) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(Kernels::load(&self.gpu, &cfg)?);
+        inner.kernels.insert(cfg, k.clone());
+        Ok(k)
+    }
+
+    pub(crate) fn pipe<'a>(&'a self, k: &'a Kernels, opts: GpuOptions) -> Pipe<'a> {
+        Pipe {
+            gpu: &self.gpu,
+            k,
+            lt: &self.lt,
+            w: &self.gw,
+            d: self.weights.dims,
+            dtype: self.weights.dtype,
+            opts,
+        }
+    }
+
+    /// Whether the kernels for the current options came from the disk cache.
+    pub fn kernels_from_cache(&self) -> Result<bool> {
+        let mut inner = self.lock()?;
+        let o = inner.opts;
+        Ok(self.kernels(&mut inner, o)?.from_cache)
+    }
+
+    /// A fresh state on the device (a host state if device memory cannot be had now; it is
+    /// moved to the device, or the error reported, at its first use).
+    pub fn new_state(&self, fingerprint: u64) -> State {
+        let d = self.weights.dims;
+        match CudaState::zeros(&self.gpu, &d) {
+            Ok(s) => State {
+                model: fingerprint,
+                dims: d,
+                position: 0,
+                data: StateData::Cuda(s),
+            },
+            Err(_) => State::new_host(fingerprint, d),
+        }
+    }
+
+    pub fn upload_state(&self, host: &SeqState<f32>) -> Result<CudaState> {
+        CudaState::from_host(&self.gpu, &self.weights.dims, host)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.gpu.sync()
+    }
+
+    /// The device addresses of the states' buffers (each made unique first).
+    pub(crate) fn state_ptrs(&self, states: &mut [&mut State]) -> Result<Vec<u64>> {
+        states
+            .iter_mut()
+            .enumerate()
+            .map(|(b, s)| match &mut s.data {
+                StateData::Cuda(cs) if cs.is_on(&self.gpu) => cs.unique_ptr(),
+                _ => Err(Error::State(format!(
+                    "state {b} is not on {} (place it on the model's device first)",
+                    self.gpu.name
+                ))),
+            })
+            .collect()
+    }
+
+    /// Run each sequence from its state; returns each sequence's logits rows, flattened
+    /// (as `CpuModel::forward`).
+    pub fn forward(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut State],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut inner = self.lock()?;
+        let opts = inner.opts;
+        let k = self.kernels(&mut inner, opts)?;
+        let ptrs = self.state_ptrs(states)?;
+        let d = self.weights.dims;
+        let decode = seqs.iter().all(|s| s.len() == 1);
+        let lay = if decode {
+            Layout::decode(seqs.len(), &d)
+        } else {
+            let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+            Layout::new(&lens, &d, self.gpu.sms, want)
+        };
+        let caps = Caps::of(&lay);
+        let grow = inner.work.as_ref().is_none_or(|w| !w.caps.covers(&caps));
+        if grow {
+            let c = inner.work.as_ref().map_or(caps, |w| w.caps.max(&caps));
+            inner.work = None;
+            inner.work = Some(Work::new(&self.gpu, &d, self.weights.dtype.size(), c)?);
+        }
+        let work = inner.work.as_ref().expect("allocated above");
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        self.gpu.htod(&tokens, work.tokens.ptr)?;
+        self.gpu.htod(&ptrs, work.states.ptr)?;
+        let pipe = self.pipe(&k, opts);
+        let picked = if decode {
+            pipe.decode(work, seqs.len())?;
+            seqs.len()
+        } else {
+            work.put_layout(&self.gpu, &lay)?;
+            pipe.prefill(work, &lay)?;
+            lay.picked.len()
+        };
+        let mut logits = vec![0f32; picked * d.vocab_padded];
+        // (dtoh waits for the stream; with nothing to read, wait explicitly so that a
+        // failed kernel is reported by the call that launched it)
+        self.gpu.dtoh(work.logits.ptr, &mut logits)?;
+        if picked == 0 {
+            self.gpu.sync()?;
+        }
+        Ok(split_logits(&logits, seqs, want, d.vocab_padded, decode))
+    }
+
+    pub(crate) fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+}
+
+/// Cut the picked rows' logits into per-sequence vectors as `LogitsWant` says.
+pub(crate) fn split_logits(
+    logits: &[f32],
+    seqs: &[&[u32]],
+    want: LogitsWant,
+    vp: usize,
+    one_row_each: bool,
+) -> Vec<Vec<f32>> {
+    if want == LogitsWant::None {
+        return vec![Vec::new(); seqs.len()];
+    }
+    let mut out = Vec::with_capacity(seqs.len());
+    let mut at = 0;
+    for s in seqs {
+        let n = if one_row_each || want == LogitsWant::Last {
+            1
+        } else {
+            s.len()
+        };
+        out.push(logits[at * vp..(at + n) * vp].to_vec());
+        at += n;
+    }
+    out
+}

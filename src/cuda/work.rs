@@ -1,0 +1,199 @@
+//! The host-side tables of one pass (how a packed batch is cut into chunks and segments)
+//! and the device buffers a pass works in.
+//!
+//! Rows of the packed batch are sequence after sequence, no padding. Each sequence is cut
+//! into chunks of `chunk_len` tokens (its last chunk may be short); consecutive chunks of a
+//! sequence form segments, the unit of parallel work of the scan (kernels/scan.cu). The
+//! segment length is chosen so that segments × heads fills the GPU a few times over.
+
+use super::context::{DevBuf, Gpu};
+use crate::cpu::LogitsWant;
+use crate::error::Result;
+use crate::model::Dims;
+
+/// The tables of one pass, as uploaded (int4 rows; see the kernels' docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub rows: usize,
+    /// {start row, tokens, sequence end row, sequence}
+    pub chunks: Vec<[i32; 4]>,
+    /// {first chunk, chunks, sequence, flags (1 first, 2 last)}
+    pub segs: Vec<[i32; 4]>,
+    /// {first chunk, chunks, first segment, segments}
+    pub seqs: Vec<[i32; 4]>,
+    /// rows whose logits are wanted, in output order
+    pub picked: Vec<i32>,
+    /// (start, len) of each sequence
+    pub spans: Vec<(usize, usize)>,
+}
+
+impl Layout {
+    pub fn new(lens: &[usize], d: &Dims, sms: usize, want: LogitsWant) -> Layout {
+        let l = d.chunk_len;
+        let total_chunks: usize = lens.iter().map(|n| n.div_ceil(l)).sum();
+        // Chunks per segment: about four blocks per SM over all (segment, head) pairs.
+        let per_seg = (total_chunks * d.nheads).div_ceil(4 * sms.max(1)).max(1);
+        let mut lay = Layout {
+            rows: 0,
+            chunks: vec![],
+            segs: vec![],
+            seqs: vec![],
+            picked: vec![],
+            spans: vec![],
+        };
+        for (s, &n) in lens.iter().enumerate() {
+            let start = lay.rows;
+            let nc = n.div_ceil(l);
+            let first_chunk = lay.chunks.len();
+            for c in 0..nc {
+                let a = start + c * l;
+                lay.chunks.push([
+                    a as i32,
+                    (l.min(n - c * l)) as i32,
+                    (start + n) as i32,
+                    s as i32,
+                ]);
+            }
+            // Split the chunks evenly into ceil(nc / per_seg) segments.
+            let ns = nc.div_ceil(per_seg);
+            let first_seg = lay.segs.len();
+            let mut c0 = 0;
+            for i in 0..ns {
+                let cnt = nc / ns + usize::from(i < nc % ns);
+                let flags = i32::from(i == 0) | (i32::from(i + 1 == ns) << 1);
+                lay.segs
+                    .push([(first_chunk + c0) as i32, cnt as i32, s as i32, flags]);
+                c0 += cnt;
+            }
+            lay.seqs
+                .push([first_chunk as i32, nc as i32, first_seg as i32, ns as i32]);
+            match want {
+                LogitsWant::All => lay.picked.extend((start..start + n).map(|r| r as i32)),
+                LogitsWant::Last => lay.picked.push((start + n - 1) as i32),
+                LogitsWant::None => {}
+            }
+            lay.spans.push((start, n));
+            lay.rows += n;
+        }
+        lay
+    }
+
+    /// A layout of `n` one-token sequences (decode).
+    pub fn decode(n: usize, d: &Dims) -> Layout {
+        Layout::new(&vec![1; n], d, 1, LogitsWant::Last)
+    }
+}
+
+/// Sizes a `Work` can hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Caps {
+    pub rows: usize,
+    pub chunks: usize,
+    pub segs: usize,
+    pub seqs: usize,
+    pub picked: usize,
+}
+
+impl Caps {
+    pub fn of(l: &Layout) -> Caps {
+        Caps {
+            rows: l.rows,
+            chunks: l.chunks.len(),
+            segs: l.segs.len(),
+            seqs: l.seqs.len(),
+            picked: l.picked.len(),
+        }
+    }
+    pub fn covers(&self, o: &Caps) -> bool {
+        self.rows >= o.rows
+            && self.chunks >= o.chunks
+            && self.segs >= o.segs
+            && self.seqs >= o.seqs
+            && self.picked >= o.picked
+    }
+    pub fn max(&self, o: &Caps) -> Caps {
+        Caps {
+            rows: self.rows.max(o.rows),
+            chunks: self.chunks.max(o.chunks),
+            segs: self.segs.max(o.segs),
+            seqs: self.seqs.max(o.seqs),
+            picked: self.picked.max(o.picked),
+        }
+    }
+}
+
+/// Device buffers of one pass.
+pub struct Work {
+    pub caps: Caps,
+    pub tokens: DevBuf,
+    /// residual stream, f32 `[rows, D_m]`
+    pub res: DevBuf,
+    /// GEMM input (normed rows; `[hi | lo]` when split), act `[rows, 2·D_m]`
+    pub xin: DevBuf,
+    /// in_proj output f32 `[rows, d_in_proj]`
+    pub proj: DevBuf,
+    pub bcn: DevBuf,
+    pub tok: DevBuf,
+    pub theta: DevBuf,
+    /// gated mixer output, act `[rows, D_i]`, and its f32 twin for the decode GEMV
+    pub y: DevBuf,
+    pub yf: DevBuf,
+    /// MLP `[v | g]` f32 and activation (act)
+    pub vg: DevBuf,
+    pub act: DevBuf,
+    pub chunks: DevBuf,
+    pub csum: DevBuf,
+    pub phi0: DevBuf,
+    pub segs: DevBuf,
+    pub sbuf: DevBuf,
+    pub sdecay: DevBuf,
+    pub seqs: DevBuf,
+    /// device address of each sequence's state
+    pub states: DevBuf,
+    pub picked: DevBuf,
+    /// final-normed picked rows (act) and their logits (f32)
+    pub hfin: DevBuf,
+    pub logits: DevBuf,
+}
+
+impl Work {
+    pub fn new(gpu: &Gpu, d: &Dims, act_size: usize, c: Caps) -> Result<Work> {
+        let r = c.rows.max(1);
+        let f = |n: usize| gpu.alloc::<f32>(n.max(1));
+        let a = |n: usize| gpu.alloc::<u8>((n * act_size).max(1));
+        let (h, s) = (d.nheads, d.num_rope_angles);
+        Ok(Work {
+            caps: c,
+            tokens: gpu.alloc::<u32>(r)?,
+            res: f(r * d.d_model)?,
+            xin: a(r * 2 * d.d_model)?,
+            proj: f(r * super::kernels::proj_ld(d))?,
+            bcn: f(r * 2 * d.ngroups * d.d_state)?,
+            tok: f(r * h * 4)?,
+            theta: f(r * s)?,
+            y: a(r * d.d_inner)?,
+            yf: f(r * d.d_inner)?,
+            vg: f(r * 2 * d.mlp_hidden)?,
+            act: a(r * d.mlp_hidden)?,
+            chunks: gpu.alloc::<[i32; 4]>(c.chunks.max(1))?,
+            csum: f(c.chunks * h * s)?,
+            phi0: f(c.chunks * h * s)?,
+            segs: gpu.alloc::<[i32; 4]>(c.segs.max(1))?,
+            sbuf: f(c.segs * h * d.headdim * d.d_state)?,
+            sdecay: f(c.segs * h)?,
+            seqs: gpu.alloc::<[i32; 4]>(c.seqs.max(1))?,
+            states: gpu.alloc::<u64>(c.seqs.max(1))?,
+            picked: gpu.alloc::<i32>(c.picked.max(1))?,
+            hfin: a(c.picked * d.d_model)?,
+            logits: f(c.picked * d.vocab_padded)?,
+        })
+    }
+
+    /// Upload a layout's tables (not the tokens or states).
+    pub fn put_layout(&self, gpu: &Gpu, l: &Layout) -> Result<()> {
+        gpu.htod(&l.chunks, self.chunks.ptr)?;
+        gpu.htod(&l.segs, self.segs.ptr)?;
+        gpu.htod(&l.seqs, self.seqs.ptr)?;
+        gpu.htod(&l.picked, self.picked.ptr)
+    }
+}

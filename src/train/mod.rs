@@ -1,0 +1,31 @@
+//! Training: the Mamba-3 language model's backward on the CPU, AdamW, checkpoints with the
+//! optimiser state, and the `mamba3 train` loop.
+//!
+//! - [`params`]: trainable tensors by official name (f32 master weights, f64 for checks).
+//! - [`scan`], [`scan_backward`]: the mixer's chunked training forward and its exact
+//!   backward (the derivation is in `scan`'s module doc).
+//! - [`model`]: the LM forward that keeps activations, the cross-entropy loss and the
+//!   backward through every layer.
+//! - [`backend`]: the [`backend::Backend`] trait the trainer calls; the CPU implements it,
+//!   a GPU backward slots in behind the same trait.
+//! - [`optim`]: AdamW with the official no-decay groups, global-norm clipping, warm-up +
+//!   cosine schedule.
+//! - [`data`]: the byte-level tokenizer (with a `tokenizers`-compatible tokenizer.json),
+//!   train/validation split, deterministic batches.
+//! - [`trainer`]: the loop, gradient accumulation, checkpoints and bit-exact resume.
+//! - [`plot`]: the loss-curve PNG.
+
+pub mod backend;
+pub mod data;
+pub mod model;
+pub mod ops;
+pub mod optim;
+pub mod params;
+pub mod plot;
+pub mod scan;
+pub mod scan_backward;
+pub mod trainer;
+
+pub use backend::{Backend, CpuBackend};
+pub use model::{loss_and_grad, Batch};
+pub use params::Params;

@@ -1,0 +1,303 @@
+//! The language model for training (spec §2.7): a forward that keeps its activations and
+//! the matching backward, for a batch of equal-length windows, each from a zero state.
+//!
+//! With the pre-norm residual stream `r` (f32 or f64 throughout):
+//!
+//! ```text
+//! r ← E[tokens]
+//! per layer:  r ← r + W_out·gate(scan(W_in·rms(r; w_norm)))
+//!             r ← r + W_fc2·(v ⊙ silu(g)),  [v ‖ g] = W_fc1·rms(r; w_norm2)     (MLP)
+//! logits = W_head·rms(r; w_norm_f);   loss = mean over tokens of −log softmax(logits)[target]
+//! ```
+//!
+//! which is the official fused add-norm of spec §2.7 written without the `(hs, res)` pair.
+//! The backward walks the same list in reverse; the mixer's part is in [`super::scan`].
+
+use super::ops::{linear, linear_dw, linear_dx, rms_bwd, rms_fwd, silu_grad};
+use super::params::{LayerParams, Params};
+use super::scan::{mixer_forward, MixerSaved, MixerShape};
+use super::scan_backward::mixer_backward;
+use crate::cpu::math::silu;
+use crate::cpu::Real;
+use crate::error::{Error, Result};
+use crate::model::dtype::Element;
+use rayon::prelude::*;
+
+/// `batch` windows of `seq_len` input tokens with their next-token targets, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub inputs: Vec<u32>,
+    pub targets: Vec<u32>,
+}
+
+impl Batch {
+    /// From windows of `seq_len + 1` tokens each.
+    pub fn from_windows(windows: &[&[u32]]) -> Batch {
+        let seq_len = windows[0].len() - 1;
+        let mut b = Batch {
+            batch: windows.len(),
+            seq_len,
+            inputs: Vec::with_capacity(windows.len() * seq_len),
+            targets: Vec::with_capacity(windows.len() * seq_len),
+        };
+        for w in windows {
+            assert_eq!(w.len(), seq_len + 1, "windows must have equal lengths");
+            b.inputs.extend_from_slice(&w[..seq_len]);
+            b.targets.extend_from_slice(&w[1..]);
+        }
+        b
+    }
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq_len
+    }
+}
+
+struct LayerSaved<F> {
+    r_in: Vec<F>,
+    n: Vec<F>,
+    rn: Vec<F>,
+    proj: Vec<F>,
+    mixer: MixerSaved<F>,
+    mlp: Option<MlpSaved<F>>,
+}
+
+struct MlpSaved<F> {
+    r_mid: Vec<F>,
+    n2: Vec<F>,
+    rn2: Vec<F>,
+    vg: Vec<F>,
+    act: Vec<F>,
+}
+
+fn norm_rows<F: Real>(x: &[F], w: &[F], width: usize) -> (Vec<F>, Vec<F>) {
+    let rows = x.len() / width;
+    let mut out = vec![F::zero(); x.len()];
+    let mut r = vec![F::zero(); rows];
+    out.par_chunks_mut(width)
+        .zip(r.par_iter_mut())
+        .zip(x.par_chunks(width))
+        .for_each(|((o, rr), xr)| *rr = rms_fwd(xr, w, o));
+    (out, r)
+}
+
+fn norm_rows_bwd<F: Real>(x: &[F], w: &[F], r: &[F], dout: &[F], dx: &mut [F], dw: &mut [F]) {
+    let width = w.len();
+    for (i, &ri) in r.iter().enumerate() {
+        let rg = i * width..(i + 1) * width;
+        rms_bwd(
+            &x[rg.clone()],
+            w,
+            ri,
+            &dout[rg.clone()],
+            &mut dx[rg],
+            dw,
+            true,
+        );
+    }
+}
+
+fn check<F: Real>(p: &Params<F>, b: &Batch) -> Result<()> {
+    let d = p.config.dims();
+    if b.batch == 0 || b.seq_len == 0 {
+        return Err(Error::input("empty training batch"));
+    }
+    if b.inputs.len() != b.tokens() || b.targets.len() != b.tokens() {
+        return Err(Error::input(format!(
+            "batch of {}×{} needs {} inputs and targets, found {} and {}",
+            b.batch,
+            b.seq_len,
+            b.tokens(),
+            b.inputs.len(),
+            b.targets.len()
+        )));
+    }
+    if let Some(&t) = b
+        .inputs
+        .iter()
+        .chain(&b.targets)
+        .find(|&&t| t as usize >= d.vocab_size)
+    {
+        return Err(Error::input(format!(
+            "token {t} out of range: vocabulary has {} entries",
+            d.vocab_size
+        )));
+    }
+    Ok(())
+}
+
+/// Mean cross-entropy (nats per token) of `batch` under `p`; with `grad`, also adds the
+/// gradient of that mean loss to `grad`.
+pub fn loss_and_grad<F: Real>(
+    p: &Params<F>,
+    batch: &Batch,
+    grad: Option<&mut Params<F>>,
+) -> Result<f64> {
+    check(p, batch)?;
+    let cfg = &p.config;
+    let d = cfg.dims();
+    let th = rayon::current_num_threads();
+    let (dm, rows, vp) = (d.d_model, batch.tokens(), d.vocab_padded);
+    let sh = MixerShape {
+        d,
+        a_floor: cfg.ssm_cfg.a_floor,
+        a_act: cfg.ssm_cfg.a_activation,
+        batch: batch.batch,
+        seq_len: batch.seq_len,
+    };
+    // Forward.
+    let mut r = vec![F::zero(); rows * dm];
+    for (row, &t) in r.chunks_mut(dm).zip(&batch.inputs) {
+        row.copy_from_slice(&p.embedding[t as usize * dm..(t as usize + 1) * dm]);
+    }
+    let mut saved: Vec<LayerSaved<F>> = Vec::with_capacity(d.n_layer);
+    for lp in &p.layers {
+        let r_in = r.clone();
+        let (n, rn) = norm_rows(&r, &lp.norm, dm);
+        let mut proj = vec![F::zero(); rows * d.d_in_proj];
+        linear(&n, rows, &lp.in_proj, d.d_in_proj, dm, &mut proj, th);
+        let mixer = mixer_forward(&sh, lp, &proj);
+        let mut out = vec![F::zero(); rows * dm];
+        linear(&mixer.o, rows, &lp.out_proj, dm, d.d_inner, &mut out, th);
+        r.iter_mut().zip(&out).for_each(|(a, &b)| *a = *a + b);
+        let mlp = lp.mlp.as_ref().map(|mp| {
+            let hid = d.mlp_hidden;
+            let r_mid = r.clone();
+            let (n2, rn2) = norm_rows(&r, &mp.norm, dm);
+            let mut vg = vec![F::zero(); rows * 2 * hid];
+            linear(&n2, rows, &mp.fc1, 2 * hid, dm, &mut vg, th);
+            let mut act = vec![F::zero(); rows * hid];
+            for (a, v) in act.chunks_mut(hid).zip(vg.chunks(2 * hid)) {
+                for i in 0..hid {
+                    a[i] = v[i] * silu(v[hid + i]);
+                }
+            }
+            linear(&act, rows, &mp.fc2, dm, hid, &mut out, th);
+            r.iter_mut().zip(&out).for_each(|(a, &b)| *a = *a + b);
+            MlpSaved {
+                r_mid,
+                n2,
+                rn2,
+                vg,
+                act,
+            }
+        });
+        saved.push(LayerSaved {
+            r_in,
+            n,
+            rn,
+            proj,
+            mixer,
+            mlp,
+        });
+    }
+    let (nf, rf) = norm_rows(&r, &p.norm_f, dm);
+    let mut logits = vec![F::zero(); rows * vp];
+    linear(&nf, rows, p.head(), vp, dm, &mut logits, th);
+    // Softmax cross-entropy; logits become dlogits in place.
+    let inv = F::one() / F::from_f(rows as f64);
+    let losses: Vec<f64> = logits
+        .par_chunks_mut(vp)
+        .zip(batch.targets.par_iter())
+        .map(|(l, &t)| {
+            let m = l.iter().copied().fold(F::neg_infinity(), F::max);
+            let mut sum = F::zero();
+            for v in l.iter_mut() {
+                *v = (*v - m).exp();
+                sum = sum + *v;
+            }
+            let lt = l[t as usize];
+            let loss = Element::to_f64(sum.ln() - lt.ln());
+            for v in l.iter_mut() {
+                *v = *v / sum * inv;
+            }
+            l[t as usize] = l[t as usize] - inv;
+            loss
+        })
+        .collect();
+    let loss = losses.iter().sum::<f64>() / rows as f64;
+    let Some(g) = grad else {
+        return Ok(loss);
+    };
+    // Backward.
+    let dlogits = logits;
+    let mut dnf = vec![F::zero(); rows * dm];
+    {
+        let dhead: &mut Vec<F> = g.lm_head.as_mut().unwrap_or(&mut g.embedding);
+        linear_dw(&dlogits, &nf, rows, vp, dm, dhead, th);
+    }
+    linear_dx(&dlogits, p.head(), rows, vp, dm, &mut dnf, false, th);
+    drop(dlogits);
+    let mut dr = vec![F::zero(); rows * dm];
+    norm_rows_bwd(&r, &p.norm_f, &rf, &dnf, &mut dr, &mut g.norm_f);
+    let mut dproj = vec![F::zero(); rows * d.d_in_proj];
+    let mut d_o = vec![F::zero(); rows * d.d_inner];
+    let mut dn = vec![F::zero(); rows * dm];
+    for ((lp, gl), s) in p.layers.iter().zip(g.layers.iter_mut()).zip(saved).rev() {
+        if let (Some(mp), Some(ms), Some(gm)) = (&lp.mlp, &s.mlp, gl.mlp.as_mut()) {
+            let hid = d.mlp_hidden;
+            linear_dw(&dr, &ms.act, rows, dm, hid, &mut gm.fc2, th);
+            let mut dact = vec![F::zero(); rows * hid];
+            linear_dx(&dr, &mp.fc2, rows, dm, hid, &mut dact, false, th);
+            let mut dvg = vec![F::zero(); rows * 2 * hid];
+            for ((dv, v), da) in dvg
+                .chunks_mut(2 * hid)
+                .zip(ms.vg.chunks(2 * hid))
+                .zip(dact.chunks(hid))
+            {
+                for i in 0..hid {
+                    dv[i] = da[i] * silu(v[hid + i]);
+                    dv[hid + i] = da[i] * v[i] * silu_grad(v[hid + i]);
+                }
+            }
+            linear_dw(&dvg, &ms.n2, rows, 2 * hid, dm, &mut gm.fc1, th);
+            linear_dx(&dvg, &mp.fc1, rows, 2 * hid, dm, &mut dn, false, th);
+            norm_rows_bwd(&ms.r_mid, &mp.norm, &ms.rn2, &dn, &mut dr, &mut gm.norm);
+        }
+        mixer_layer_bwd(&sh, lp, gl, &s, &dr, &mut d_o, &mut dproj, th);
+        linear_dw(&dproj, &s.n, rows, d.d_in_proj, dm, &mut gl.in_proj, th);
+        linear_dx(
+            &dproj,
+            &lp.in_proj,
+            rows,
+            d.d_in_proj,
+            dm,
+            &mut dn,
+            false,
+            th,
+        );
+        norm_rows_bwd(&s.r_in, &lp.norm, &s.rn, &dn, &mut dr, &mut gl.norm);
+    }
+    for (row, &t) in dr.chunks(dm).zip(&batch.inputs) {
+        let e = &mut g.embedding[t as usize * dm..(t as usize + 1) * dm];
+        e.iter_mut().zip(row).for_each(|(a, &b)| *a = *a + b);
+    }
+    Ok(loss)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn mixer_layer_bwd<F: Real>(
+    sh: &MixerShape,
+    lp: &LayerParams<F>,
+    gl: &mut LayerParams<F>,
+    s: &LayerSaved<F>,
+    dr: &[F],
+    d_o: &mut [F],
+    dproj: &mut [F],
+    th: usize,
+) {
+    let d = &sh.d;
+    let rows = sh.batch * sh.seq_len;
+    linear_dw(
+        dr,
+        &s.mixer.o,
+        rows,
+        d.d_model,
+        d.d_inner,
+        &mut gl.out_proj,
+        th,
+    );
+    linear_dx(dr, &lp.out_proj, rows, d.d_model, d.d_inner, d_o, false, th);
+    mixer_backward(sh, lp, &s.proj, &s.mixer, d_o, dproj, gl);
+}

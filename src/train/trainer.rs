@@ -1,0 +1,285 @@
+//! The training loop: batches, gradient accumulation, clipping, AdamW, validation,
+//! checkpoints with the optimiser state, and resume.
+//!
+//! A checkpoint directory holds `config.json` + `model.safetensors` (the official layout,
+//! f32), `tokenizer.json`, `optimizer.safetensors` (AdamW moments `m.<name>`, `v.<name>`),
+//! `trainer.json` (the run's settings, its step and loss history) and `loss.csv`. A run
+//! resumed from it takes the same batches and the same arithmetic as the unbroken run, so
+//! it lands on the same weights bit for bit.
+
+use super::backend::Backend;
+use super::data::{save_byte_tokenizer, Dataset};
+use super::optim::{clip_global_norm, scale, AdamW, AdamWConfig, Schedule};
+use super::params::Params;
+use crate::error::{Error, Result};
+use crate::model::config::Config;
+use crate::model::dtype::DType;
+use crate::model::tensor_file::{write_safetensors, RawTensor, TensorFile};
+use crate::model::weights::Weights;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Everything that defines a run (saved in `trainer.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    pub model: Config,
+    pub data: Vec<PathBuf>,
+    pub tokenizer: String,
+    pub steps: u64,
+    pub batch: usize,
+    pub accum: usize,
+    pub seq_len: usize,
+    pub schedule: Schedule,
+    pub adamw: AdamWConfig,
+    pub clip: f64,
+    pub seed: u64,
+    pub val_every_block: usize,
+    pub eval_every: u64,
+    pub eval_windows: usize,
+    pub ckpt_every: u64,
+}
+
+/// Where the run stands (saved in `trainer.json`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    pub step: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+    /// (step, mean training loss of that step, nats/token)
+    pub train_loss: Vec<(u64, f64)>,
+    /// (step, validation loss, nats/token)
+    pub val_loss: Vec<(u64, f64)>,
+    /// unigram baseline on the validation split, bits per token
+    pub unigram_bits: f64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct TrainerFile {
+    run: RunConfig,
+    progress: Progress,
+}
+
+pub struct Trainer<B: Backend> {
+    pub run: RunConfig,
+    pub progress: Progress,
+    pub params: Params<f32>,
+    pub opt: AdamW,
+    pub backend: B,
+    data: Dataset,
+}
+
+/// Called after every optimiser step with (progress, loss, lr, grad norm, tokens/s).
+pub type StepHook<'a> = dyn FnMut(&Progress, f64, f64, f64, f64) + 'a;
+
+impl<B: Backend> Trainer<B> {
+    /// A fresh run: official initialisation from `run.seed`.
+    pub fn new(run: RunConfig, backend: B) -> Result<Self> {
+        let data = Dataset::load(&run.data, run.val_every_block)?;
+        Self::with_data(run, backend, data)
+    }
+
+    pub fn with_data(run: RunConfig, backend: B, data: Dataset) -> Result<Self> {
+        if run.tokenizer != "byte" {
+            return Err(Error::input(format!(
+                "tokenizer `{}`: only `byte` is supported",
+                run.tokenizer
+            )));
+        }
+        if run.model.vocab_size != super::data::BYTE_VOCAB {
+            return Err(Error::input(format!(
+                "the byte tokenizer needs vocab_size 256, found {}",
+                run.model.vocab_size
+            )));
+        }
+        let params = Params::init(&run.model, run.seed)?;
+        let opt = AdamW::new(run.adamw, &params);
+        let progress = Progress {
+            unigram_bits: data.unigram_bits(),
+            ..Progress::default()
+        };
+        Ok(Trainer {
+            run,
+            progress,
+            params,
+            opt,
+            backend,
+            data,
+        })
+    }
+
+    /// Resume from a checkpoint directory written by [`Trainer::save`]. `steps` (if given)
+    /// replaces the run's total step count.
+    pub fn resume(dir: &Path, backend: B, data: Option<Dataset>) -> Result<Self> {
+        let tf = dir.join("trainer.json");
+        let text = std::fs::read_to_string(&tf).map_err(|e| Error::io(&tf, e))?;
+        let file: TrainerFile = serde_json::from_str(&text)
+            .map_err(|e| Error::checkpoint(tf.display(), e.to_string()))?;
+        let data = match data {
+            Some(d) => d,
+            None => Dataset::load(&file.run.data, file.run.val_every_block)?,
+        };
+        let w = Weights::load(dir, DType::F32)?;
+        let params = Params::<f32>::from_weights(&w);
+        let mut opt = AdamW::new(file.run.adamw, &params);
+        let op = dir.join("optimizer.safetensors");
+        let f = TensorFile::open(&op)?;
+        let names: Vec<String> = params.tensors().into_iter().map(|(n, _)| n).collect();
+        for (prefix, moments) in [("m.", &mut opt.m), ("v.", &mut opt.v)] {
+            for (name, t) in names.iter().zip(moments.tensors_mut()) {
+                let key = format!("{prefix}{name}");
+                let raw = f.get(&key).ok_or_else(|| {
+                    Error::checkpoint(op.display(), format!("missing tensor `{key}`"))
+                })?;
+                let v = raw.to_float(&key, DType::F32)?.to_f32_vec();
+                if v.len() != t.len() {
+                    return Err(Error::checkpoint(
+                        op.display(),
+                        format!("`{key}` has the wrong size"),
+                    ));
+                }
+                *t = v;
+            }
+        }
+        opt.step = file.progress.step;
+        Ok(Trainer {
+            run: file.run,
+            progress: file.progress,
+            params,
+            opt,
+            backend,
+            data,
+        })
+    }
+
+    /// Save a checkpoint into `dir` (see the module doc).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        self.params.to_weights(DType::F32).save(dir)?;
+        save_byte_tokenizer(dir)?;
+        let mut tensors = Vec::new();
+        for (prefix, moments) in [("m.", &self.opt.m), ("v.", &self.opt.v)] {
+            for (name, t) in moments.tensors() {
+                tensors.push((
+                    format!("{prefix}{name}"),
+                    RawTensor::from_f32(vec![t.len()], t),
+                ));
+            }
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        write_safetensors(&dir.join("optimizer.safetensors"), &tensors, None)?;
+        let file = TrainerFile {
+            run: self.run.clone(),
+            progress: self.progress.clone(),
+        };
+        let tf = dir.join("trainer.json");
+        let tmp = dir.join("trainer.json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&file).unwrap())
+            .map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, &tf).map_err(|e| Error::io(&tf, e))?;
+        let mut csv = String::from("step,train_loss,val_loss\n");
+        let mut vi = self.progress.val_loss.iter().peekable();
+        for &(s, l) in &self.progress.train_loss {
+            let v = match vi.peek() {
+                Some(&&(vs, vl)) if vs == s => {
+                    vi.next();
+                    format!("{vl}")
+                }
+                _ => String::new(),
+            };
+            csv.push_str(&format!("{s},{l},{v}\n"));
+        }
+        let cp = dir.join("loss.csv");
+        std::fs::write(&cp, csv).map_err(|e| Error::io(&cp, e))
+    }
+
+    /// Mean validation loss (nats/token) over the run's validation windows.
+    pub fn validate(&mut self) -> Result<f64> {
+        let batches =
+            self.data
+                .val_batches(self.run.eval_windows, self.run.batch, self.run.seq_len);
+        if batches.is_empty() {
+            return Ok(f64::NAN);
+        }
+        let (mut sum, mut n) = (0.0, 0usize);
+        for b in &batches {
+            sum += self.backend.loss(&self.params, b)? * b.tokens() as f64;
+            n += b.tokens();
+        }
+        Ok(sum / n as f64)
+    }
+
+    /// One optimiser step (all micro-batches); returns (loss, lr, grad norm).
+    pub fn step(&mut self) -> Result<(f64, f64, f64)> {
+        let step = self.progress.step;
+        let mut grad = Params::zeros(&self.run.model);
+        let mut loss = 0.0;
+        for micro in 0..self.run.accum as u64 {
+            let b = self.data.train_batch(
+                self.run.seed,
+                step,
+                micro,
+                self.run.batch,
+                self.run.seq_len,
+            )?;
+            loss += self.backend.loss_and_grad(&self.params, &b, &mut grad)?;
+            self.progress.tokens += b.tokens() as u64;
+        }
+        let accum = self.run.accum as f64;
+        loss /= accum;
+        if self.run.accum > 1 {
+            scale(&mut grad, (1.0 / accum) as f32);
+        }
+        let norm = clip_global_norm(&mut grad, self.run.clip);
+        let lr = self.run.schedule.lr(step);
+        self.opt.update(&mut self.params, &grad, lr);
+        self.progress.step += 1;
+        self.progress.train_loss.push((step, loss));
+        Ok((loss, lr, norm))
+    }
+
+    /// Train until `run.steps`, validating every `eval_every` steps and checkpointing into
+    /// `dir` every `ckpt_every` steps and at the end. With a `deadline`, stops after the
+    /// first step that ends past it (saving a checkpoint to resume from). Returns whether
+    /// the run is complete.
+    pub fn train(
+        &mut self,
+        dir: &Path,
+        hook: &mut StepHook,
+        deadline: Option<Instant>,
+    ) -> Result<bool> {
+        while self.progress.step < self.run.steps {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                self.save(dir)?;
+                return Ok(false);
+            }
+            let t0 = Instant::now();
+            let tok0 = self.progress.tokens;
+            let (loss, lr, norm) = self.step()?;
+            if !loss.is_finite() {
+                return Err(Error::Other(format!(
+                    "loss became {loss} at step {}",
+                    self.progress.step
+                )));
+            }
+            let s = self.progress.step;
+            if self.run.eval_every > 0
+                && (s.is_multiple_of(self.run.eval_every) || s == self.run.steps)
+            {
+                let v = self.validate()?;
+                self.progress.val_loss.push((s - 1, v));
+            }
+            let dt = t0.elapsed().as_secs_f64();
+            self.progress.seconds += dt;
+            let tps = (self.progress.tokens - tok0) as f64 / dt;
+            hook(&self.progress, loss, lr, norm, tps);
+            if self.run.ckpt_every > 0
+                && s.is_multiple_of(self.run.ckpt_every)
+                && s < self.run.steps
+            {
+                self.save(dir)?;
+            }
+        }
+        self.save(dir)?;
+        Ok(true)
+    }
+}

@@ -1,0 +1,198 @@
+//! CUDA graphs: replay is bit-identical to eager execution, and refuses (with an error)
+//! what does not match its capture. Run on a machine with a CUDA device:
+//! `cargo test --test gpu_graphs -- --include-ignored`.
+
+mod gpu;
+use gpu::*;
+use mamba3::engine::{Device, GpuOptions, LogitsWant, Model, State};
+use mamba3::model::{DType, Weights};
+
+fn model(dtype: DType) -> Model {
+    let cfg = config(128, 3, 64, 32, 2, 0.5, true, 128, 32);
+    Model::from_weights(Weights::synthetic(cfg, dtype, 11).unwrap(), Device::Cuda(0)).unwrap()
+}
+
+/// `n` states, each after its own prompt.
+fn primed(m: &Model, n: usize) -> Vec<State> {
+    (0..n)
+        .map(|i| {
+            let mut s = m.new_state();
+            let p = tokens(20 + 7 * i, m.dims().vocab_size, 300 + i as u64);
+            m.prefill(&p, &mut s, LogitsWant::None).unwrap();
+            s
+        })
+        .collect()
+}
+
+fn hosts(states: &[State]) -> Vec<Vec<mamba3::cpu::LayerState<f32>>> {
+    states.iter().map(|s| s.to_host().unwrap()).collect()
+}
+
+/// Three decode steps from `states`, eager or through the graphs.
+fn decode3(m: &Model, states: &mut [State], graph: bool) -> Vec<f32> {
+    let mut out = Vec::new();
+    let v = m.dims().vocab_size;
+    for step in 0..3 {
+        let toks: Vec<u32> = (0..states.len())
+            .map(|b| ((b * 31 + step * 7) % v) as u32)
+            .collect();
+        let mut st: Vec<&mut State> = states.iter_mut().collect();
+        let lg = if graph {
+            m.decode_graph(&toks, &mut st).unwrap()
+        } else {
+            m.decode_eager(&toks, &mut st).unwrap()
+        };
+        out.extend(lg.data);
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decode_graph_replay_is_bit_identical_to_eager() {
+    for dtype in [DType::BF16, DType::F32] {
+        let m = model(dtype);
+        // bucket 4 exactly, bucket 4 padded (3 rows), and a large batch (cuBLASLt path)
+        for (bucket, batch) in [(4usize, 4usize), (4, 3), (24, 24)] {
+            m.capture_decode_graph(bucket).unwrap();
+            let base = primed(&m, batch);
+            let mut eager = base.clone();
+            let mut graph = base.clone();
+            let a = decode3(&m, &mut eager, false);
+            let b = decode3(&m, &mut graph, true);
+            assert!(
+                a == b,
+                "{dtype:?} bucket {bucket} batch {batch}: logits differ"
+            );
+            assert!(
+                hosts(&eager) == hosts(&graph),
+                "{dtype:?} bucket {bucket} batch {batch}: states differ"
+            );
+            // Model::decode picks the graph by itself once one holds the batch.
+            let mut auto = base.clone();
+            let c = {
+                let mut st: Vec<&mut State> = auto.iter_mut().collect();
+                let toks: Vec<u32> = (0..batch).map(|b| (b * 31 % 200) as u32).collect();
+                m.decode(&toks, &mut st).unwrap().data
+            };
+            assert_eq!(
+                &c[..],
+                &b[..c.len()],
+                "Model::decode did not replay the graph"
+            );
+            println!("{dtype:?} decode graph bucket {bucket} batch {batch}: bit-identical");
+        }
+        m.clear_graphs().unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefill_graph_replay_is_bit_identical_to_eager() {
+    let m = model(DType::BF16);
+    let lens = [37usize, 70, 5];
+    for want in [LogitsWant::All, LogitsWant::Last] {
+        m.capture_prefill_graph(&lens, want).unwrap();
+        let seqs: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| tokens(n, m.dims().vocab_size, 90 + i as u64))
+            .collect();
+        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+        // fresh states, then continued states
+        let base = primed(&m, lens.len());
+        for start in [None, Some(base)] {
+            let mk = || {
+                start
+                    .clone()
+                    .unwrap_or_else(|| lens.iter().map(|_| m.new_state()).collect())
+            };
+            let (mut e, mut g) = (mk(), mk());
+            let le = m
+                .prefill_batch(&refs, &mut e.iter_mut().collect::<Vec<_>>(), want)
+                .unwrap();
+            let lg = m
+                .prefill_graph(&refs, &mut g.iter_mut().collect::<Vec<_>>(), want)
+                .unwrap();
+            assert!(le == lg, "{want:?}: logits differ");
+            assert!(hosts(&e) == hosts(&g), "{want:?}: states differ");
+            assert_eq!(e[0].position(), g[0].position());
+        }
+        println!("prefill graph {lens:?} {want:?}: bit-identical");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn replay_refuses_what_differs_from_capture() {
+    let m = model(DType::BF16);
+    m.capture_decode_graph(4).unwrap();
+    m.capture_prefill_graph(&[10, 20], LogitsWant::Last)
+        .unwrap();
+    let mut st = primed(&m, 5);
+    // a batch larger than every bucket
+    let err = m
+        .decode_graph(&[1, 2, 3, 4, 5], &mut st.iter_mut().collect::<Vec<_>>())
+        .unwrap_err();
+    println!("batch 5, bucket 4: {err}");
+    // other lengths, other logits wanted
+    let a = tokens(10, 200, 1);
+    let b = tokens(21, 200, 2);
+    let err = m
+        .prefill_graph(
+            &[&a, &b],
+            &mut st[..2].iter_mut().collect::<Vec<_>>(),
+            LogitsWant::Last,
+        )
+        .unwrap_err();
+    println!("lengths [10, 21]: {err}");
+    let b = tokens(20, 200, 2);
+    assert!(m
+        .prefill_graph(
+            &[&a, &b],
+            &mut st[..2].iter_mut().collect::<Vec<_>>(),
+            LogitsWant::All
+        )
+        .is_err());
+    // numeric options changed since the capture
+    let o = m.gpu_options().unwrap().unwrap();
+    m.set_gpu_options(GpuOptions { fast: !o.fast, ..o })
+        .unwrap();
+    let err = m
+        .decode_graph(&[1, 2, 3, 4], &mut st[..4].iter_mut().collect::<Vec<_>>())
+        .unwrap_err();
+    println!("options changed: {err}");
+    assert!(m
+        .prefill_graph(
+            &[&a, &b],
+            &mut st[..2].iter_mut().collect::<Vec<_>>(),
+            LogitsWant::Last
+        )
+        .is_err());
+    // Model::decode does not silently replay a stale graph either: it refuses.
+    assert!(m
+        .decode(&[1, 2, 3, 4], &mut st[..4].iter_mut().collect::<Vec<_>>())
+        .is_err());
+    // back to the capture's options: replays again
+    m.set_gpu_options(o).unwrap();
+    m.decode_graph(&[1, 2, 3, 4], &mut st[..4].iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    m.prefill_graph(
+        &[&a, &b],
+        &mut st[..2].iter_mut().collect::<Vec<_>>(),
+        LogitsWant::Last,
+    )
+    .unwrap();
+    // states stay untouched by a refused replay
+    let before = hosts(&st);
+    let _ = m.decode_graph(&[1, 2, 3, 4, 5], &mut st.iter_mut().collect::<Vec<_>>());
+    assert!(hosts(&st) == before);
+}
+
+#[test]
+fn graphs_are_refused_on_the_cpu() {
+    let cfg = config(64, 1, 32, 16, 1, 0.5, false, 0, 16);
+    let m =
+        Model::from_weights(Weights::synthetic(cfg, DType::F32, 1).unwrap(), Device::Cpu).unwrap();
+    assert!(m.capture_decode_graph(1).is_err());
+}

@@ -1,0 +1,136 @@
+//! Every GPU kernel compiles under NVRTC, for Hopper (sm_90a) and Ampere (sm_80), for a
+//! spread of model shapes and every numeric mode — no GPU needed, so a broken kernel fails
+//! CI. It needs NVRTC 13.0 and the CUDA headers, which `.ci/run` installs from the PyPI
+//! wheels into `.ci/nvrtc` (docs: ../shared/docs/gpu.md):
+//!
+//! - with `LD_LIBRARY_PATH`/`CUDA_INCLUDE_DIR` pointing at them, it just runs;
+//! - else, if `.ci/nvrtc` exists in the checkout, the test re-runs itself with those set;
+//! - else it fails and says how to install them — unless `MAMBA3_SKIP_NVRTC_CHECK=1`,
+//!   which makes it pass with a notice (for machines without the wheels; CI never sets it).
+#![cfg(feature = "cuda")]
+
+mod gpu;
+use mamba3::cuda::kernels::{
+    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath,
+};
+use mamba3::model::DType;
+use std::path::PathBuf;
+
+const RERUN: &str = "MAMBA3_NVRTC_CHECK_RERUN";
+
+/// `.ci/nvrtc`'s library and include directories, if the wheels are installed there.
+fn ci_wheels() -> Option<(PathBuf, PathBuf)> {
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".ci/nvrtc/lib");
+    for py in std::fs::read_dir(&venv).ok()?.flatten() {
+        let cu13 = py.path().join("site-packages/nvidia/cu13");
+        if cu13.join("include/cuda_bf16.h").is_file() {
+            return Some((cu13.join("lib"), cu13.join("include")));
+        }
+    }
+    None
+}
+
+/// Whether the check can run in this process; re-runs it with the CI wheels if not.
+fn nvrtc_here(test: &str) -> bool {
+    if nvrtc_available() && mamba3::cuda::kernels::cuda_include_dir().is_some() {
+        return true;
+    }
+    if std::env::var_os(RERUN).is_none() {
+        if let Some((lib, inc)) = ci_wheels() {
+            let ld = match std::env::var("LD_LIBRARY_PATH") {
+                Ok(old) if !old.is_empty() => format!("{}:{old}", lib.display()),
+                _ => lib.display().to_string(),
+            };
+            let status = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env("LD_LIBRARY_PATH", ld)
+                .env("CUDA_INCLUDE_DIR", inc)
+                .env(RERUN, "1")
+                .status()
+                .expect("re-running the test with the .ci/nvrtc wheels");
+            assert!(
+                status.success(),
+                "the NVRTC compile check failed (re-run with .ci/nvrtc)"
+            );
+            return false;
+        }
+    }
+    if std::env::var("MAMBA3_SKIP_NVRTC_CHECK").as_deref() == Ok("1") {
+        eprintln!("NOTICE: NVRTC or the CUDA headers are missing; kernel compile check SKIPPED");
+        return false;
+    }
+    panic!(
+        "NVRTC 13.0 and the CUDA headers are needed to check the GPU kernels. Install them:\n  \
+         python3 -m venv .ci/nvrtc && .ci/nvrtc/bin/pip install nvidia-cuda-nvrtc==13.0.88 \
+         nvidia-cuda-runtime==13.0.96 \"nvidia-cuda-crt==13.0.*\" \"nvidia-cuda-cccl==13.0.*\"\n\
+         (or set LD_LIBRARY_PATH and CUDA_INCLUDE_DIR; MAMBA3_SKIP_NVRTC_CHECK=1 skips)"
+    );
+}
+
+#[test]
+fn every_kernel_compiles_under_nvrtc() {
+    if !nvrtc_here("every_kernel_compiles_under_nvrtc") {
+        return;
+    }
+    println!("NVRTC {:?}", nvrtc_version().unwrap());
+    let c = gpu::config;
+    let shapes = [
+        // the benchmark shape
+        (c(768, 24, 128, 64, 1, 0.5, false, 0, 64), "bench"),
+        // the fixtures' shapes
+        (c(64, 2, 32, 16, 1, 0.5, false, 0, 16), "siso-tiny"),
+        (c(96, 3, 64, 32, 2, 1.0, true, 160, 32), "siso-mlp-norm"),
+        // shapes that do not tile by 16 (exact FMA scan)
+        (c(48, 1, 16, 8, 3, 0.5, true, 64, 8), "odd"),
+    ];
+    let modes = [
+        (DType::F32, ScanMath::F32),
+        (DType::F32, ScanMath::Tf32),
+        (DType::BF16, ScanMath::Tf32),
+        (DType::BF16, ScanMath::Half),
+        (DType::F16, ScanMath::Half),
+    ];
+    let mut jobs = Vec::new();
+    for (cfg, what) in &shapes {
+        cfg.validate().unwrap();
+        for &(dtype, scan) in &modes {
+            let kc = KernelConfig::new(cfg, &cfg.dims(), dtype, scan).unwrap();
+            // every mode for the benchmark shape (and once for Ampere), the main modes
+            // for the others
+            let main = matches!(scan, ScanMath::F32 | ScanMath::Half) || dtype == DType::BF16;
+            if *what == "bench" || main {
+                jobs.push((format!("{what} {dtype:?} {scan:?}"), kc.clone(), "sm_90a"));
+            }
+            if *what == "bench" && dtype == DType::BF16 && scan == ScanMath::Tf32 {
+                jobs.push((format!("{what} {dtype:?} {scan:?}"), kc, "sm_80"));
+            }
+        }
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(8);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failures = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Some((what, kc, arch)) = jobs.get(i) else {
+                    break;
+                };
+                match compile_cubin(kc, arch) {
+                    Ok((cubin, log)) if !cubin.is_empty() && !log.contains("warning") => {}
+                    Ok((_, log)) => failures
+                        .lock()
+                        .unwrap()
+                        .push(format!("{what} {arch}: warnings:\n{log}")),
+                    Err(e) => failures.lock().unwrap().push(format!("{what} {arch}: {e}")),
+                }
+            });
+        }
+    });
+    let failures = failures.into_inner().unwrap();
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    let n = jobs.len();
+    println!("{n} kernel programs compiled");
+}
