@@ -1,7 +1,7 @@
 //! Pieces of the Mamba-3 mixer shared by the chunked prefill and the decode step:
 //! per-token preprocessing of one `in_proj` row (spec §2.1–§2.3) and the output gate (§2.6).
 
-use super::math::{a_value, rms_norm, sigmoid, silu, softplus};
+use super::math::{a_value, rms_norm, sigmoid, softplus};
 use super::real::Real;
 use crate::model::config::{AActivation, Dims, NORM_EPS};
 use crate::model::weights::LayerWeights;
@@ -105,7 +105,8 @@ impl MixerCtx<'_> {
             y.copy_from_slice(normed);
         }
         for (yv, &zv) in y.iter_mut().zip(z) {
-            *yv = *yv * silu(zv);
+            // silu(z) = z·σ(z), with the vectorisable exp
+            *yv = *yv * zv / (F::one() + (-zv).exp_fast());
         }
     }
 }

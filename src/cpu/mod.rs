@@ -1,6 +1,7 @@
 //! The CPU backend: the token-by-token reference (the oracle) and the fast paths —
 //! chunked prefill on a real GEMM, threaded with rayon, and the batched decode step.
 
+pub mod fastmath;
 pub mod forward;
 pub mod math;
 pub mod matmul;

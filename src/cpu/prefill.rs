@@ -152,7 +152,7 @@ fn scan_head<F: Real>(
             let lambda = pre.lambda[t * h_n + h];
             for i in 0..s_n {
                 angle[i] = wrap_angle(angle[i] + pre.theta[t * s_n + i] * delta);
-                (sin[i], cos[i]) = angle[i].sin_cos();
+                (sin[i], cos[i]) = angle[i].sin_cos_fast();
             }
             let (kj, qj) = (
                 &mut k[j * n_n..(j + 1) * n_n],
@@ -193,8 +193,8 @@ fn scan_head<F: Real>(
         let (mut row_f, mut col_f) = (vec![F::zero(); l], vec![F::zero(); l]);
         if split {
             for j in 0..l {
-                row_f[j] = lc[j].exp();
-                col_f[j] = (-lc[j]).exp() * scale[j];
+                row_f[j] = lc[j].exp_fast();
+                col_f[j] = (-lc[j]).exp_fast() * scale[j];
             }
         }
         for j in 0..l {
@@ -203,7 +203,7 @@ fn scan_head<F: Real>(
                 let w = if split {
                     row_f[j] * col_f[s]
                 } else {
-                    (lc[j] - lc[s]).exp() * scale[s]
+                    (lc[j] - lc[s]).exp_fast() * scale[s]
                 };
                 row[s] = row[s] * w;
             }
@@ -231,7 +231,7 @@ fn scan_head<F: Real>(
             1,
         );
         for j in 0..l {
-            let e = lc[j].exp();
+            let e = lc[j].exp_fast();
             for p in 0..p_n {
                 let i = j * p_n + p;
                 yc[i] = yc[i] + e * inter[i] + d_skip * x[i];
@@ -240,14 +240,14 @@ fn scan_head<F: Real>(
 
         // State: S ← e^{Lc_end}·S + (w ⊙ X)ᵀ·K̃ with w_s = e^{Lc_end − Lc_s}·c_s.
         for j in 0..l {
-            let w = (lc_end - lc[j]).exp() * scale[j];
+            let w = (lc_end - lc[j]).exp_fast() * scale[j];
             for p in 0..p_n {
                 xw[j * p_n + p] = w * x[j * p_n + p];
             }
         }
         gemm(
             ViewMut::new(&mut ssm, p_n, n_n),
-            Some(lc_end.exp()),
+            Some(lc_end.exp_fast()),
             View::new(&xw[..l * p_n], l, p_n).t(),
             kv,
             F::one(),

@@ -65,14 +65,14 @@ pub fn mixer_step<F: Real>(
         let (t, h) = (s.row, s.h);
         let delta = pre.delta[t * d.nheads + h];
         let lambda = pre.lambda[t * d.nheads + h];
-        let alpha = pre.a[t * d.nheads + h].exp();
+        let alpha = pre.a[t * d.nheads + h].exp_fast();
         let beta = alpha * delta * (F::one() - lambda);
         let gamma = lambda * delta;
         let mut cos = vec![F::zero(); s_n];
         let mut sin = vec![F::zero(); s_n];
         for i in 0..s_n {
             s.angle[i] = wrap_angle(s.angle[i] + pre.theta[t * s_n + i] * delta);
-            (sin[i], cos[i]) = s.angle[i].sin_cos();
+            (sin[i], cos[i]) = s.angle[i].sin_cos_fast();
         }
         let mut k = vec![F::zero(); n_n];
         let mut q = vec![F::zero(); n_n];
