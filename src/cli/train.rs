@@ -191,10 +191,17 @@ pub fn run(a: Args) -> Result<()> {
         r.seq_len,
         trainer.progress.step
     );
-    eprintln!(
-        "unigram baseline on the validation split: {:.4} bits/byte",
-        trainer.progress.unigram_bits
-    );
+    if trainer.progress.unigram_bits.is_finite() {
+        eprintln!(
+            "unigram baseline on the validation split: {:.4} bits/byte",
+            trainer.progress.unigram_bits
+        );
+    } else {
+        eprintln!(
+            "no validation split: the text is shorter than {} blocks of 4 KiB (--val-every-block)",
+            r.val_every_block
+        );
+    }
     let pb = ProgressBar::new(r.steps);
     pb.set_style(
         ProgressStyle::with_template(

@@ -152,8 +152,12 @@ impl Dataset {
     }
 
     /// Cross-entropy (bits per token) of the validation split under the training split's
-    /// unigram distribution (add-one smoothed): the baseline a model must beat.
+    /// unigram distribution (add-one smoothed): the baseline a model must beat. NaN without
+    /// a validation split.
     pub fn unigram_bits(&self) -> f64 {
+        if self.val.is_empty() {
+            return f64::NAN;
+        }
         let total: u64 = self.counts.iter().sum::<u64>() + BYTE_VOCAB as u64;
         let mut bits = 0.0;
         for &t in &self.val {

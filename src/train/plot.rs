@@ -48,8 +48,10 @@ pub fn loss_png(p: &Progress, path: &Path) -> Result<()> {
         .collect();
     let xmax = train.last().unwrap().0.max(2.0);
     let lows = smooth.iter().chain(&val).map(|v| v.1);
-    let ymin = lows.fold(f64::INFINITY, f64::min).min(p.unigram_bits) * 0.9;
-    let ymax = (p.unigram_bits * 1.25).max(ymin + 0.5);
+    let u = p.unigram_bits;
+    let ymin = lows.fold(f64::INFINITY, f64::min).min(u) * 0.9;
+    let top = if u.is_finite() { u * 1.25 } else { train[0].1 };
+    let ymax = top.max(ymin + 0.5);
     let root = BitMapBackend::new(path, (960, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let mut chart = ChartBuilder::on(&root)
@@ -95,12 +97,13 @@ pub fn loss_png(p: &Progress, path: &Path) -> Result<()> {
             .draw_series(val.iter().map(|&v| Circle::new(clamp(&v), 3, RED.filled())))
             .map_err(err)?;
     }
-    let u = p.unigram_bits;
-    chart
-        .draw_series(LineSeries::new([(1.0, u), (xmax, u)], BLACK.mix(0.6)))
-        .map_err(err)?
-        .label(format!("unigram baseline ({u:.2})"))
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.6)));
+    if u.is_finite() {
+        chart
+            .draw_series(LineSeries::new([(1.0, u), (xmax, u)], BLACK.mix(0.6)))
+            .map_err(err)?
+            .label(format!("unigram baseline ({u:.2})"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.6)));
+    }
     chart
         .configure_series_labels()
         .label_font(("sans-serif", 15))

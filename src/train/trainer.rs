@@ -50,8 +50,14 @@ pub struct Progress {
     pub train_loss: Vec<(u64, f64)>,
     /// (step, validation loss, nats/token)
     pub val_loss: Vec<(u64, f64)>,
-    /// unigram baseline on the validation split, bits per token
+    /// unigram baseline on the validation split, bits per token (NaN, saved as null,
+    /// without a validation split)
+    #[serde(deserialize_with = "nan_if_null")]
     pub unigram_bits: f64,
+}
+
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 #[derive(Serialize, Deserialize)]
@@ -266,7 +272,9 @@ impl<B: Backend> Trainer<B> {
                 && (s.is_multiple_of(self.run.eval_every) || s == self.run.steps)
             {
                 let v = self.validate()?;
-                self.progress.val_loss.push((s - 1, v));
+                if v.is_finite() {
+                    self.progress.val_loss.push((s - 1, v));
+                }
             }
             let dt = t0.elapsed().as_secs_f64();
             self.progress.seconds += dt;
