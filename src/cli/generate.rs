@@ -17,10 +17,13 @@ pub struct Args {
     #[arg(long)]
     pub model: Option<PathArg>,
     /// Prompt text (default: read stdin).
-    #[arg(long)]
+    #[arg(value_name = "PROMPT", conflicts_with = "prompt_flag")]
     pub prompt: Option<String>,
+    /// Prompt text, as an option (same as the positional PROMPT).
+    #[arg(long = "prompt", id = "prompt_flag", value_name = "TEXT")]
+    pub prompt_flag: Option<String>,
     /// Prompt as token ids: a JSON array or a safetensors file with `input_ids`.
-    #[arg(long, conflicts_with = "prompt")]
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_flag"])]
     pub input_ids: Option<PathArg>,
     /// tokenizer.json to use instead of the model directory's.
     #[arg(long)]
@@ -97,11 +100,12 @@ pub fn run(a: Args) -> Result<()> {
         None => (model.new_state(), false),
     };
     let start = state.position();
-    let prompt: Vec<u32> = match (&a.input_ids, &a.prompt) {
+    let prompt_text = a.prompt.as_ref().or(a.prompt_flag.as_ref());
+    let prompt: Vec<u32> = match (&a.input_ids, prompt_text) {
         (Some(p), _) => super::logits::to_tokens(&super::logits::read_input_ids(p)?, vocab)?,
         (None, text) => {
             let text = match text {
-                Some(t) => t.clone(),
+                Some(t) => t.to_string(),
                 None => {
                     let mut s = String::new();
                     std::io::stdin().read_to_string(&mut s).map_err(|e| {
@@ -209,6 +213,7 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         let _ = writeln!(out);
     }
+    let _ = out.flush(); // before the summary on stderr
     if let Some(e) = write_err {
         return Err(Error::Other(format!("writing to stdout failed: {e}")));
     }

@@ -129,7 +129,6 @@ fn scan_head<F: Real>(
     let mut y = vec![F::zero(); sp.len * p_n];
     let mut q = vec![F::zero(); l_max * n_n];
     let mut k = vec![F::zero(); l_max * n_n];
-    let mut x = vec![F::zero(); l_max * p_n];
     let mut xw = vec![F::zero(); l_max * p_n];
     let mut lc = vec![F::zero(); l_max];
     let mut gamma = vec![F::zero(); l_max];
@@ -161,8 +160,6 @@ fn scan_head<F: Real>(
             ctx.biased_kq(&pre.bc[t * bc_w..(t + 1) * bc_w], h, kj, qj);
             rotate_pairs(kj, &cos, &sin);
             rotate_pairs(qj, &cos, &sin);
-            x[j * p_n..(j + 1) * p_n]
-                .copy_from_slice(&proj[t * dpi + d.x_off() + h * p_n..][..p_n]);
             gamma[j] = lambda * delta;
             let look_back = if c0 + j + 1 < sp.len {
                 pre.delta[(t + 1) * h_n + h] * (F::one() - pre.lambda[(t + 1) * h_n + h])
@@ -174,10 +171,12 @@ fn scan_head<F: Real>(
             lc[j] = acc;
         }
         let lc_end = lc[l - 1];
+        // x rows are read in place from the in_proj output (row stride d_in_proj).
+        let x = &proj[(sp.start + c0) * dpi + d.x_off() + h * p_n..];
         let (qv, kv, xv) = (
             View::new(&q[..l * n_n], l, n_n),
             View::new(&k[..l * n_n], l, n_n),
-            View::new(&x[..l * p_n], l, p_n),
+            View::strided(x, l, p_n, dpi, 1),
         );
 
         // Intra-chunk: M = (Q̃K̃ᵀ) masked and weighted, then Y = M·X.
@@ -234,7 +233,7 @@ fn scan_head<F: Real>(
             let e = lc[j].exp_fast();
             for p in 0..p_n {
                 let i = j * p_n + p;
-                yc[i] = yc[i] + e * inter[i] + d_skip * x[i];
+                yc[i] = yc[i] + e * inter[i] + d_skip * x[j * dpi + p];
             }
         }
 
@@ -242,7 +241,7 @@ fn scan_head<F: Real>(
         for j in 0..l {
             let w = (lc_end - lc[j]).exp_fast() * scale[j];
             for p in 0..p_n {
-                xw[j * p_n + p] = w * x[j * p_n + p];
+                xw[j * p_n + p] = w * x[j * dpi + p];
             }
         }
         gemm(
@@ -261,7 +260,7 @@ fn scan_head<F: Real>(
             ctx.gate(&mut yc[j * p_n..(j + 1) * p_n], z, h);
         }
         last_k.copy_from_slice(&k[(l - 1) * n_n..l * n_n]);
-        last_v.copy_from_slice(&x[(l - 1) * p_n..l * p_n]);
+        last_v.copy_from_slice(&x[(l - 1) * dpi..(l - 1) * dpi + p_n]);
         c0 += l;
     }
     HeadOut {

@@ -89,6 +89,12 @@ pub fn dir() -> Result<PathBuf> {
     )))
 }
 
+/// Whether `dir` is a copy of the built-in default model written by [`dir`].
+pub fn is_default_dir(dir: &Path) -> bool {
+    dir.file_name()
+        .is_some_and(|n| n.to_string_lossy() == format!("default-{:016x}", hash()))
+}
+
 /// `path` if given, else the default model's directory.
 pub fn resolve(path: Option<&Path>) -> Result<PathBuf> {
     match path {

@@ -1,11 +1,11 @@
-//! Where a model comes from, decided in one place: [`ModelSource::resolve`]. Today a
-//! model directory must be named (`--model DIR`); a built-in default model will be one
-//! more arm here, and every command picks it up.
+//! Where a model comes from, decided in one place: [`ModelSource::resolve`]: the directory
+//! named by `--model DIR`, else the built-in default model (embedded in the binary,
+//! `crate::model::default_model`).
 
 use super::chat::ChatTemplate;
 use super::tokenizer::Tokenizer;
 use crate::engine::{Device, Model};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::{Config, DType, Weights};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,20 +33,19 @@ pub struct TextAssets {
 }
 
 impl ModelSource {
-    /// The source a command runs: the directory given, else (later) the default model.
+    /// The source a command runs: the directory given, else the built-in default model.
     pub fn resolve(model: Option<&Path>) -> Result<ModelSource> {
-        match model {
-            Some(p) => Ok(ModelSource::Dir(p.to_path_buf())),
-            None => Err(Error::input(
-                "no model given: pass --model DIR (a directory with config.json and \
-                 model.safetensors or pytorch_model.bin); there is no built-in default model yet",
-            )),
-        }
+        Ok(ModelSource::Dir(crate::model::default_model::resolve(
+            model,
+        )?))
     }
 
     /// The name the server reports (`/v1/models`): the directory's name.
     pub fn name(&self) -> String {
         match self {
+            ModelSource::Dir(p) if crate::model::default_model::is_default_dir(p) => {
+                "mamba3-default".into()
+            }
             ModelSource::Dir(p) => {
                 let p = p.canonicalize().unwrap_or_else(|_| p.clone());
                 p.file_name()
