@@ -43,6 +43,26 @@ impl<'a, F> View<'a, F> {
             cs,
         }
     }
+    /// Rows `start..end`.
+    pub fn rows(self, start: usize, end: usize) -> Self {
+        assert!(start <= end && end <= self.rows, "rows out of range");
+        let off = if start < end { start * self.rs } else { 0 };
+        View {
+            data: &self.data[off..],
+            rows: end - start,
+            ..self
+        }
+    }
+    /// Columns `start..end`.
+    pub fn cols(self, start: usize, end: usize) -> Self {
+        assert!(start <= end && end <= self.cols, "cols out of range");
+        let off = if start < end { start * self.cs } else { 0 };
+        View {
+            data: &self.data[off..],
+            cols: end - start,
+            ..self
+        }
+    }
     pub fn t(self) -> Self {
         View {
             data: self.data,

@@ -134,6 +134,7 @@ fn scan_head<F: Real>(
     let mut gamma = vec![F::zero(); l_max];
     let mut scale = vec![F::zero(); l_max];
     let mut m = vec![F::zero(); l_max * l_max];
+    let (mut row_f, mut col_f) = (vec![F::zero(); l_max], vec![F::zero(); l_max]);
     let mut inter = vec![F::zero(); l_max * p_n];
     let mut cos = vec![F::zero(); s_n];
     let mut sin = vec![F::zero(); s_n];
@@ -179,17 +180,27 @@ fn scan_head<F: Real>(
             View::strided(x, l, p_n, dpi, 1),
         );
 
-        // Intra-chunk: M = (Q̃K̃ᵀ) masked and weighted, then Y = M·X.
+        // Intra-chunk: M = (Q̃K̃ᵀ) masked and weighted, then Y = M·X. M is lower
+        // triangular, so rows [0, a) only need columns [0, a): a quarter of both
+        // products is skipped.
+        let a = l / 2;
         gemm(
-            ViewMut::new(&mut m[..l * l], l, l),
+            ViewMut::strided(&mut m, a, a, l, 1),
             None,
-            qv,
+            qv.rows(0, a),
+            kv.rows(0, a).t(),
+            F::one(),
+            1,
+        );
+        gemm(
+            ViewMut::strided(&mut m[a * l..], l - a, l, l, 1),
+            None,
+            qv.rows(a, l),
             kv.t(),
             F::one(),
             1,
         );
         let split = -lc_end < split_exp_limit::<F>();
-        let (mut row_f, mut col_f) = (vec![F::zero(); l], vec![F::zero(); l]);
         if split {
             for j in 0..l {
                 row_f[j] = lc[j].exp_fast();
@@ -198,22 +209,34 @@ fn scan_head<F: Real>(
         }
         for j in 0..l {
             let row = &mut m[j * l..(j + 1) * l];
-            for s in 0..j {
-                let w = if split {
-                    row_f[j] * col_f[s]
-                } else {
-                    (lc[j] - lc[s]).exp_fast() * scale[s]
-                };
-                row[s] = row[s] * w;
+            if split {
+                let r = row_f[j];
+                for s in 0..j {
+                    row[s] = row[s] * (r * col_f[s]);
+                }
+            } else {
+                for s in 0..j {
+                    row[s] = row[s] * ((lc[j] - lc[s]).exp_fast() * scale[s]);
+                }
             }
             row[j] = row[j] * gamma[j];
             row[j + 1..].iter_mut().for_each(|v| *v = F::zero());
         }
         let yc = &mut y[c0 * p_n..(c0 + l) * p_n];
+        let (y_top, y_bottom) = yc.split_at_mut(a * p_n);
+        let mv = View::new(&m[..l * l], l, l);
         gemm(
-            ViewMut::new(yc, l, p_n),
+            ViewMut::new(y_top, a, p_n),
             None,
-            View::new(&m[..l * l], l, l),
+            mv.rows(0, a).cols(0, a),
+            xv.rows(0, a),
+            F::one(),
+            1,
+        );
+        gemm(
+            ViewMut::new(y_bottom, l - a, p_n),
+            None,
+            mv.rows(a, l),
             xv,
             F::one(),
             1,
