@@ -205,8 +205,12 @@ fn refusals_are_clear() {
         e.contains("no tokenizer.json") && e.contains("--input-ids"),
         "{e}"
     );
-    let o = mamba3(&["generate", "--prompt", "hello"]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--model DIR"));
+    // Without --model: the built-in default model, as the README's first command runs it.
+    let o = mamba3(&["generate", "And God said", "--max-tokens", "40", "--temperature", "0"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.trim().len() >= 20, "default model produced {text:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("generated 40 tokens"));
     let o = mamba3(&["generate", "--model", "/nonexistent/dir", "--prompt", "x"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"));
 }
