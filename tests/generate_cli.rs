@@ -206,7 +206,14 @@ fn refusals_are_clear() {
         "{e}"
     );
     // Without --model: the built-in default model, as the README's first command runs it.
-    let o = mamba3(&["generate", "And God said", "--max-tokens", "40", "--temperature", "0"]);
+    let o = mamba3(&[
+        "generate",
+        "And God said",
+        "--max-tokens",
+        "40",
+        "--temperature",
+        "0",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.trim().len() >= 20, "default model produced {text:?}");
