@@ -212,20 +212,42 @@ impl TensorData {
     pub fn to_f64_vec(&self) -> Vec<f64> {
         with_data!(self, v => v.iter().map(|x| x.to_f64()).collect())
     }
-    /// Convert to another dtype (a copy; rounding to nearest even).
+    /// Convert to another dtype (a copy; rounding to nearest even, once). Large tensors are
+    /// converted on all cores: this is most of the time a checkpoint takes to load.
     pub fn convert(&self, dtype: DType) -> TensorData {
         if self.dtype() == dtype {
             return self.clone();
         }
-        if let (TensorData::F64(v), DType::F32) = (self, dtype) {
-            return TensorData::F32(v.iter().map(|&x| x as f32).collect());
-        }
-        // f64 holds every narrower value exactly, so going through it rounds once.
-        Self::from_fn(self.len(), dtype, |i| self.get_f64(i))
+        with_data!(self, v => convert_slice(v, dtype))
+    }
+
+    /// The largest absolute value (0 for an empty tensor).
+    pub fn max_abs(&self) -> f64 {
+        with_data!(self, v => v.iter().fold(0f64, |m, x| m.max(x.to_f64().abs())))
     }
     pub fn as_bytes(&self) -> &[u8] {
         with_data!(self, v => bytemuck::cast_slice(v.as_slice()))
     }
+    /// Decode little-endian bytes of `disk` straight into `dtype` (one copy when the bytes
+    /// are aligned for their type, as in a memory-mapped safetensors file).
+    pub fn decode(bytes: &[u8], disk: DType, dtype: DType) -> Result<Self> {
+        fn cast<T: bytemuck::Pod>(b: &[u8]) -> Option<&[T]> {
+            bytemuck::try_cast_slice(b).ok()
+        }
+        if disk != dtype && cfg!(target_endian = "little") {
+            let direct = match disk {
+                DType::F32 => cast::<f32>(bytes).map(|v| convert_slice(v, dtype)),
+                DType::BF16 => cast::<bf16>(bytes).map(|v| convert_slice(v, dtype)),
+                DType::F16 => cast::<f16>(bytes).map(|v| convert_slice(v, dtype)),
+                DType::F64 => cast::<f64>(bytes).map(|v| convert_slice(v, dtype)),
+            };
+            if let Some(d) = direct {
+                return Ok(d);
+            }
+        }
+        Ok(Self::from_le_bytes(bytes, disk)?.convert(dtype))
+    }
+
     /// Decode little-endian bytes of `dtype` into owned storage.
     pub fn from_le_bytes(bytes: &[u8], dtype: DType) -> Result<Self> {
         if !bytes.len().is_multiple_of(dtype.size()) {
@@ -245,5 +267,27 @@ impl TensorData {
             DType::F16 => TensorData::F16(read(bytes)),
             DType::F64 => TensorData::F64(read(bytes)),
         })
+    }
+}
+
+/// `src` converted to `dtype`, rounding to nearest even once (every narrower type widens
+/// to f32 exactly; f64 rounds directly). Large tensors are converted on all cores: this is
+/// most of the time a checkpoint takes to load.
+fn convert_slice<S: Element>(src: &[S], dtype: DType) -> TensorData {
+    fn map<S: Element, D: Element>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D> {
+        use rayon::prelude::*;
+        let mut out = vec![D::default(); src.len()];
+        out.par_chunks_mut(1 << 16)
+            .zip(src.par_chunks(1 << 16))
+            .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &x)| *o = f(x)));
+        out
+    }
+    match (S::DTYPE, dtype) {
+        (DType::F64, DType::BF16) => TensorData::BF16(map(src, |x| bf16::from_f64(x.to_f64()))),
+        (DType::F64, DType::F16) => TensorData::F16(map(src, |x| f16::from_f64(x.to_f64()))),
+        (_, DType::F64) => TensorData::F64(map(src, |x| x.to_f64())),
+        (_, DType::F32) => TensorData::F32(map(src, |x| x.to_f32())),
+        (_, DType::BF16) => TensorData::BF16(map(src, |x| bf16::from_f32(x.to_f32()))),
+        (_, DType::F16) => TensorData::F16(map(src, |x| f16::from_f32(x.to_f32()))),
     }
 }

@@ -60,10 +60,24 @@ impl RawTensor<'_> {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Element `i` of a float tensor, as f64 (none for other dtypes or out of range).
+    pub fn float_at(&self, i: usize) -> Option<f64> {
+        let DiskDType::Float(d) = self.dtype else {
+            return None;
+        };
+        let b = self.bytes.get(i * d.size()..(i + 1) * d.size())?;
+        Some(match d {
+            DType::F32 => f32::from_le_bytes(b.try_into().ok()?) as f64,
+            DType::BF16 => half::bf16::from_bits(u16::from_le_bytes(b.try_into().ok()?)).to_f64(),
+            DType::F16 => half::f16::from_bits(u16::from_le_bytes(b.try_into().ok()?)).to_f64(),
+            DType::F64 => f64::from_le_bytes(b.try_into().ok()?),
+        })
+    }
+
     /// The elements as floats in `dtype`; an error if the tensor is not a float tensor.
     pub fn to_float(&self, name: &str, dtype: DType) -> Result<TensorData> {
         match self.dtype {
-            DiskDType::Float(d) => Ok(TensorData::from_le_bytes(&self.bytes, d)?.convert(dtype)),
+            DiskDType::Float(d) => TensorData::decode(&self.bytes, d, dtype),
             other => Err(Error::Tensor {
                 name: name.into(),
                 expected: "a float tensor (f32, bf16, f16 or f64)".into(),

@@ -148,12 +148,16 @@ impl Default for Fnv {
 /// Hash a tensor's name, length and 32 evenly spaced values (as f32), so that the same
 /// parameters give the same fingerprint whatever file format or dtype they came in.
 fn fingerprint_tensor(h: Fnv, name: &str, data: &TensorData) -> Fnv {
-    let n = data.len();
+    fingerprint_values(h, name, data.len(), |i| data.get_f64(i))
+}
+
+/// [`fingerprint_tensor`] of `n` values read through `get`.
+fn fingerprint_values(h: Fnv, name: &str, n: usize, get: impl Fn(usize) -> f64) -> Fnv {
     let mut h = h.bytes(name.as_bytes()).u64(n as u64);
     let samples = n.min(32);
     for i in 0..samples {
         let idx = i * n / samples;
-        h = h.bytes(&(data.get_f64(idx) as f32).to_le_bytes());
+        h = h.bytes(&(get(idx) as f32).to_le_bytes());
     }
     h
 }
@@ -264,19 +268,20 @@ impl Weights {
                     found: format!("shape {:?}", raw.shape),
                 });
             }
-            let disk = match raw.dtype {
-                crate::model::tensor_file::DiskDType::Float(d) => d,
-                other => {
-                    return Err(Error::Tensor {
-                        name: name.into(),
-                        expected: "dtype f32, bf16, f16 or f64".into(),
-                        found: format!("dtype {other}"),
-                    })
-                }
-            };
-            let data = raw.to_float(name, disk)?;
-            fp = fingerprint_tensor(fp, name, &data);
-            Ok(data.convert(storage_dtype(name, dtype, config.tie_embeddings)))
+            if !matches!(raw.dtype, crate::model::tensor_file::DiskDType::Float(_)) {
+                return Err(Error::Tensor {
+                    name: name.into(),
+                    expected: "dtype f32, bf16, f16 or f64".into(),
+                    found: format!("dtype {}", raw.dtype),
+                });
+            }
+            // Straight from the file's bytes to the held dtype; the fingerprint samples the
+            // values as stored, so it does not depend on the dtype asked for.
+            let data = raw.to_float(name, storage_dtype(name, dtype, config.tie_embeddings))?;
+            fp = fingerprint_values(fp, name, data.len(), |i| {
+                raw.float_at(i).unwrap_or(f64::NAN)
+            });
+            Ok(data)
         };
         let mut tensors = std::collections::HashMap::new();
         for (name, shape) in &expected {
