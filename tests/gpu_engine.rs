@@ -55,17 +55,53 @@ fn golden_checks(name: &str, dtype: DType, tol: f64) -> f64 {
     let (_, st) = windows(&m, &g.input_ids, &[g.prefix]);
     let host = st.to_host().unwrap();
     let d = m.dims();
-    let mut es = [0f64; 4];
+    // With 16-bit weights the states of deep layers are more sensitive than the logits
+    // (tests/golden.rs measures the CPU engine's bf16 ssm state of siso-mlp-norm at 5.3e-2
+    // from the golden, with logits at 7e-3): the GPU's states are held to the golden
+    // within the CPU test's bound, and to the CPU engine's at the same dtype within half
+    // of it — the two engines round differently (the GPU's in_proj input is f16, its
+    // scan operands TF32), and that layer amplifies any difference alike (measured:
+    // 1.6e-2 for that ssm state, ≤ 2.5e-3 for everything else).
+    let cpu_state = (dtype != DType::F32).then(|| {
+        let cpu = Model::load(&fixture(name), Device::Cpu, dtype).unwrap();
+        let mut cs = cpu.new_state();
+        cpu.prefill(&g.input_ids[..g.prefix], &mut cs, LogitsWant::None)
+            .unwrap();
+        cs.to_host().unwrap()
+    });
+    let gold_tol = if dtype == DType::F32 { tol } else { 6e-2 };
+    let cpu_tol = 3e-2;
+    let (mut es, mut ec) = ([0f64; 4], [0f64; 4]);
     for (l, ls) in host.iter().enumerate() {
         let gt = |f: &str| g.tensor(&format!("state.{l}.{f}"));
         es[0] = es[0].max(rel_l2_angles(&f64s(&ls.angle), &gt("angle")));
         es[1] = es[1].max(rel_l2(&f64s(&ls.ssm), &gt("ssm")));
         es[2] = es[2].max(rel_l2(&f64s(&ls.k), &gt("k")));
         es[3] = es[3].max(rel_l2(&f64s(&ls.v), &gt("v")));
+        if let Some(cs) = &cpu_state {
+            let c = &cs[l];
+            ec[0] = ec[0].max(rel_l2_angles(&f64s(&ls.angle), &f64s(&c.angle)));
+            ec[1] = ec[1].max(rel_l2(&f64s(&ls.ssm), &f64s(&c.ssm)));
+            ec[2] = ec[2].max(rel_l2(&f64s(&ls.k), &f64s(&c.k)));
+            ec[3] = ec[3].max(rel_l2(&f64s(&ls.v), &f64s(&c.v)));
+        }
     }
     assert_eq!(host.len(), d.n_layer);
-    for (f, e) in ["angle", "ssm", "k", "v"].iter().zip(es) {
-        check(&format!("state {f} after prefix"), e);
+    for (i, f) in ["angle", "ssm", "k", "v"].iter().enumerate() {
+        let e = es[i];
+        println!("{name} {dtype:?} state {f} after prefix vs golden: {e:.3e}");
+        assert!(
+            e <= gold_tol,
+            "{name} {dtype:?} state {f}: {e:e} > {gold_tol:e}"
+        );
+        if cpu_state.is_some() {
+            let e = ec[i];
+            println!("{name} {dtype:?} state {f} after prefix vs the CPU engine: {e:.3e}");
+            assert!(
+                e <= cpu_tol,
+                "{name} {dtype:?} state {f} vs CPU: {e:e} > {cpu_tol:e}"
+            );
+        }
     }
     worst
 }
@@ -216,7 +252,10 @@ fn random_configs_match_the_reference_in_f32() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn packed_batch_equals_each_sequence_alone() {
-    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-3)] {
+    // In bf16 cuBLASLt picks other kernels for other row counts, and a different f32
+    // rounding of a GEMM output can flip a bf16 rounding after it: packed and alone then
+    // differ at bf16 resolution (2⁻⁸), not beyond.
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
         let cfg = config(96, 2, 64, 32, 2, 1.0, true, 160, 32);
         let w = Weights::synthetic(cfg, dtype, 5).unwrap();
         let m = Model::from_weights(w.clone(), CUDA).unwrap();

@@ -7,6 +7,9 @@
 //! - else, if `.ci/nvrtc` exists in the checkout, the test re-runs itself with those set;
 //! - else it fails and says how to install them — unless `MAMBA3_SKIP_NVRTC_CHECK=1`,
 //!   which makes it pass with a notice (for machines without the wheels; CI never sets it).
+//!
+//! `MAMBA3_DUMP_CUBIN=DIR` writes every compiled cubin there, for `cuobjdump
+//! --dump-resource-usage` (registers, shared memory, spills) and the SASS.
 #![cfg(feature = "cuda")]
 
 mod gpu;
@@ -119,7 +122,14 @@ fn every_kernel_compiles_under_nvrtc() {
                     break;
                 };
                 match compile_cubin(kc, arch) {
-                    Ok((cubin, log)) if !cubin.is_empty() && !log.contains("warning") => {}
+                    Ok((cubin, log)) if !cubin.is_empty() && !log.contains("warning") => {
+                        // MAMBA3_DUMP_CUBIN=DIR keeps the cubins (for cuobjdump: registers,
+                        // spills, SASS) — no GPU needed.
+                        if let Some(dir) = std::env::var_os("MAMBA3_DUMP_CUBIN") {
+                            let name = format!("{what} {arch}.cubin").replace(' ', "_");
+                            let _ = std::fs::write(PathBuf::from(dir).join(name), &cubin);
+                        }
+                    }
                     Ok((_, log)) => failures
                         .lock()
                         .unwrap()

@@ -10,15 +10,16 @@
 //! for large batches).
 //!
 //! Precision: the residual stream, the in_proj output, per-token scalars and the states are
-//! f32 in every mode. In bf16/f16 the GEMM operands are 16-bit, except the in_proj input,
-//! which is split into hi + lo halves (GEMM against `[W | W]`) unless `fast` is set, and
-//! the scan runs on TF32 tensor cores (16-bit ones with `fast`). See docs/benchmarks.md
-//! for what each choice costs in accuracy and time.
+//! f32 in every mode. In bf16/f16 the GEMM operands are 16-bit; the in_proj input is f16
+//! against an f16 copy of the weights (or, for models whose norm weights could overflow
+//! f16, split into hi + lo halves against `[W | W]`, or rounded to the model dtype with
+//! `fast`: see `weights::InProjInput`), and the scan runs on TF32 tensor cores (16-bit ones
+//! with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
 use super::context::{Gpu, KArg};
 use super::gemm::{ElemType, GemmSpec, Lt};
 use super::kernels::{proj_ld, Kernels, ScanMath};
-use super::weights::GpuWeights;
+use super::weights::{GpuWeights, InProjInput};
 use super::work::{Layout, Work};
 use crate::engine::GpuOptions as CudaOptions;
 use crate::error::Result;
@@ -27,6 +28,11 @@ use crate::model::{DType, Dims};
 /// Decode batches up to this size use the fused-norm GEMV kernels; larger ones cuBLASLt.
 pub const GEMV_MAX_ROWS: usize = 16;
 const GEMV_BG: usize = 4;
+
+/// `rms_norm_rows` output modes (kernels/dense.cu).
+const NORM_ACT: i32 = 0;
+const NORM_SPLIT: i32 = 1;
+const NORM_F16: i32 = 2;
 
 /// Kernel parameters of `scan_states`/`scan_outputs` (`ScanArgs` in kernels/scan.cu).
 #[repr(C)]
@@ -65,6 +71,8 @@ pub struct Pipe<'a> {
     pub d: Dims,
     pub dtype: DType,
     pub opts: CudaOptions,
+    /// check every step's output for non-finite values (`MAMBA3_GPU_DEBUG=1`)
+    pub probe: bool,
 }
 
 impl Pipe<'_> {
@@ -72,9 +80,69 @@ impl Pipe<'_> {
         ElemType::of(self.dtype)
     }
 
-    /// Whether the in_proj input goes in as hi + lo halves.
-    fn split(&self) -> bool {
-        self.dtype != DType::F32 && !self.opts.fast
+    /// With `probe` on: wait, and check `rows × cols` values (rows `ld` apart, f32 or the
+    /// activation dtype) that `what` wrote.
+    #[allow(clippy::too_many_arguments)]
+    fn look(
+        &self,
+        what: &str,
+        layer: Option<usize>,
+        ptr: u64,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        f32_values: bool,
+    ) -> Result<()> {
+        if !self.probe {
+            return Ok(());
+        }
+        let dtype = if f32_values { DType::F32 } else { self.dtype };
+        super::probe::check(
+            self.gpu,
+            what,
+            layer,
+            super::probe::Region {
+                ptr,
+                rows,
+                cols,
+                ld,
+                dtype,
+            },
+        )
+    }
+
+    /// [`Pipe::look`] of a `rows × cols` matrix of `dtype`.
+    fn look_typed(
+        &self,
+        what: &str,
+        l: usize,
+        ptr: u64,
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        if !self.probe {
+            return Ok(());
+        }
+        let region = super::probe::Region {
+            ptr,
+            rows,
+            cols,
+            ld: cols,
+            dtype,
+        };
+        super::probe::check(self.gpu, what, Some(l), region)
+    }
+
+    /// How the in_proj input of layer `l` is written (`rms_norm_rows`' `mode`): the weight,
+    /// the input's element type and width, and the mode.
+    fn in_proj_route(&self, l: usize) -> (u64, ElemType, usize, i32) {
+        let (lw, dm) = (&self.w.layers[l], self.d.d_model);
+        match (&lw.in_proj_input, self.opts.fast) {
+            (Some(InProjInput::F16(w)), _) => (w.ptr, ElemType::F16, dm, NORM_F16),
+            (Some(InProjInput::Split(w)), false) => (w.ptr, self.act(), 2 * dm, NORM_SPLIT),
+            _ => (lw.in_proj.ptr, self.act(), dm, NORM_ACT),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -120,6 +188,33 @@ impl Pipe<'_> {
         self.lt.gemm(self.gpu, &spec, a, w, d)
     }
 
+    /// A GEMM whose operands are of type `ab` (f32 output, no accumulation).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_typed(
+        &self,
+        rows: usize,
+        n: usize,
+        k: usize,
+        ab: ElemType,
+        a: u64,
+        w: u64,
+        d: u64,
+        ldd: usize,
+    ) -> Result<()> {
+        let spec = GemmSpec {
+            rows,
+            n,
+            k,
+            ldd,
+            a: ab,
+            w: ab,
+            d: ElemType::F32,
+            accumulate: false,
+            tf32: self.opts.tf32,
+        };
+        self.lt.gemm(self.gpu, &spec, a, w, d)
+    }
+
     fn launch(
         &self,
         k: &super::context::Kernel,
@@ -131,23 +226,16 @@ impl Pipe<'_> {
         self.gpu.launch(k, grid, block, smem, self.opts.pdl, args)
     }
 
-    /// `out[r] = rmsnorm(x[idx[r] or r]) ⊙ w` for `rows` rows, as GEMM input.
-    fn norm_rows(
-        &self,
-        x: u64,
-        w: u64,
-        out: u64,
-        rows: usize,
-        idx: u64,
-        split: bool,
-    ) -> Result<()> {
-        let (rows_i, split_i) = (rows as i32, i32::from(split));
+    /// `out[r] = rmsnorm(x[idx[r] or r]) ⊙ w` for `rows` rows, as GEMM input written as
+    /// `mode` says (`NORM_*`).
+    fn norm_rows(&self, x: u64, w: u64, out: u64, rows: usize, idx: u64, mode: i32) -> Result<()> {
+        let rows_i = rows as i32;
         self.launch(
             &self.k.rms_norm_rows,
             (rows.div_ceil(8) as u32, 1, 1),
             256,
             0,
-            &[&x, &w, &out, &rows_i, &idx, &split_i],
+            &[&x, &w, &out, &rows_i, &idx, &mode],
         )
     }
 
@@ -161,25 +249,33 @@ impl Pipe<'_> {
         )
     }
 
-    /// The in_proj GEMM from the residual rows: norm (split or not) + cuBLASLt.
+    /// The in_proj GEMM from the residual rows: norm (into the route's input) + cuBLASLt.
     fn in_proj_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
         let (d, lw) = (&self.d, &self.w.layers[l]);
-        let split = self.split();
-        self.norm_rows(work.res.ptr, lw.norm.ptr, work.xin.ptr, rows, 0, split)?;
-        let (w, k) = match (&lw.in_proj_split, split) {
-            (Some(ws), true) => (ws.ptr, 2 * d.d_model),
-            _ => (lw.in_proj.ptr, d.d_model),
+        let (w, ab, k, mode) = self.in_proj_route(l);
+        self.norm_rows(work.res.ptr, lw.norm.ptr, work.xin.ptr, rows, 0, mode)?;
+        let xin = if ab == ElemType::F16 && self.dtype == DType::BF16 {
+            DType::F16
+        } else {
+            self.dtype
         };
-        self.gemm_ld(
+        self.look_typed(
+            "rms_norm_rows (in_proj input)",
+            l,
+            work.xin.ptr,
+            rows,
+            k,
+            xin,
+        )?;
+        self.gemm_typed(
             rows,
             d.d_in_proj,
             k,
+            ab,
             work.xin.ptr,
             w,
             work.proj.ptr,
             proj_ld(d),
-            true,
-            false,
         )
     }
 
@@ -189,7 +285,7 @@ impl Pipe<'_> {
             return Ok(());
         };
         let hid = d.mlp_hidden;
-        self.norm_rows(work.res.ptr, m.norm.ptr, work.xin.ptr, rows, 0, false)?;
+        self.norm_rows(work.res.ptr, m.norm.ptr, work.xin.ptr, rows, 0, NORM_ACT)?;
         self.gemm(
             rows,
             2 * hid,
@@ -235,7 +331,7 @@ impl Pipe<'_> {
             work.hfin.ptr,
             picked,
             idx,
-            false,
+            NORM_ACT,
         )?;
         self.gemm(
             picked,
@@ -256,9 +352,27 @@ impl Pipe<'_> {
             (lay.rows, lay.segs.len(), lay.seqs.len(), lay.chunks.len());
         let h = d.nheads as u32;
         self.embed(work, rows)?;
+        self.look(
+            "embed",
+            None,
+            work.res.ptr,
+            rows,
+            d.d_model,
+            d.d_model,
+            true,
+        )?;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let layer = l as i32;
             self.in_proj_gemm(work, l, rows)?;
+            self.look(
+                "in_proj",
+                Some(l),
+                work.proj.ptr,
+                rows,
+                d.d_in_proj,
+                proj_ld(d),
+                true,
+            )?;
             self.launch(
                 &self.k.prefill_pre,
                 (nchunk as u32, 1, 1),
@@ -276,10 +390,11 @@ impl Pipe<'_> {
                     &work.csum.ptr,
                 ],
             )?;
+            let angle_tiles = (d.nheads * d.num_rope_angles).div_ceil(128) as u32;
             self.launch(
                 &self.k.angle_pass,
-                (nseq as u32, 1, 1),
-                256,
+                (nseq as u32, angle_tiles, 1),
+                128,
                 0,
                 &[
                     &work.seqs.ptr,
@@ -288,6 +403,26 @@ impl Pipe<'_> {
                     &work.states.ptr,
                     &layer,
                 ],
+            )?;
+            let bcw = 2 * d.ngroups * d.d_state;
+            self.look(
+                "prefill_pre (B̄, C̄)",
+                Some(l),
+                work.bcn.ptr,
+                rows,
+                bcw,
+                bcw,
+                true,
+            )?;
+            let tw = 4 * d.nheads;
+            self.look(
+                "prefill_pre (token scalars)",
+                Some(l),
+                work.tok.ptr,
+                rows,
+                tw,
+                tw,
+                true,
             )?;
             let args = ScanArgs {
                 proj: work.proj.ptr,
@@ -340,6 +475,15 @@ impl Pipe<'_> {
                 self.k.scan_smem,
                 &[&args],
             )?;
+            self.look(
+                "scan_outputs",
+                Some(l),
+                work.y.ptr,
+                rows,
+                d.d_inner,
+                d.d_inner,
+                false,
+            )?;
             self.gemm(
                 rows,
                 d.d_model,
@@ -350,9 +494,45 @@ impl Pipe<'_> {
                 true,
                 true,
             )?;
+            self.look(
+                "out_proj",
+                Some(l),
+                work.res.ptr,
+                rows,
+                d.d_model,
+                d.d_model,
+                true,
+            )?;
             self.mlp_gemm(work, l, rows)?;
+            if lw.mlp.is_some() {
+                let hw = 2 * d.mlp_hidden;
+                self.look("fc1", Some(l), work.vg.ptr, rows, hw, hw, true)?;
+                let (a, hd) = (work.act.ptr, d.mlp_hidden);
+                self.look("swiglu_rows", Some(l), a, rows, hd, hd, false)?;
+                self.look(
+                    "fc2",
+                    Some(l),
+                    work.res.ptr,
+                    rows,
+                    d.d_model,
+                    d.d_model,
+                    true,
+                )?;
+            }
         }
-        self.head_gemm(work, lay.picked.len(), work.picked.ptr)
+        let picked = lay.picked.len();
+        self.head_gemm(work, picked, work.picked.ptr)?;
+        self.look(
+            "final norm",
+            None,
+            work.hfin.ptr,
+            picked,
+            d.d_model,
+            d.d_model,
+            false,
+        )?;
+        let vp = d.vocab_padded;
+        self.look("head", None, work.logits.ptr, picked, vp, vp, true)
     }
 
     /// One decode step for `nb` sequences (tokens and state addresses already in `work`);
@@ -453,7 +633,17 @@ impl Pipe<'_> {
                 )?;
                 self.mlp_gemm(work, l, nb)?;
             }
+            self.look(
+                "decode layer",
+                Some(l),
+                work.res.ptr,
+                nb,
+                d.d_model,
+                d.d_model,
+                true,
+            )?;
         }
+        let vp = d.vocab_padded;
         if gemv {
             self.gemv(
                 work.res.ptr,
@@ -465,13 +655,15 @@ impl Pipe<'_> {
                 d.d_model,
                 1,
                 false,
-            )
+            )?;
         } else {
-            self.head_gemm(work, nb, 0)
+            self.head_gemm(work, nb, 0)?;
         }
+        self.look("decode head", None, work.logits.ptr, nb, vp, vp, true)
     }
 
-    /// `out[b] (+)= transform(in[b]) · Wᵀ` (kernels/dense.cu `gemv_*`, by input width `k`).
+    /// `out[b] (+)= transform(in[b]) · Wᵀ` (kernels/gemv.cu: `gemv_tc_*` on tensor cores for
+    /// 16-bit models, else `gemv_*`; by input width `k`).
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
@@ -487,6 +679,28 @@ impl Pipe<'_> {
     ) -> Result<()> {
         let (out, ldo) = (out.0, out.1 as i32);
         let d = &self.d;
+        let (nb_i, n_i, acc_i) = (nb as i32, n as i32, i32::from(acc));
+        let which = if k == d.d_model {
+            0
+        } else if k == d.d_inner {
+            1
+        } else {
+            2
+        };
+        // 16-bit models always take the tensor-core GEMV, whatever the batch: a row's result
+        // must not depend on how many rows share the launch (graph buckets pad batches).
+        if let Some((kern, smem)) = &self.k.gemv_tc[which] {
+            let smem = smem[usize::from(nb > 8)];
+            if smem as usize <= self.gpu.max_smem {
+                return self.launch(
+                    kern,
+                    (n.div_ceil(16) as u32, 1, 1),
+                    256,
+                    smem,
+                    &[&input, &nw, &w, &out, &ldo, &nb_i, &n_i, &mode, &acc_i],
+                );
+            }
+        }
         let kern = if k == d.d_model {
             &self.k.gemv_dmodel
         } else if k == d.d_inner {
@@ -497,7 +711,6 @@ impl Pipe<'_> {
                 .as_ref()
                 .expect("compiled when the model has an MLP")
         };
-        let (nb_i, n_i, acc_i) = (nb as i32, n as i32, i32::from(acc));
         let smem = (GEMV_BG * k * 4) as u32;
         self.launch(
             kern,

@@ -84,7 +84,8 @@ impl CudaModel {
         work.put_layout(gpu, &lay)?;
         gpu.htod(&vec![0u32; lay.rows], work.tokens.ptr)?;
         gpu.htod(&vec![sp; n], work.states.ptr)?;
-        let pipe = self.pipe(&k, opts);
+        let mut pipe = self.pipe(&k, opts);
+        pipe.probe = false; // no synchronisation inside a capture
         let run = |w: &Work| match kind {
             Kind::Decode => pipe.decode(w, n),
             Kind::Prefill => pipe.prefill(w, &lay),
@@ -141,7 +142,7 @@ impl CudaModel {
                 "one token per sequence is a decode step: capture a decode graph instead",
             ));
         }
-        let lay = Layout::new(lens, &self.weights.dims, self.gpu().sms, want);
+        let lay = Layout::new(lens, &self.weights.dims, self.scan_slots()?, want);
         let c = self.capture(lay, Kind::Prefill)?;
         let mut inner = self.lock()?;
         inner

@@ -17,22 +17,26 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::path::PathBuf;
 
 /// Every kernel source, in the order they are concatenated into one program.
-pub const SOURCES: [(&str, &str); 5] = [
+pub const SOURCES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dense.cu", include_str!("kernels/dense.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
     ("scan.cu", include_str!("kernels/scan.cu")),
     ("step.cu", include_str!("kernels/step.cu")),
 ];
 
-/// The kernels every module exports.
-pub const KERNEL_NAMES: [&str; 12] = [
+/// The kernels a module exports (the `gemv_tc_*` ones only for 16-bit models).
+pub const KERNEL_NAMES: [&str; 15] = [
     "embed",
     "rms_norm_rows",
     "swiglu_rows",
     "gemv_dmodel",
     "gemv_dinner",
     "gemv_hidden",
+    "gemv_tc_dmodel",
+    "gemv_tc_dinner",
+    "gemv_tc_hidden",
     "prefill_pre",
     "angle_pass",
     "scan_states",
@@ -59,8 +63,7 @@ pub struct KernelConfig {
 }
 
 impl KernelConfig {
-    /// The constants of one model's kernels. `scan` is downgraded to exact f32 when the
-    /// shape does not tile for the tensor cores (chunk, headdim, d_state multiples of 16).
+    /// The constants of one model's kernels (`Half` scan math means TF32 for f32 models).
     pub fn new(cfg: &Config, dims: &Dims, dtype: DType, scan: ScanMath) -> Result<KernelConfig> {
         let d = dims;
         let act = match dtype {
@@ -73,14 +76,18 @@ impl KernelConfig {
                 ))
             }
         };
-        let tiles = [d.chunk_len, d.headdim, d.d_state]
-            .iter()
-            .all(|&v| v.is_multiple_of(16));
         let scan = match scan {
             ScanMath::Half if dtype == DType::F32 => ScanMath::Tf32,
-            _ if !tiles => ScanMath::F32,
             s => s,
         };
+        // The scan's tiles (kernels/scan.cu) hold at most 128 rows.
+        for (what, v) in [("chunk_size", d.chunk_len), ("headdim", d.headdim)] {
+            if v > 128 {
+                return Err(Error::Device(format!(
+                    "the GPU scan supports {what} up to 128; this model has {v}"
+                )));
+            }
+        }
         if !d.d_state.is_multiple_of(4) {
             return Err(Error::Device(format!(
                 "d_state {} is not a multiple of 4, which the GPU kernels need",
@@ -115,8 +122,23 @@ impl KernelConfig {
             ),
             i("ACT", act),
             i("SCAN_MMA", scan as usize),
+            // An untied embedding is kept in f32 (model::weights `storage_dtype`).
+            i(
+                "EMBED_F32",
+                usize::from(dtype == DType::F32 || !cfg.tie_embeddings),
+            ),
         ];
         Ok(KernelConfig { defines })
+    }
+
+    /// The same kernels for an embedding table held in `dtype` (f32, or the model dtype).
+    pub fn with_embedding(mut self, dtype: DType) -> KernelConfig {
+        for (k, v) in &mut self.defines {
+            if k == "EMBED_F32" {
+                *v = usize::from(dtype == DType::F32).to_string();
+            }
+        }
+        self
     }
 
     pub fn scan_math(&self) -> ScanMath {
@@ -300,6 +322,9 @@ pub struct Kernels {
     pub gemv_dmodel: Kernel,
     pub gemv_dinner: Kernel,
     pub gemv_hidden: Option<Kernel>,
+    /// the tensor-core GEMVs (16-bit models), by input width, with their shared memory
+    /// for batches of ≤ 8 and ≤ 16 rows
+    pub gemv_tc: [Option<(Kernel, [u32; 2])>; 3],
     pub prefill_pre: Kernel,
     pub angle_pass: Kernel,
     pub scan_states: Kernel,
@@ -308,6 +333,8 @@ pub struct Kernels {
     pub mixer_step: Kernel,
     /// Dynamic shared memory of the scan blocks and of prefill_pre, in bytes.
     pub scan_smem: u32,
+    /// Scan blocks that fit on one SM at once.
+    pub scan_blocks_per_sm: usize,
     pub pre_smem: u32,
     pub config: KernelConfig,
     /// Whether the cubin came from the disk cache.
@@ -349,6 +376,21 @@ impl Kernels {
             )));
         }
         let mlp = cfg.define("MLP_HIDDEN") != Some("0");
+        let tc = |name: &'static str| -> Result<Option<(Kernel, [u32; 2])>> {
+            if cfg.define("ACT") == Some("0") || module.load_function(name).is_err() {
+                return Ok(None);
+            }
+            let smem = [
+                global(&format!("{name}_smem8"))?,
+                global(&format!("{name}_smem16"))?,
+            ];
+            Ok(Some((get(name)?, smem)))
+        };
+        let gemv_tc = [
+            tc("gemv_tc_dmodel")?,
+            tc("gemv_tc_dinner")?,
+            if mlp { tc("gemv_tc_hidden")? } else { None },
+        ];
         let k = Kernels {
             embed: get("embed")?,
             rms_norm_rows: get("rms_norm_rows")?,
@@ -356,6 +398,7 @@ impl Kernels {
             gemv_dmodel: get("gemv_dmodel")?,
             gemv_dinner: get("gemv_dinner")?,
             gemv_hidden: mlp.then(|| get("gemv_hidden")).transpose()?,
+            gemv_tc,
             prefill_pre: get("prefill_pre")?,
             angle_pass: get("angle_pass")?,
             scan_states: get("scan_states")?,
@@ -363,6 +406,7 @@ impl Kernels {
             scan_pass: get("scan_pass")?,
             mixer_step: get("mixer_step")?,
             scan_smem,
+            scan_blocks_per_sm: 1,
             pre_smem,
             config: cfg.clone(),
             from_cache,
@@ -380,11 +424,25 @@ impl Kernels {
         if let Some(g) = &k.gemv_hidden {
             sized.push((g, gemv_smem));
         }
+        for (g, smem) in k.gemv_tc.iter().flatten() {
+            if smem[1] as usize <= gpu.max_smem {
+                sized.push((g, smem[1] as usize));
+            } else if smem[0] as usize <= gpu.max_smem {
+                sized.push((g, smem[0] as usize));
+            }
+        }
         for (kern, bytes) in sized {
             kern.func.set_attribute(max, bytes as i32).map_err(|e| {
                 dev_err(&format!("raising the shared memory of `{}`", kern.name), e)
             })?;
         }
+        let mut k = k;
+        k.scan_blocks_per_sm = k
+            .scan_outputs
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(256, scan_smem as usize, None)
+            .map_err(|e| dev_err("asking the scan's occupancy", e))?
+            .max(1) as usize;
         Ok(k)
     }
 }

@@ -8,7 +8,8 @@
 //! - `weights`, `state`, `work`: what lives on the device;
 //! - `forward`: the prefill and decode launch sequences;
 //! - `graphs`: CUDA-graph capture and replay;
-//! - `model`: `CudaModel`, what the engine's `Model` calls.
+//! - `model`: `CudaModel`, what the engine's `Model` calls;
+//! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step.
 //!
 //! Every kernel has a CPU twin of the same name in `crate::cpu` (`embed` → the embedding
 //! loop of `CpuModel::forward`, `rms_norm_rows` → `rms_norm`, `prefill_pre` → `token_pre`,
@@ -21,6 +22,7 @@ pub mod gemm;
 pub mod graphs;
 pub mod kernels;
 pub mod model;
+pub mod probe;
 pub mod state;
 pub mod weights;
 pub mod work;

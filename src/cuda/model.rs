@@ -97,7 +97,8 @@ impl CudaModel {
     /// The kernels for options `o`, compiled or loaded once.
     pub(crate) fn kernels(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
         let w = &self.weights;
-        let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, self.scan_math(o))?;
+        let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, self.scan_math(o))?
+            .with_embedding(w.embedding.dtype());
         if let Some(k) = inner.kernels.get(&cfg) {
             return Ok(k.clone());
         }
@@ -115,7 +116,15 @@ impl CudaModel {
             d: self.weights.dims,
             dtype: self.weights.dtype,
             opts,
+            probe: super::probe::enabled(),
         }
+    }
+
+    /// How many scan blocks the GPU runs at once with the current options.
+    pub(crate) fn scan_slots(&self) -> Result<usize> {
+        let mut inner = self.lock()?;
+        let o = inner.opts;
+        Ok(self.gpu.sms * self.kernels(&mut inner, o)?.scan_blocks_per_sm)
     }
 
     /// Whether the kernels for the current options came from the disk cache.
@@ -181,7 +190,7 @@ impl CudaModel {
             Layout::decode(seqs.len(), &d)
         } else {
             let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
-            Layout::new(&lens, &d, self.gpu.sms, want)
+            Layout::new(&lens, &d, self.gpu.sms * k.scan_blocks_per_sm, want)
         };
         let caps = Caps::of(&lay);
         let grow = inner.work.as_ref().is_none_or(|w| !w.caps.covers(&caps));

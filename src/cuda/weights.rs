@@ -1,11 +1,56 @@
 //! A model's parameters on the device: matrices in the model dtype, vectors in f32 (as in
-//! `model::weights`). For bf16/f16 models `in_proj` is also kept as `[W | W]` (each row
-//! twice), the weight of the split-activation GEMM (see kernels/dense.cu `rms_norm_rows`).
+//! `model::weights`). For bf16/f16 models the in_proj GEMM of a prefill also gets a weight
+//! matched to its input (see [`InProjInput`]).
 
 use super::context::{DevBuf, Gpu};
 use crate::error::{Error, Result};
 use crate::model::weights::Matrix;
 use crate::model::{DType, Weights};
+
+/// How the normed residual enters the in_proj GEMM of a 16-bit model. The input's rounding
+/// costs more accuracy than any other activation's (docs/benchmarks.md), so it is not
+/// rounded to bf16 unless asked (`fast`).
+pub enum InProjInput {
+    /// f16 input (rounding error 2⁻¹¹ instead of bf16's 2⁻⁸) against an f16 copy of the
+    /// weights (bf16 → f16 is exact above 2⁻¹⁴ and within 2⁻²⁵ below). Used when the normed
+    /// input is sure to stay inside f16's range: |rmsnorm(x)ᵢ·wᵢ| ≤ √d_model·max|w|.
+    F16(DevBuf),
+    /// f32 input split into hi + lo halves in the model dtype (~2⁻¹⁶), against `[W | W]`:
+    /// for models whose norm weights could overflow f16.
+    Split(DevBuf),
+}
+
+/// Largest normed value allowed on the f16 path (half of f16's maximum, for margin).
+const F16_SAFE: f64 = 32752.0;
+
+/// The in_proj input of a 16-bit model (`None` for f32 models).
+fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
+    if w.dtype == DType::F32 {
+        return Ok(None);
+    }
+    let bound = (w.dims.d_model as f64).sqrt();
+    let fits = w.layers.iter().all(|l| {
+        let wmax = l.norm.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
+        let inmax = l.in_proj.data.max_abs();
+        bound * wmax < F16_SAFE && inmax < F16_SAFE
+    });
+    let mut out = Vec::with_capacity(w.layers.len());
+    for l in &w.layers {
+        out.push(if fits {
+            InProjInput::F16(gpu.upload(l.in_proj.data.convert(DType::F16).as_bytes())?)
+        } else {
+            let row = l.in_proj.cols * w.dtype.size();
+            let src = l.in_proj.data.as_bytes();
+            let mut twice = Vec::with_capacity(src.len() * 2);
+            for r in src.chunks(row) {
+                twice.extend_from_slice(r);
+                twice.extend_from_slice(r);
+            }
+            InProjInput::Split(gpu.upload(&twice)?)
+        });
+    }
+    Ok(Some(out))
+}
 
 pub struct GpuMlp {
     pub norm: DevBuf,
@@ -16,7 +61,8 @@ pub struct GpuMlp {
 pub struct GpuLayer {
     pub norm: DevBuf,
     pub in_proj: DevBuf,
-    pub in_proj_split: Option<DevBuf>,
+    /// 16-bit models: the prefill in_proj's input and weight
+    pub in_proj_input: Option<InProjInput>,
     pub dt_bias: DevBuf,
     pub b_bias: DevBuf,
     pub c_bias: DevBuf,
@@ -52,23 +98,17 @@ impl GpuWeights {
         };
         let vec = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(w.layers.len());
+        let mut inputs = in_proj_input(gpu, w)?.map(|v| v.into_iter());
+        let mut input_bytes = 0;
         for l in &w.layers {
-            let split = if w.dtype != DType::F32 {
-                let row = l.in_proj.cols * w.dtype.size();
-                let src = l.in_proj.data.as_bytes();
-                let mut twice = Vec::with_capacity(src.len() * 2);
-                for r in src.chunks(row) {
-                    twice.extend_from_slice(r);
-                    twice.extend_from_slice(r);
-                }
-                Some(gpu.upload(&twice)?)
-            } else {
-                None
-            };
+            let input = inputs.as_mut().and_then(|it| it.next());
+            if let Some(InProjInput::F16(b) | InProjInput::Split(b)) = &input {
+                input_bytes += b.bytes;
+            }
             layers.push(GpuLayer {
                 norm: vec(&l.norm)?,
                 in_proj: mat(&l.in_proj)?,
-                in_proj_split: split,
+                in_proj_input: input,
                 dt_bias: vec(&l.dt_bias)?,
                 b_bias: vec(&l.b_bias)?,
                 c_bias: vec(&l.c_bias)?,
@@ -87,12 +127,14 @@ impl GpuWeights {
                 },
             });
         }
+        let embedding = mat(&w.embedding)?;
+        let lm_head = w.lm_head.as_ref().map(&mut mat).transpose()?;
         Ok(GpuWeights {
-            embedding: mat(&w.embedding)?,
+            embedding,
             norm_f: vec(&w.norm_f)?,
-            lm_head: w.lm_head.as_ref().map(&mut mat).transpose()?,
+            lm_head,
             layers,
-            bytes,
+            bytes: bytes + input_bytes,
         })
     }
 

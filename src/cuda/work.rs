@@ -28,11 +28,11 @@ pub struct Layout {
 }
 
 impl Layout {
-    pub fn new(lens: &[usize], d: &Dims, sms: usize, want: LogitsWant) -> Layout {
+    /// The layout of sequences of `lens` tokens; `slots` is how many scan blocks the GPU
+    /// runs at once (SMs × blocks per SM).
+    pub fn new(lens: &[usize], d: &Dims, slots: usize, want: LogitsWant) -> Layout {
         let l = d.chunk_len;
-        let total_chunks: usize = lens.iter().map(|n| n.div_ceil(l)).sum();
-        // Chunks per segment: about four blocks per SM over all (segment, head) pairs.
-        let per_seg = (total_chunks * d.nheads).div_ceil(4 * sms.max(1)).max(1);
+        let per_seg = chunks_per_segment(lens, l, d.nheads, slots.max(1));
         let mut lay = Layout {
             rows: 0,
             chunks: vec![],
@@ -82,6 +82,26 @@ impl Layout {
     pub fn decode(n: usize, d: &Dims) -> Layout {
         Layout::new(&vec![1; n], d, 1, LogitsWant::Last)
     }
+}
+
+/// Chunks per segment, by a model of the scan's makespan: phase C runs every segment,
+/// phase A (about half the work per chunk) every segment but a sequence's last, each in
+/// waves of `slots` blocks of (segment, head). More segments mean shorter blocks but more
+/// phase-A work; for a long batch one segment per sequence is best, for one long prompt
+/// about as many segments as there are free slots per head.
+fn chunks_per_segment(lens: &[usize], chunk: usize, heads: usize, slots: usize) -> usize {
+    let chunks: Vec<usize> = lens.iter().map(|n| n.div_ceil(chunk)).collect();
+    let longest = chunks.iter().copied().max().unwrap_or(1).max(1);
+    let cost = |per: usize| {
+        let c_blocks: usize = chunks.iter().map(|c| c.div_ceil(per)).sum::<usize>() * heads;
+        let a_blocks = c_blocks - chunks.len() * heads;
+        // waves × chunks per block, phase A at half a chunk's cost
+        let per = per.min(longest) as f64;
+        (a_blocks.div_ceil(slots) as f64 * 0.5 + c_blocks.div_ceil(slots) as f64) * per
+    };
+    (1..=longest)
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(b.cmp(&a)))
+        .unwrap_or(1)
 }
 
 /// Sizes a `Work` can hold.
@@ -195,5 +215,21 @@ impl Work {
         gpu.htod(&l.segs, self.segs.ptr)?;
         gpu.htod(&l.seqs, self.seqs.ptr)?;
         gpu.htod(&l.picked, self.picked.ptr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunks_per_segment;
+
+    #[test]
+    fn segments_follow_the_free_slots() {
+        // A long batch fills the GPU with one segment per (sequence, head).
+        assert_eq!(chunks_per_segment(&[4096; 8], 64, 24, 264), 64);
+        // One long prompt: about as many segments per head as there are slots per head.
+        let per = chunks_per_segment(&[4096], 64, 24, 264);
+        assert!((5..=8).contains(&per), "{per}");
+        // Short sequences: one chunk each, nothing to split.
+        assert_eq!(chunks_per_segment(&[10, 3], 64, 24, 264), 1);
     }
 }

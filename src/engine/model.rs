@@ -56,9 +56,10 @@ pub const MAX_TOKENS_PER_PASS_GPU: usize = 65536;
 pub struct GpuOptions {
     /// f32 models: GEMMs and scan products on TF32 tensor cores instead of exact f32.
     pub tf32: bool,
-    /// bf16/f16 models: 16-bit in_proj input and 16-bit scan operands — faster, about
-    /// 2× the error (see docs/benchmarks.md). Off: the in_proj input is split into
-    /// hi + lo halves and the scan runs on TF32.
+    /// bf16/f16 models: the prefill scan's products on 16-bit tensor cores (operands
+    /// rounded to the model dtype) instead of TF32 — faster, a little less accurate (see
+    /// docs/benchmarks.md). For the rare model whose norm weights could overflow the f16
+    /// in_proj input, it also rounds that input to the model dtype instead of splitting it.
     pub fast: bool,
     /// Programmatic dependent launch between kernels (Hopper and newer).
     pub pdl: bool,

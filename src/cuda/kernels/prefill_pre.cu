@@ -12,6 +12,7 @@
 //   csum [chunk][H][S]     Σ over the chunk of θ·Δ (the angle advance, for angle_pass)
 
 #define PRE_THREADS 256
+#define PRE_ROWS 4
 #define PRE_SMEM_FLOATS ((3 * CHUNK + 2) * NHEADS + CHUNK * NANGLES)
 
 __device__ __forceinline__ void head_scalars(const float* row, int h, const float* dt_bias,
@@ -39,18 +40,39 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
     const bool has_next = start + len < seq_end;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = PRE_THREADS / 32;
 
-    // B̄, C̄: one warp per (token, B|C, group) row of N.
-    for (int task = warp; task < len * 2 * NGROUPS; task += nw) {
-        int j = task / (2 * NGROUPS), r = task % (2 * NGROUPS);
-        int which = r / NGROUPS, g = r % NGROUPS;
-        const float* src = proj + (size_t)(start + j) * PROJ_LD + (which ? C_OFF : B_OFF) + g * DSTATE;
-        const float* wn = which ? c_norm : b_norm;
-        float ss = 0.f;
-        for (int n = lane; n < DSTATE; n += 32) ss += src[n] * src[n];
-        ss = warp_sum(ss);
-        float inv = 1.f / sqrtf(ss / (float)DSTATE + NORM_EPS);
-        float* dst = bcn + (size_t)(start + j) * BC_W + r * DSTATE;
-        for (int n = lane; n < DSTATE; n += 32) dst[n] = src[n] * inv * wn[n];
+    // B̄, C̄: one warp per (token, B|C, group) row of N, PRE_ROWS rows at a time with all
+    // their loads in flight (a row at a time would wait for memory once per row).
+    constexpr int NPL = (DSTATE + 31) / 32;  // elements per lane
+    const int tasks = len * 2 * NGROUPS;
+    for (int t0 = warp * PRE_ROWS; t0 < tasks; t0 += nw * PRE_ROWS) {
+        float v[PRE_ROWS][NPL];
+#pragma unroll
+        for (int u = 0; u < PRE_ROWS; ++u) {
+            const int task = t0 + u, j = task / (2 * NGROUPS), r = task % (2 * NGROUPS);
+            const float* src = proj + (size_t)(start + j) * PROJ_LD + (r < NGROUPS ? B_OFF : C_OFF - NGROUPS * DSTATE) +
+                               r * DSTATE;
+#pragma unroll
+            for (int q = 0; q < NPL; ++q) {
+                const int n = lane + 32 * q;
+                v[u][q] = task < tasks && n < DSTATE ? src[n] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < PRE_ROWS; ++u) {
+            const int task = t0 + u, j = task / (2 * NGROUPS), r = task % (2 * NGROUPS);
+            if (task >= tasks) break;
+            const float* wn = r < NGROUPS ? b_norm : c_norm;
+            float ss = 0.f;
+#pragma unroll
+            for (int q = 0; q < NPL; ++q) ss += v[u][q] * v[u][q];
+            const float inv = 1.f / sqrtf(warp_sum(ss) / (float)DSTATE + NORM_EPS);
+            float* dst = bcn + (size_t)(start + j) * BC_W + r * DSTATE;
+#pragma unroll
+            for (int q = 0; q < NPL; ++q) {
+                const int n = lane + 32 * q;
+                if (n < DSTATE) dst[n] = v[u][q] * inv * wn[n];
+            }
+        }
     }
     // Per (token, head) scalars, including the next token after the chunk when it exists.
     const int jn = has_next ? len + 1 : len;
@@ -92,22 +114,32 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
 
 // Angle state passing across chunks (spec §2.4): for each sequence, φ entering each chunk
 // = wrap(φ entering the previous chunk + its advance), seeded from the state's angle; the
-// state is left at the angle after the sequence's last token. One block per sequence.
-// Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
-extern "C" __global__ void angle_pass(const int4* __restrict__ seqs, const float* __restrict__ csum,
-                                      float* __restrict__ phi0, float* const* __restrict__ states,
-                                      int layer) {
+// state is left at the angle after the sequence's last token. Grid (sequences, tiles of
+// 128 (head, angle) pairs); the advances are loaded 32 chunks at a time so that the walk
+// waits for memory once per 16 chunks, not once per chunk.
+#define ANGLE_THREADS 128
+#define ANGLE_BATCH 32
+extern "C" __global__ void __launch_bounds__(ANGLE_THREADS)
+    angle_pass(const int4* __restrict__ seqs, const float* __restrict__ csum,
+               float* __restrict__ phi0, float* const* __restrict__ states, int layer) {
     griddep_wait();
     griddep_launch();
     const int4 sq = seqs[blockIdx.x];
+    const int e = blockIdx.y * ANGLE_THREADS + threadIdx.x;
+    if (e >= NHEADS * NANGLES) return;
     float* st = states[blockIdx.x] + (size_t)layer * ST_LAYER + ST_ANGLE;
-    for (int e = threadIdx.x; e < NHEADS * NANGLES; e += blockDim.x) {
-        float phi = st[e];
-#pragma unroll 8
-        for (int c = sq.x; c < sq.x + sq.y; ++c) {
-            phi0[(size_t)c * NHEADS * NANGLES + e] = phi;
-            phi = wrap_angle_f(phi + csum[(size_t)c * NHEADS * NANGLES + e]);
+    float phi = st[e];
+    for (int c0 = sq.x; c0 < sq.x + sq.y; c0 += ANGLE_BATCH) {
+        float adv[ANGLE_BATCH];
+#pragma unroll
+        for (int i = 0; i < ANGLE_BATCH; ++i)
+            if (c0 + i < sq.x + sq.y) adv[i] = csum[(size_t)(c0 + i) * NHEADS * NANGLES + e];
+#pragma unroll
+        for (int i = 0; i < ANGLE_BATCH; ++i) {
+            if (c0 + i >= sq.x + sq.y) break;
+            phi0[(size_t)(c0 + i) * NHEADS * NANGLES + e] = phi;
+            phi = wrap_angle_f(phi + adv[i]);
         }
-        st[e] = phi;
     }
+    st[e] = phi;
 }

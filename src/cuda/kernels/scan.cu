@@ -15,106 +15,250 @@
 //   scan_outputs (phase C): per (segment, head), from S_enter, the outputs of every chunk
 //                (gated, spec §2.6), and for a sequence's last segment the final state.
 //
-// Inside a chunk the four products Q̃K̃ᵀ, M·X, Q̃·Sᵀ and (wX)ᵀK̃ run on shared-memory tiles:
-// SCAN_MMA 0 exact f32 FMA, 1 TF32 tensor cores (f32 accumulate), 2 bf16/f16 tensor cores
-// (operands rounded to act_t, f32 accumulate). The state S itself is always f32.
+// Inside a chunk, four warp-level matrix products on shared-memory tiles, accumulated in
+// registers (fragment layout of mma.sync m16n8k*, below):
+//   M = Q̃K̃ᵀ (the lower block triangle only), weighted in registers by the causal decay
+//   and trapezoid weights and stored as an operand;  Y = Q̃Sᵀ, rows scaled by e^{Lc_j};
+//   Y += M·X, then D skip and gate straight from the accumulators;
+//   S ← e^{Lc_end}·S + (wX)ᵀK̃ — S lives in registers, f32, for the whole segment, and a
+//   copy in the operand type feeds the next chunk's Q̃Sᵀ.
+// SCAN_MMA: 0 exact f32 FMA (the same fragment layout, no tensor cores), 1 TF32 tensor
+// cores (m16n8k8), 2 bf16/f16 tensor cores (m16n8k16, operands rounded to act_t); f32
+// accumulation in every mode. Tiles are padded to multiples of 16 with zeros, so any
+// chunk length ≤ 128, headdim ≤ 128 and d_state fit.
 //
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
 #define SCAN_THREADS 256
-#define SCAN_WARPS (SCAN_THREADS / 32)
+#define SCAN_WARPS 8
+
+// Row extents are padded to 16, 32, 64 or 128 (whole row blocks per warp), column and
+// reduction extents to a multiple of 16.
+#define PAD16(x) (((x) + 15) / 16 * 16)
+#define PADROWS(x) ((x) <= 16 ? 16 : (x) <= 32 ? 32 : (x) <= 64 ? 64 : 128)
+#define CHP PADROWS(CHUNK)
+#define PP PADROWS(HEADDIM)
+#define NP PAD16(DSTATE)
 
 #if SCAN_MMA == 2
 typedef act_t op_t;
-#define PADO 8
+#define KSTEP 16
+#define PADA 8  // row pads (elements) against bank conflicts of the fragment loads
+#define PADB 8
 #else
 typedef float op_t;
-#define PADO 4
+#define KSTEP 8
+#define PADA 4
+#define PADB 8
 #endif
-#define PADF 4
-#define LDQ (DSTATE + PADO)
-#define LDX (HEADDIM + PADO)
-#define LDM (CHUNK + PADO)
-#define LDS (DSTATE + PADF)
-#define LDMF (CHUNK + PADF)
-#define LDY (HEADDIM + PADF)
+
+// Leading dimensions (elements) of the operand tiles.
+#define LDQ (NP + PADA)   // sQ [CHP][LDQ]: q̃ (A operand)
+#define LDK (NP + PADA)   // sK [CHP][LDK]: k̃ (B operand of Q̃K̃ᵀ and of the state update)
+#define LDX (PP + PADB)   // sX [CHP][LDX]: x
+#define LDW (PP + PADB)   // sW [CHP][LDW]: w ⊙ x (A operand, transposed, of the state update)
+#define LDM (CHP + PADA)  // sM [CHP][LDM]: the weighted M
+#define LDSO (NP + PADA)  // sS [PP][LDSO]: S in the operand type
 
 #define ALIGN128(x) (((x) + 127) / 128 * 128)
-#define SZ_Q ALIGN128(CHUNK * LDQ * (int)sizeof(op_t))
-#define SZ_X ALIGN128(CHUNK * LDX * (int)sizeof(op_t))
-#define SZ_S ALIGN128(HEADDIM * LDS * 4)
-#define SZ_MF ALIGN128(CHUNK * LDMF * 4)
+#define SZ_Q ALIGN128(CHP * LDQ * (int)sizeof(op_t))
+#define SZ_K ALIGN128(CHP * LDK * (int)sizeof(op_t))
+#define SZ_X ALIGN128(CHP * LDX * (int)sizeof(op_t))
+#define SZ_W ALIGN128(CHP * LDW * (int)sizeof(op_t))
+#define SZ_M ALIGN128(CHP * LDM * (int)sizeof(op_t))
+#define SZ_CS ALIGN128(2 * CHP * NANGLES * 4)
+#define SZ_MCS (SZ_M > SZ_CS ? SZ_M : SZ_CS)  // cos/sin die before M is written
+#define SZ_SO ALIGN128(PP * LDSO * (int)sizeof(op_t))
+#define SZ_TOKV ALIGN128(7 * CHP * 4)
+#define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4)
+#define SZ_BIAS ALIGN128(2 * NP * 4)
+#define SCAN_SMEM (SZ_Q + SZ_K + SZ_X + SZ_W + SZ_MCS + SZ_SO + SZ_TOKV + SZ_RED + SZ_BIAS)
+// k steps unrolled in the products: all of them with 16-bit operands; a few with f32 ones
+// (whose fragments take twice the registers).
 #if SCAN_MMA == 2
-#define SZ_SO ALIGN128(HEADDIM * LDQ * (int)sizeof(op_t))
-#define SZ_MO ALIGN128(CHUNK * LDM * (int)sizeof(op_t))
+#define SCAN_KUNROLL 16
 #else
-#define SZ_SO 0
-#define SZ_MO 0
+#define SCAN_KUNROLL 2
 #endif
-#define SZ_Y ALIGN128(CHUNK * LDY * 4)
-#define SZ_CS ALIGN128(2 * CHUNK * NANGLES * 4)
-#define SZ_SC ALIGN128(4 * CHUNK * 4)
-#define SCAN_SMEM (2 * SZ_Q + 2 * SZ_X + SZ_S + SZ_SO + SZ_MF + SZ_MO + SZ_Y + SZ_CS + SZ_SC)
+// Global loads issued together in the operand builds (registers permitting).
+#if SCAN_MMA == 2
+#define SCAN_LOAD_BATCH 2
+#else
+#define SCAN_LOAD_BATCH 4
+#endif
+// Two blocks per SM when they fit (the 16-bit mode at the benchmark shape).
+#define SCAN_MINB (SCAN_SMEM <= 110 * 1024 ? 2 : 1)
 
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int scan_smem_bytes = SCAN_SMEM;
 extern "C" __device__ int prefill_pre_smem_bytes = PRE_SMEM_FLOATS * 4;
 
-template <bool COL> struct wlay { typedef nvcuda::wmma::row_major t; };
-template <> struct wlay<true> { typedef nvcuda::wmma::col_major t; };
+// ---- warp-level products ------------------------------------------------------------------
+// Fragment layout of mma.sync m16n8k*: lane = 4g + t. The accumulator of a 16×8 tile holds
+// c[0] (g, 2t), c[1] (g, 2t+1), c[2] (g+8, 2t), c[3] (g+8, 2t+1). A is 16×KSTEP row-major,
+// B is KSTEP×8.
 
-// C[M][N] = (acc ? c_scale·C : 0) + A·B on shared-memory tiles; element (m,k) of A is
-// A[A_COL ? k·lda + m : m·lda + k], element (k,n) of B is B[B_COL ? n·ldb + k : k·ldb + n].
-template <int M, int N, int K, bool A_COL, bool B_COL>
-__device__ __forceinline__ void mm(float* C, int ldc, const op_t* A, int lda, const op_t* B,
-                                   int ldb, bool acc, float c_scale) {
+__device__ __forceinline__ unsigned pack2(op_t lo, op_t hi);
+#if SCAN_MMA == 2
+__device__ __forceinline__ unsigned pack2(op_t lo, op_t hi) {
+    unsigned short l = *reinterpret_cast<unsigned short*>(&lo), h = *reinterpret_cast<unsigned short*>(&hi);
+    return (unsigned)l | ((unsigned)h << 16);
+}
+#endif
+__device__ __forceinline__ unsigned tf32_bits(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+#if SCAN_MMA == 2
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const op_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const op_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x2(unsigned (&r)[4], const op_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[4], const op_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+#endif
+
+// acc[i] += A[0..16)[k0..k0+KSTEP) · B[k0..k0+KSTEP)[8i..8i+8) for the tiles i < nt.
+// A: element (m, k) at A[m·lda + k] when AK ("k contiguous"), else at A[k·lda + m].
+// B: element (k, n) at B[n·ldb + k] when BK, else at B[k·ldb + n].
+template <bool AK>
+__device__ __forceinline__ op_t a_at(const op_t* A, int lda, int m, int k) {
+    return AK ? A[m * lda + k] : A[k * lda + m];
+}
+template <int T, bool AK, bool BK>
+__device__ __forceinline__ void mma_kstep(float (&acc)[T][4], const op_t* A, int lda, const op_t* B,
+                                          int ldb, int k0, int nt) {
+    const int lane = threadIdx.x & 31;
+#if SCAN_MMA != 2
+    const int g = lane >> 2, t = lane & 3;
+#endif
 #if SCAN_MMA == 0
-    for (int e = threadIdx.x; e < M * N; e += SCAN_THREADS) {
-        int m = e / N, n = e % N;
-        float s = 0.f;
-#pragma unroll 8
-        for (int k = 0; k < K; ++k)
-            s = fmaf(A_COL ? A[k * lda + m] : A[m * lda + k], B_COL ? B[n * ldb + k] : B[k * ldb + n], s);
-        C[m * ldc + n] = acc ? fmaf(c_scale, C[m * ldc + n], s) : s;
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+        if (i >= nt) break;
+        const int n0 = 8 * i + 2 * t;
+#pragma unroll
+        for (int k = k0; k < k0 + KSTEP; ++k) {
+            const float a0 = a_at<AK>(A, lda, g, k), a1 = a_at<AK>(A, lda, g + 8, k);
+            const float b0 = BK ? B[n0 * ldb + k] : B[k * ldb + n0];
+            const float b1 = BK ? B[(n0 + 1) * ldb + k] : B[k * ldb + n0 + 1];
+            acc[i][0] = fmaf(a0, b0, acc[i][0]);
+            acc[i][1] = fmaf(a0, b1, acc[i][1]);
+            acc[i][2] = fmaf(a1, b0, acc[i][2]);
+            acc[i][3] = fmaf(a1, b1, acc[i][3]);
+        }
+    }
+#elif SCAN_MMA == 1
+    const unsigned a0 = tf32_bits(a_at<AK>(A, lda, g, k0 + t)), a1 = tf32_bits(a_at<AK>(A, lda, g + 8, k0 + t));
+    const unsigned a2 = tf32_bits(a_at<AK>(A, lda, g, k0 + t + 4));
+    const unsigned a3 = tf32_bits(a_at<AK>(A, lda, g + 8, k0 + t + 4));
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+        if (i >= nt) break;
+        const int n = 8 * i + g;
+        const unsigned b0 = tf32_bits(BK ? B[n * ldb + k0 + t] : B[(k0 + t) * ldb + n]);
+        const unsigned b1 = tf32_bits(BK ? B[n * ldb + k0 + t + 4] : B[(k0 + t + 4) * ldb + n]);
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
 #else
-    using namespace nvcuda;
-#if SCAN_MMA == 1
-    constexpr int KS = 8;
-    typedef wmma::precision::tf32 frag_t;
-#else
-    constexpr int KS = 16;
-    typedef act_t frag_t;
-#endif
-    const int warp = threadIdx.x >> 5;
-    for (int t = warp; t < (M / 16) * (N / 16); t += SCAN_WARPS) {
-        const int tm = t / (N / 16), tn = t % (N / 16);
-        float* cp = C + tm * 16 * ldc + tn * 16;
-        wmma::fragment<wmma::accumulator, 16, 16, KS, float> c;
-        if (acc) {
-            wmma::load_matrix_sync(c, cp, ldc, wmma::mem_row_major);
+    // ldmatrix: lane l gives the row address of 8×8 matrix l/8; .trans hands out the
+    // transposed fragment, which is how the "not contiguous in k" operands are read.
+    const int mi = lane >> 3, r = lane & 7;
+    unsigned a[4];
+    if (AK) ldsm_x4(a, A + ((mi & 1) * 8 + r) * lda + k0 + (mi >> 1) * 8);
+    else ldsm_x4_t(a, A + (k0 + (mi >> 1) * 8 + r) * lda + (mi & 1) * 8);
 #pragma unroll
-            for (int i = 0; i < c.num_elements; ++i) c.x[i] *= c_scale;
+    for (int i = 0; i < T; i += 2) {
+        if (i >= nt) break;
+        unsigned b[4];
+        if (i + 1 < nt) {  // tiles i and i+1: matrices (i, k lo), (i, k hi), (i+1, k lo), (i+1, k hi)
+            const int tile = i + (mi >> 1), kh = (mi & 1) * 8;
+            if (BK) ldsm_x4(b, B + (8 * tile + r) * ldb + k0 + kh);
+            else ldsm_x4_t(b, B + (k0 + kh + r) * ldb + 8 * tile);
         } else {
-            wmma::fill_fragment(c, 0.f);
+            const int kh = (mi & 1) * 8;
+            if (BK) ldsm_x2(b, B + (8 * i + r) * ldb + k0 + kh);
+            else ldsm_x2_t(b, B + (k0 + kh + r) * ldb + 8 * i);
         }
-#pragma unroll 2
-        for (int k = 0; k < K; k += KS) {
-            wmma::fragment<wmma::matrix_a, 16, 16, KS, frag_t, typename wlay<A_COL>::t> a;
-            wmma::fragment<wmma::matrix_b, 16, 16, KS, frag_t, typename wlay<B_COL>::t> b;
-            wmma::load_matrix_sync(a, A_COL ? A + k * lda + tm * 16 : A + tm * 16 * lda + k, lda);
-            wmma::load_matrix_sync(b, B_COL ? B + tn * 16 * ldb + k : B + k * ldb + tn * 16, ldb);
-#if SCAN_MMA == 1
-#pragma unroll
-            for (int i = 0; i < a.num_elements; ++i) a.x[i] = wmma::__float_to_tf32(a.x[i]);
-#pragma unroll
-            for (int i = 0; i < b.num_elements; ++i) b.x[i] = wmma::__float_to_tf32(b.x[i]);
-#endif
-            wmma::mma_sync(c, a, b, c);
-        }
-        wmma::store_matrix_sync(cp, c, ldc, wmma::mem_row_major);
+        mma16816(acc[i], a, b[0], b[1]);
+        if (i + 1 < nt) mma16816(acc[i + 1 < T ? i + 1 : i], a, b[2], b[3]);
     }
 #endif
+}
+
+// How the 8 warps share an output of ROWS × COLS (multiples of 16 and 8): row blocks of 16
+// rows, each split among WPR warps into runs of T tiles of 8 columns.
+template <int ROWS, int COLS> struct Tiling {
+    static constexpr int RB = ROWS / 16;
+    static_assert(RB >= 1 && RB <= SCAN_WARPS && SCAN_WARPS % RB == 0, "row blocks per warp");
+    static constexpr int WPR = SCAN_WARPS / RB;
+    static constexpr int NT = COLS / 8;
+    static constexpr int T = (NT + WPR - 1) / WPR;
+    __device__ static int rb(int warp) { return warp / WPR; }
+    __device__ static int first(int warp) { return (warp % WPR) * T; }
+    // every warp has T tiles when the columns split evenly (a constant the compiler sees)
+    __device__ static int count(int warp) {
+        if (NT % WPR == 0) return T;
+        const int n = NT - first(warp);
+        return n < 0 ? 0 : (n < T ? n : T);
+    }
+};
+typedef Tiling<CHP, CHP> TileM;  // M = Q̃K̃ᵀ
+typedef Tiling<CHP, PP> TileY;   // Y
+typedef Tiling<PP, NP> TileS;    // S
+
+template <int T> __device__ __forceinline__ void zero_acc(float (&acc)[T][4]) {
+#pragma unroll
+    for (int i = 0; i < T; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// Store a pair (row r, columns n, n+1) of op_t.
+__device__ __forceinline__ void put_pair(op_t* p, float a, float b) {
+#if SCAN_MMA == 2
+    *reinterpret_cast<unsigned*>(p) = pack2(from_f<op_t>(a), from_f<op_t>(b));
+#else
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+#endif
+}
+
+// Four consecutive op_t (8 or 16 bytes, aligned).
+__device__ __forceinline__ void put_quad(op_t* p, float4 v) {
+#if SCAN_MMA == 2
+    *reinterpret_cast<uint2*>(p) =
+        make_uint2(pack2(from_f<op_t>(v.x), from_f<op_t>(v.y)), pack2(from_f<op_t>(v.z), from_f<op_t>(v.w)));
+#else
+    *reinterpret_cast<float4*>(p) = v;
+#endif
+}
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+// Rotate the pairs (x, y) and (z, w) by the angles whose (cos, sin) are cs.xy and cs.zw.
+__device__ __forceinline__ void rotate4(float4& v, float4 cs) {
+    const float a = v.x, b = v.y, c = v.z, d = v.w;
+    v.x = a * cs.x - b * cs.y;
+    v.y = a * cs.y + b * cs.x;
+    v.z = c * cs.z - d * cs.w;
+    v.w = c * cs.w + d * cs.z;
 }
 
 struct ScanArgs {
@@ -138,38 +282,35 @@ struct ScanArgs {
 
 template <int PHASE>
 __device__ __forceinline__ void scan_body(const ScanArgs& A) {
+    constexpr bool OUT = PHASE == 1;
     extern __shared__ __align__(128) unsigned char smem[];
-    op_t* Q = reinterpret_cast<op_t*>(smem);
-    op_t* K = reinterpret_cast<op_t*>(smem + SZ_Q);
-    op_t* X = reinterpret_cast<op_t*>(smem + 2 * SZ_Q);
-    op_t* Xw = reinterpret_cast<op_t*>(smem + 2 * SZ_Q + SZ_X);
-    float* S = reinterpret_cast<float*>(smem + 2 * SZ_Q + 2 * SZ_X);
-    unsigned char* p = smem + 2 * SZ_Q + 2 * SZ_X + SZ_S;
-#if SCAN_MMA == 2
-    op_t* So = reinterpret_cast<op_t*>(p);
+    unsigned char* p = smem;
+    op_t* sQ = reinterpret_cast<op_t*>(p);
+    p += SZ_Q;
+    op_t* sK = reinterpret_cast<op_t*>(p);
+    p += SZ_K;
+    op_t* sX = reinterpret_cast<op_t*>(p);
+    p += SZ_X;
+    op_t* sW = reinterpret_cast<op_t*>(p);
+    p += SZ_W;
+    op_t* sM = reinterpret_cast<op_t*>(p);
+    float* s_cs = reinterpret_cast<float*>(p);  // [CHP][NANGLES] (cos, sin); aliases sM (dead by then)
+    p += SZ_MCS;
+    op_t* sS = reinterpret_cast<op_t*>(p);
     p += SZ_SO;
-#else
-    op_t* So = S;
-#endif
-    float* Mf = reinterpret_cast<float*>(p);
-    p += SZ_MF;
-#if SCAN_MMA == 2
-    op_t* Mo = reinterpret_cast<op_t*>(p);
-    p += SZ_MO;
-    constexpr int ldso = LDQ, ldmo = LDM;
-#else
-    op_t* Mo = Mf;
-    constexpr int ldso = LDS, ldmo = LDMF;
-#endif
-    float* Y = reinterpret_cast<float*>(p);
-    p += SZ_Y;
-    float* s_cos = reinterpret_cast<float*>(p);
-    float* s_sin = s_cos + CHUNK * NANGLES;
-    p += SZ_CS;
     float* s_dt = reinterpret_cast<float*>(p);
-    float* s_gam = s_dt + CHUNK;
-    float* s_sc = s_gam + CHUNK;
-    float* s_lc = s_sc + CHUNK;
+    float* s_gam = s_dt + CHP;
+    float* s_sc = s_gam + CHP;  // c_j (zero on padding rows)
+    float* s_lc = s_sc + CHP;
+    float* s_elc = s_lc + CHP;  // e^{Lc_j}
+    float* s_xw = s_elc + CHP;  // e^{Lc_end − Lc_j}·c_j
+    float* s_eml = s_xw + CHP;  // e^{−Lc_j}·c_j (when `split`)
+    p += SZ_TOKV;
+    float* s_rs = reinterpret_cast<float*>(p);    // [CHP][SCAN_WARPS] row sums of squares
+    float* s_ph = s_rs + CHP * SCAN_WARPS;        // [SCAN_WARPS][NANGLES] phase partial sums
+    p += SZ_RED;
+    float* s_bb = reinterpret_cast<float*>(p);    // this head's B_bias, C_bias
+    float* s_cb = s_bb + NP;
 
     griddep_wait();
     griddep_launch();
@@ -177,174 +318,355 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     const bool last_seg = sg.w & 2;
     if (PHASE == 0 && last_seg) return;
     const int h = blockIdx.y, g = h / HEADS_PER_GROUP, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, fg = lane >> 2, ft = lane & 3;
     float* sb = A.sbuf + ((size_t)blockIdx.x * NHEADS + h) * HEADDIM * DSTATE;
     float* st = A.states[sg.z] + (size_t)A.layer * ST_LAYER;
 
-    for (int e = tid; e < HEADDIM * DSTATE; e += SCAN_THREADS)
-        S[(e / DSTATE) * LDS + e % DSTATE] = PHASE == 0 ? 0.f : sb[e];
+    for (int n = tid; n < NP; n += SCAN_THREADS) {
+        s_bb[n] = n < DSTATE ? A.b_bias[h * DSTATE + n] : 0.f;
+        s_cb[n] = n < DSTATE ? A.c_bias[h * DSTATE + n] : 0.f;
+    }
+    // The state of this warp's tiles of S (rows p, columns n), in registers.
+    const int s_rb = TileS::rb(warp), s_first = TileS::first(warp), s_nt = TileS::count(warp);
+    float sacc[TileS::T][4];
+#pragma unroll
+    for (int i = 0; i < TileS::T; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
+            sacc[i][e] = (OUT && i < s_nt && pp < HEADDIM && n < DSTATE) ? sb[pp * DSTATE + n] : 0.f;
+        }
+    if (OUT) {
+#pragma unroll
+        for (int i = 0; i < TileS::T; ++i) {
+            if (i >= s_nt) break;
+            const int n = 8 * (s_first + i) + 2 * ft;
+            op_t* row = sS + (16 * s_rb + fg) * LDSO + n;
+            put_pair(row, sacc[i][0], sacc[i][1]);
+            put_pair(row + 8 * LDSO, sacc[i][2], sacc[i][3]);
+        }
+    }
     float decay_sum = 0.f;
 
     for (int c = sg.x; c < sg.x + sg.y; ++c) {
         const int4 ck = A.chunks[c];
         const int start = ck.x, len = ck.y;
+        const bool seq_end = start + len == ck.z;
         const bool last_chunk = c == sg.x + sg.y - 1;
-        __syncthreads();
-        for (int j = tid; j < len; j += SCAN_THREADS) {
-            float4 v = A.tok[(size_t)(start + j) * NHEADS + h];
+        __syncthreads();  // the previous chunk's readers are done
+        // Per-token scalars; padding rows get zero weights and the chunk's end decay. The
+        // decay between two tokens, e^{Lc_r − Lc_s}, is formed as e^{Lc_r}·e^{−Lc_s} when
+        // e^{−Lc_s} cannot overflow (as the CPU twin does), else per pair.
+        const float lc_end = A.tok[(size_t)(start + len - 1) * NHEADS + h].w;
+        const bool split = -lc_end < 60.f;
+        for (int j = tid; j < CHP; j += SCAN_THREADS) {
+            float4 v = make_float4(0.f, 0.f, 0.f, lc_end);
+            if (j < len) v = A.tok[(size_t)(start + j) * NHEADS + h];
             s_dt[j] = v.x;
             s_gam[j] = v.y;
             s_sc[j] = v.z;
             s_lc[j] = v.w;
+            s_elc[j] = expf(v.w);
+            s_xw[j] = expf(lc_end - v.w) * v.z;
+            s_eml[j] = split ? expf(-v.w) * v.z : 0.f;
         }
         __syncthreads();
-        const float lc_end = s_lc[len - 1];
-        for (int j = len + tid; j < CHUNK; j += SCAN_THREADS) {
-            s_dt[j] = 0.f;
-            s_gam[j] = 0.f;
-            s_sc[j] = 0.f;
-            s_lc[j] = lc_end;
-        }
-        // Phases inside the chunk (spec §2.4): φ_j = wrap(φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j'),
-        // the sum as a warp scan over tokens, one warp per angle.
+        // Phases (spec §2.4): φ_j = wrap(φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j'). Warp w sums the
+        // tokens [w·TPW, (w+1)·TPW) per angle (lane = angle), the warps' totals are
+        // combined through shared memory, then each warp turns its tokens into (cos, sin).
         {
-            const int lane = tid & 31, warp = tid >> 5;
-            for (int i = warp; i < NANGLES; i += SCAN_WARPS) {
+            constexpr int TPW = CHP / SCAN_WARPS;
+            float part[(NANGLES + 31) / 32][TPW];
+#pragma unroll
+            for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
+                const int i = lane + 32 * q;
+                float run = 0.f;
+#pragma unroll
+                for (int u = 0; u < TPW; ++u) {
+                    const int j = warp * TPW + u;
+                    if (i < NANGLES && j < len) run += A.theta[(size_t)(start + j) * NANGLES + i] * s_dt[j];
+                    part[q][u] = run;
+                }
+                if (i < NANGLES) s_ph[warp * NANGLES + i] = run;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
+                const int i = lane + 32 * q;
+                if (i >= NANGLES) continue;
                 float base = A.phi0[((size_t)c * NHEADS + h) * NANGLES + i];
-                for (int j0 = 0; j0 < len; j0 += 32) {
-                    const int j = j0 + lane;
-                    float v = j < len ? A.theta[(size_t)(start + j) * NANGLES + i] * s_dt[j] : 0.f;
+                for (int w = 0; w < warp; ++w) base += s_ph[w * NANGLES + i];
 #pragma unroll
-                    for (int o = 1; o < 32; o <<= 1) {
-                        const float t = __shfl_up_sync(0xffffffffu, v, o);
-                        if (lane >= o) v += t;
-                    }
-                    if (j < len) {
-                        float sn, cs;
-                        sincosf(wrap_angle_f(base + v), &sn, &cs);
-                        s_cos[j * NANGLES + i] = cs;
-                        s_sin[j * NANGLES + i] = sn;
-                    }
-                    base += __shfl_sync(0xffffffffu, v, 31);
+                for (int u = 0; u < TPW; ++u) {
+                    const int j = warp * TPW + u;
+                    float sn = 0.f, cs = 1.f;
+                    if (j < len) sincos_phase(wrap_angle_f(base + part[q][u]), &sn, &cs);
+                    s_cs[2 * (j * NANGLES + i)] = cs;
+                    s_cs[2 * (j * NANGLES + i) + 1] = sn;
                 }
             }
         }
         __syncthreads();
-        // K̃ (and Q̃): biased, rotated pairwise; rows past the chunk's tokens are zero.
-        for (int e = tid; e < CHUNK * (DSTATE / 2); e += SCAN_THREADS) {
-            const int j = e / (DSTATE / 2), i = e % (DSTATE / 2), n = 2 * i;
-            float k0 = 0.f, k1 = 0.f, q0 = 0.f, q1 = 0.f;
-            if (j < len) {
-                const float* bc = A.bcn + (size_t)(start + j) * BC_W;
-                k0 = bc[g * DSTATE + n] + A.b_bias[h * DSTATE + n];
-                k1 = bc[g * DSTATE + n + 1] + A.b_bias[h * DSTATE + n + 1];
-                q0 = bc[(NGROUPS + g) * DSTATE + n] + A.c_bias[h * DSTATE + n];
-                q1 = bc[(NGROUPS + g) * DSTATE + n + 1] + A.c_bias[h * DSTATE + n + 1];
-                if (i < NANGLES) {
-                    const float cs = s_cos[j * NANGLES + i], sn = s_sin[j * NANGLES + i];
-                    float a = k0, b = k1;
-                    k0 = a * cs - b * sn;
-                    k1 = a * sn + b * cs;
-                    a = q0, b = q1;
-                    q0 = a * cs - b * sn;
-                    q1 = a * sn + b * cs;
+        // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
+        // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
+        // shared stores of the batch (which the compiler would not move them across).
+        {
+            constexpr int QUADS = CHP * (NP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
+            constexpr int BATCH = IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
+#pragma unroll
+            for (int i0 = 0; i0 < IT; i0 += BATCH) {
+                float4 kv[BATCH], qv[BATCH];
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u) {
+                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
+                    kv[u] = qv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (i0 + u < IT && e < QUADS && j < len && n < DSTATE) {
+                        const float* bc = A.bcn + (size_t)(start + j) * BC_W;
+                        kv[u] = *reinterpret_cast<const float4*>(bc + g * DSTATE + n);
+                        if (OUT) qv[u] = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u) {
+                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
+                    if (i0 + u >= IT || e >= QUADS) break;
+                    float4 k = kv[u], q = qv[u];
+                    if (j < len && n < DSTATE) {
+                        k = add4(k, *reinterpret_cast<const float4*>(s_bb + n));
+                        if (OUT) q = add4(q, *reinterpret_cast<const float4*>(s_cb + n));
+                        if (n / 2 < NANGLES) {  // angles n/2 and n/2 + 1 (NANGLES is even)
+                            const float4 cs = *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2));
+                            rotate4(k, cs);
+                            if (OUT) rotate4(q, cs);
+                        }
+                        // The final k state: the last token's rotated key, in f32 (spec §3.2).
+                        if (OUT && j == len - 1 && seq_end)
+                            *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
+                    }
+                    put_quad(sK + j * LDK + n, k);
+                    if (OUT) put_quad(sQ + j * LDQ + n, q);
                 }
             }
-            K[j * LDQ + n] = from_f<op_t>(k0);
-            K[j * LDQ + n + 1] = from_f<op_t>(k1);
-            if (PHASE == 1) {
-                Q[j * LDQ + n] = from_f<op_t>(q0);
-                Q[j * LDQ + n + 1] = from_f<op_t>(q1);
-            }
-            // The final k state: the last token's rotated key, in f32 (spec §3.2).
-            if (PHASE == 1 && j == len - 1 && start + len == ck.z) {
-                st[ST_K + h * DSTATE + n] = k0;
-                st[ST_K + h * DSTATE + n + 1] = k1;
+        }
+        // X and w ⊙ X.
+#if HEADDIM % 4 == 0
+        {
+            constexpr int QUADS = CHP * (PP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
+            constexpr int BATCH = IT < 4 ? IT : 4;
+#pragma unroll
+            for (int i0 = 0; i0 < IT; i0 += BATCH) {
+                float4 xv[BATCH];
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u) {
+                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (PP / 4), pp = 4 * (e % (PP / 4));
+                    xv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (i0 + u < IT && e < QUADS && j < len && pp < HEADDIM)
+                        xv[u] = *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF +
+                                                                 h * HEADDIM + pp);
+                }
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u) {
+                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (PP / 4), pp = 4 * (e % (PP / 4));
+                    if (i0 + u >= IT || e >= QUADS) break;
+                    const float4 x = xv[u];
+                    if (OUT && j == len - 1 && seq_end && pp < HEADDIM)
+                        *reinterpret_cast<float4*>(st + ST_V + h * HEADDIM + pp) = x;
+                    if (OUT) put_quad(sX + j * LDX + pp, x);
+                    const float w = s_xw[j];
+                    put_quad(sW + j * LDW + pp, make_float4(x.x * w, x.y * w, x.z * w, x.w * w));
+                }
             }
         }
-        for (int e = tid; e < CHUNK * HEADDIM; e += SCAN_THREADS) {
-            const int j = e / HEADDIM, pp = e % HEADDIM;
-            const float x = j < len ? A.proj[(size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp] : 0.f;
-            if (PHASE == 1) X[j * LDX + pp] = from_f<op_t>(x);
-            Xw[j * LDX + pp] = from_f<op_t>(x * expf(lc_end - s_lc[j]) * s_sc[j]);
-            if (PHASE == 1 && j == len - 1 && start + len == ck.z) st[ST_V + h * HEADDIM + pp] = x;
+#else
+        for (int e = tid; e < CHP * (PP / 2); e += SCAN_THREADS) {
+            const int j = e / (PP / 2), pp = 2 * (e % (PP / 2));
+            float x0 = 0.f, x1 = 0.f;
+            if (j < len && pp < HEADDIM) {
+                const float* xr = A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp;
+                x0 = xr[0];
+                if (pp + 1 < HEADDIM) x1 = xr[1];
+                if (OUT && j == len - 1 && seq_end) {
+                    st[ST_V + h * HEADDIM + pp] = x0;
+                    if (pp + 1 < HEADDIM) st[ST_V + h * HEADDIM + pp + 1] = x1;
+                }
+            }
+            if (OUT) put_pair(sX + j * LDX + pp, x0, x1);
+            const float w = s_xw[j];
+            put_pair(sW + j * LDW + pp, x0 * w, x1 * w);
         }
+#endif
         __syncthreads();
-        if (PHASE == 1) {
-            // M = Q̃K̃ᵀ, then the causal decay and trapezoid weights.
-            mm<CHUNK, CHUNK, DSTATE, false, true>(Mf, LDMF, Q, LDQ, K, LDQ, false, 0.f);
-            __syncthreads();
-            for (int e = tid; e < CHUNK * CHUNK; e += SCAN_THREADS) {
-                const int j = e / CHUNK, s = e % CHUNK;
-                const float w = s < j ? expf(s_lc[j] - s_lc[s]) * s_sc[s] : (s == j ? s_gam[j] : 0.f);
-                Mo[j * ldmo + s] = from_f<op_t>(Mf[j * LDMF + s] * w);
+        if (OUT) {
+            // M = Q̃K̃ᵀ on the lower block triangle, weighted, stored as an operand.
+            const int m_rb = TileM::rb(warp), m_first = TileM::first(warp);
+            int m_nt = TileM::count(warp);
+            {
+                const int causal = (16 * m_rb + 16) / 8 - m_first;  // tiles left of the diagonal's end
+                m_nt = m_nt < causal ? m_nt : (causal < 0 ? 0 : causal);
             }
-            // Q̃ rows take the inter-chunk decay e^{Lc_j}.
-            for (int e = tid; e < CHUNK * DSTATE; e += SCAN_THREADS) {
-                const int j = e / DSTATE, n = e % DSTATE;
-                Q[j * LDQ + n] = from_f<op_t>(to_f(Q[j * LDQ + n]) * expf(s_lc[j]));
-            }
-#if SCAN_MMA == 2
-            for (int e = tid; e < HEADDIM * DSTATE; e += SCAN_THREADS) {
-                const int pp = e / DSTATE, n = e % DSTATE;
-                So[pp * LDQ + n] = from_f<op_t>(S[pp * LDS + n]);
-            }
-#endif
-            __syncthreads();
-            mm<CHUNK, HEADDIM, CHUNK, false, false>(Y, LDY, Mo, ldmo, X, LDX, false, 0.f);
-            __syncthreads();
-            mm<CHUNK, HEADDIM, DSTATE, false, true>(Y, LDY, Q, LDQ, So, ldso, true, 1.f);
-            __syncthreads();
-            // D skip and gate (spec §2.6); the skip uses x in f32.
-            const int lane = tid & 31, warp = tid >> 5;
-            for (int j = warp; j < len; j += SCAN_WARPS) {
-                const float* row = A.proj + (size_t)(start + j) * PROJ_LD;
-                float yv[(HEADDIM + 31) / 32];
-                float ss = 0.f;
+            float macc[TileM::T][4];
+            zero_acc(macc);
+            const op_t* qa = sQ + 16 * m_rb * LDQ;
+            const op_t* kb = sK + 8 * m_first * LDK;
+#pragma unroll SCAN_KUNROLL
+            for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileM::T, true, true>(macc, qa, LDQ, kb, LDK, k0, m_nt);
 #pragma unroll
-                for (int q = 0; q < (HEADDIM + 31) / 32; ++q) {
-                    const int pp = lane + 32 * q;
-                    float v = 0.f;
-                    if (pp < HEADDIM) v = Y[j * LDY + pp] + A.d_skip[h] * row[X_OFF + h * HEADDIM + pp];
-                    yv[q] = v;
-                    ss += v * v;
+            for (int i = 0; i < TileM::T; ++i) {
+                if (i >= m_nt) break;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = 16 * m_rb + fg + 8 * hf, s = 8 * (m_first + i) + 2 * ft;
+                    const float er = s_elc[r];
+                    const float d0 = split ? er * s_eml[s] : expf(s_lc[r] - s_lc[s]) * s_sc[s];
+                    const float d1 = split ? er * s_eml[s + 1] : expf(s_lc[r] - s_lc[s + 1]) * s_sc[s + 1];
+                    const float w0 = s < r ? d0 : (s == r ? s_gam[r] : 0.f);
+                    const float w1 = s + 1 < r ? d1 : (s + 1 == r ? s_gam[r] : 0.f);
+                    put_pair(sM + r * LDM + s, macc[i][2 * hf] * w0, macc[i][2 * hf + 1] * w1);
                 }
+            }
+        }
+        const int y_rb = TileY::rb(warp), y_first = TileY::first(warp), y_nt = TileY::count(warp);
+        float yacc[TileY::T][4];
+        if (OUT) {
+            // Y = diag(e^{Lc})·Q̃Sᵀ.
+            zero_acc(yacc);
+            const op_t* qa = sQ + 16 * y_rb * LDQ;
+            const op_t* sbp = sS + 8 * y_first * LDSO;
+#pragma unroll SCAN_KUNROLL
+            for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileY::T, true, true>(yacc, qa, LDQ, sbp, LDSO, k0, y_nt);
+            const float e0 = s_elc[16 * y_rb + fg], e1 = s_elc[16 * y_rb + fg + 8];
+#pragma unroll
+            for (int i = 0; i < TileY::T; ++i) {
+                yacc[i][0] *= e0;
+                yacc[i][1] *= e0;
+                yacc[i][2] *= e1;
+                yacc[i][3] *= e1;
+            }
+        }
+        __syncthreads();  // sM complete; every reader of sS is done
+        if (OUT) {
+            // Y += M·X over the causal columns, then the D skip and the gate (spec §2.6).
+            // x (f32, for the skip) and z are loaded first, so that their latency hides
+            // behind the products.
+            float xz[TileY::T][2][2][2];  // [tile][row half][x | z][column]
+#pragma unroll
+            for (int i = 0; i < TileY::T; ++i)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
+                    const float* row = A.proj + (size_t)(start + (r < len ? r : 0)) * PROJ_LD + h * HEADDIM + pp;
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const bool ok = i < y_nt && r < len && pp + u < HEADDIM;
+                        xz[i][hf][0][u] = ok ? row[X_OFF + u] : 0.f;
+                        xz[i][hf][1][u] = ok ? row[Z_OFF + u] : 0.f;
+                    }
+                }
+            const op_t* ma = sM + 16 * y_rb * LDM;
+            const op_t* xb = sX + 8 * y_first;
+#pragma unroll SCAN_KUNROLL
+            for (int k0 = 0; k0 < CHP; k0 += KSTEP)
+                if (k0 < 16 * y_rb + 16) mma_kstep<TileY::T, true, false>(yacc, ma, LDM, xb, LDX, k0, y_nt);
+            const float dsk = A.d_skip[h];
+            float ss[2] = {0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < TileY::T; ++i) {
+                if (i >= y_nt) break;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = 16 * y_rb + fg + 8 * hf;
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        // rows past the chunk and padding columns: x = 0, and Y is 0 there
+                        float& v = yacc[i][2 * hf + u];
+                        v = r < len ? v + dsk * xz[i][hf][0][u] : 0.f;
+                        ss[hf] += v * v;
+                    }
+                }
+            }
 #if OUTNORM
-                const float inv = 1.f / sqrtf(warp_sum(ss) / (float)HEADDIM + NORM_EPS);
+            // Per-row sums of squares: the quad's lanes, then the warps sharing the row.
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                ss[hf] += __shfl_xor_sync(0xffffffffu, ss[hf], 1);
+                ss[hf] += __shfl_xor_sync(0xffffffffu, ss[hf], 2);
+                if (ft == 0) s_rs[(16 * y_rb + fg + 8 * hf) * SCAN_WARPS + warp % TileY::WPR] = ss[hf];
+            }
+            __syncthreads();
+            float inv[2];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float tot = 0.f;
+                for (int w = 0; w < TileY::WPR; ++w) tot += s_rs[(16 * y_rb + fg + 8 * hf) * SCAN_WARPS + w];
+                inv[hf] = 1.f / sqrtf(tot / (float)HEADDIM + NORM_EPS);
+            }
 #endif
 #pragma unroll
-                for (int q = 0; q < (HEADDIM + 31) / 32; ++q) {
-                    const int pp = lane + 32 * q;
-                    if (pp >= HEADDIM) continue;
-                    float v = yv[q];
+            for (int i = 0; i < TileY::T; ++i) {
+                if (i >= y_nt) break;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
+                    if (r >= len || pp >= HEADDIM) continue;
+                    act_t* yo = A.y + (size_t)(start + r) * D_INNER + h * HEADDIM + pp;
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        if (pp + u >= HEADDIM) break;
+                        float v = yacc[i][2 * hf + u];
 #if OUTNORM
-                    v = v * inv * A.out_norm[h * HEADDIM + pp];
+                        v = v * inv[hf] * A.out_norm[h * HEADDIM + pp + u];
 #endif
-                    v *= silu_f(row[Z_OFF + h * HEADDIM + pp]);
-                    A.y[(size_t)(start + j) * D_INNER + h * HEADDIM + pp] = from_f<act_t>(v);
+                        yo[u] = from_f<act_t>(v * silu_f(xz[i][hf][1][u]));
+                    }
                 }
             }
         }
         // S ← e^{Lc_end}·S + (wX)ᵀK̃ (the last chunk of a middle segment needs none).
-        if (!(PHASE == 1 && last_chunk && !last_seg))
-            mm<HEADDIM, DSTATE, CHUNK, true, false>(S, LDS, Xw, LDX, K, LDQ, true, expf(lc_end));
+        if (!(OUT && last_chunk && !last_seg)) {
+            const float el = expf(lc_end);
+#pragma unroll
+            for (int i = 0; i < TileS::T; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[i][e] *= el;
+            const op_t* wa = sW + 16 * s_rb;
+            const op_t* kb = sK + 8 * s_first;
+#pragma unroll SCAN_KUNROLL
+            for (int k0 = 0; k0 < CHP; k0 += KSTEP) mma_kstep<TileS::T, false, false>(sacc, wa, LDW, kb, LDK, k0, s_nt);
+            if (OUT && !last_chunk) {
+#pragma unroll
+                for (int i = 0; i < TileS::T; ++i) {
+                    if (i >= s_nt) break;
+                    const int n = 8 * (s_first + i) + 2 * ft;
+                    op_t* row = sS + (16 * s_rb + fg) * LDSO + n;
+                    put_pair(row, sacc[i][0], sacc[i][1]);
+                    put_pair(row + 8 * LDSO, sacc[i][2], sacc[i][3]);
+                }
+            }
+        }
         decay_sum += lc_end;
     }
-    __syncthreads();
-    if (PHASE == 0) {
-        for (int e = tid; e < HEADDIM * DSTATE; e += SCAN_THREADS) sb[e] = S[(e / DSTATE) * LDS + e % DSTATE];
-        if (tid == 0) A.sdecay[blockIdx.x * NHEADS + h] = decay_sum;
-    } else if (last_seg) {
-        for (int e = tid; e < HEADDIM * DSTATE; e += SCAN_THREADS)
-            st[ST_SSM + h * HEADDIM * DSTATE + e] = S[(e / DSTATE) * LDS + e % DSTATE];
+    // S_seg (phase A) or the sequence's final state (phase C, last segment), from registers.
+    if (PHASE == 0 || last_seg) {
+        float* dst = PHASE == 0 ? sb : st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
+#pragma unroll
+        for (int i = 0; i < TileS::T; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
+                if (i < s_nt && pp < HEADDIM && n < DSTATE) dst[pp * DSTATE + n] = sacc[i][e];
+            }
+        if (PHASE == 0 && tid == 0) A.sdecay[blockIdx.x * NHEADS + h] = decay_sum;
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_states(ScanArgs a) { scan_body<0>(a); }
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_outputs(ScanArgs a) { scan_body<1>(a); }
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_states(ScanArgs a) { scan_body<0>(a); }
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_outputs(ScanArgs a) { scan_body<1>(a); }
 
 // Phase B: state passing across segments, seeded with the folded carried state.
-// Grid (sequences, H, tiles of 4·SCAN_THREADS state elements).
+// Grid (sequences, H, tiles of 4·SCAN_THREADS state elements). The segments' states and
+// decays are read PASS_BATCH at a time, ahead of the walk that needs them.
 // Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
+#define PASS_BATCH 16
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     scan_pass(const int4* __restrict__ seqs, const int4* __restrict__ chunks,
               const float4* __restrict__ tok, float* __restrict__ sbuf,
@@ -366,15 +688,29 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     s.y += wv * kk[1];
     s.z += wv * kk[2];
     s.w += wv * kk[3];
-    for (int sgi = sq.z; sgi < sq.z + sq.w; ++sgi) {
-        float4* b = reinterpret_cast<float4*>(sbuf + ((size_t)sgi * NHEADS + h) * HEADDIM * DSTATE + e);
-        if (sgi == sq.z + sq.w - 1) {
+    const int end = sq.z + sq.w;
+    for (int b0 = sq.z; b0 < end; b0 += PASS_BATCH) {
+        float4 seg[PASS_BATCH];
+        float dec[PASS_BATCH];
+#pragma unroll
+        for (int i = 0; i < PASS_BATCH; ++i) {
+            const int sgi = b0 + i;
+            if (sgi < end - 1) {
+                seg[i] = *reinterpret_cast<const float4*>(sbuf + ((size_t)sgi * NHEADS + h) * HEADDIM * DSTATE + e);
+                dec[i] = sdecay[sgi * NHEADS + h];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < PASS_BATCH; ++i) {
+            const int sgi = b0 + i;
+            if (sgi >= end) break;
+            float4* b = reinterpret_cast<float4*>(sbuf + ((size_t)sgi * NHEADS + h) * HEADDIM * DSTATE + e);
             *b = s;
-        } else {
-            const float4 t = *b;
-            const float d = expf(sdecay[sgi * NHEADS + h]);
-            *b = s;
-            s = make_float4(fmaf(d, s.x, t.x), fmaf(d, s.y, t.y), fmaf(d, s.z, t.z), fmaf(d, s.w, t.w));
+            if (sgi < end - 1) {
+                const float d = expf(dec[i]);
+                const float4 t = seg[i];
+                s = make_float4(fmaf(d, s.x, t.x), fmaf(d, s.y, t.y), fmaf(d, s.z, t.z), fmaf(d, s.w, t.w));
+            }
         }
     }
 }

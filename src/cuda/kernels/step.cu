@@ -5,11 +5,16 @@
 //   φ ← wrap(φ + θ·Δ);  k̃, q̃ = rotate(B̄ + B_bias), rotate(C̄ + C_bias)
 //   h ← α·h + β·outer(v_prev, k_prev) + γ·outer(x, k̃),   y = h·q̃ + D·x
 //   α = e^{AΔ},  β = α·Δ·(1 − λ),  γ = λ·Δ;   then k_prev ← k̃, v_prev ← x
+//
+// Latency is what counts here (a few microseconds per layer): everything that does not
+// depend on the previous kernel — this head's state rows, its k_prev, v_prev and φ, the
+// norm weights and biases — is loaded before waiting for it, and everything that does (one
+// in_proj row) is loaded in one go right after, so the block waits for memory twice.
 
 #define STEP_THREADS 256
 #define STEP_WARPS (STEP_THREADS / 32)
 // State rows per warp and float4s per lane per row; when they fit in registers the state
-// is loaded before waiting for the previous kernel (it does not write the state).
+// is loaded before the wait (if not, inside the update).
 #define STEP_RPW ((HEADDIM + STEP_WARPS - 1) / STEP_WARPS)
 #define STEP_NPL ((DSTATE / 4 + 31) / 32)
 #define STEP_PREFETCH (STEP_RPW * STEP_NPL <= 16)
@@ -21,10 +26,12 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
                const float* __restrict__ d_skip, const float* __restrict__ out_norm,
                float* const* __restrict__ states, int layer, float* __restrict__ y_f32,
                act_t* __restrict__ y_act) {
-    __shared__ float s_k[DSTATE], s_q[DSTATE], s_kp[DSTATE];
-    __shared__ float s_x[HEADDIM], s_vp[HEADDIM], s_y[HEADDIM];
-    __shared__ float s_cs[2 * NANGLES];
-    __shared__ float s_scal[4];  // B̄ scale, C̄ scale
+    // raw B, C of this head's group, then k̃, q̃; the previous key
+    __shared__ float s_b[DSTATE], s_c[DSTATE], s_k[DSTATE], s_q[DSTATE], s_kp[DSTATE];
+    __shared__ float s_x[HEADDIM], s_z[HEADDIM], s_vp[HEADDIM], s_y[HEADDIM];
+    __shared__ float s_ang[NANGLES], s_phi[NANGLES], s_cs[2 * NANGLES];
+    __shared__ float s_raw[3];   // dd_dt, dd_A, trap
+    __shared__ float s_scal[2];  // 1/rms of B, of C
 #if OUTNORM
     __shared__ float red[32];
 #endif
@@ -32,7 +39,8 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
     const int lane = tid & 31, warp = tid >> 5;
     float* st = states[b] + (size_t)layer * ST_LAYER;
     float* hs = st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
-    // This head's state rows p = warp + r·STEP_WARPS, float4 n4 = lane + 32·q.
+
+    // ---- before the wait: the state and this head's constants
     float4 hreg[STEP_PREFETCH ? STEP_RPW * STEP_NPL : 1];
     if (STEP_PREFETCH) {
 #pragma unroll
@@ -44,55 +52,70 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
                     hreg[r * STEP_NPL + q] = reinterpret_cast<const float4*>(hs + pp * DSTATE)[n4];
             }
     }
+    float bw = 0.f, cw = 0.f, bb = 0.f, cb = 0.f;
+    for (int n = tid; n < DSTATE; n += STEP_THREADS) {
+        s_kp[n] = st[ST_K + h * DSTATE + n];
+        if (n == tid) {  // one n per thread when DSTATE ≤ STEP_THREADS
+            bw = b_norm[n];
+            cw = c_norm[n];
+            bb = b_bias[h * DSTATE + n];
+            cb = c_bias[h * DSTATE + n];
+        }
+    }
+    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) s_vp[pp] = st[ST_V + h * HEADDIM + pp];
+    for (int i = tid; i < NANGLES; i += STEP_THREADS) s_phi[i] = st[ST_ANGLE + h * NANGLES + i];
+    const float dtb = dt_bias[h], dsk = d_skip[h];
+
     griddep_wait();
     griddep_launch();
+    // ---- this sequence's in_proj row, in one go
     const float* row = proj + (size_t)b * PROJ_LD;
+    for (int n = tid; n < DSTATE; n += STEP_THREADS) {
+        s_b[n] = row[B_OFF + g * DSTATE + n];
+        s_c[n] = row[C_OFF + g * DSTATE + n];
+    }
+    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) {
+        s_x[pp] = row[X_OFF + h * HEADDIM + pp];
+        s_z[pp] = row[Z_OFF + h * HEADDIM + pp];
+    }
+    for (int i = tid; i < NANGLES; i += STEP_THREADS) s_ang[i] = row[ANG_OFF + i];
+    if (tid < 3) s_raw[tid] = row[(tid == 0 ? DT_OFF : tid == 1 ? A_OFF : TRAP_OFF) + h];
+    __syncthreads();
 
-    const float dt = softplus_f(row[DT_OFF + h] + dt_bias[h]);
-    const float a = a_value_f(row[A_OFF + h]) * dt;
-    const float lam = sigmoid_f(row[TRAP_OFF + h]);
+    const float dt = softplus_f(s_raw[0] + dtb);
+    const float a = a_value_f(s_raw[1]) * dt;
+    const float lam = sigmoid_f(s_raw[2]);
     const float alpha = expf(a), beta = alpha * dt * (1.f - lam), gamma = lam * dt;
-
-    if (warp < 2) {  // RMS of B (warp 0) and C (warp 1) of this head's group
-        const float* src = row + (warp ? C_OFF : B_OFF) + g * DSTATE;
+    if (warp < 2) {  // RMS of B (warp 0) and C (warp 1)
+        const float* src = warp ? s_c : s_b;
         float ss = 0.f;
         for (int n = lane; n < DSTATE; n += 32) ss += src[n] * src[n];
         ss = warp_sum(ss);
         if (lane == 0) s_scal[warp] = 1.f / sqrtf(ss / (float)DSTATE + NORM_EPS);
     }
     for (int i = tid; i < NANGLES; i += STEP_THREADS) {
-        float* phi = st + ST_ANGLE + h * NANGLES + i;
-        const float ph = wrap_angle_f(*phi + PI_F * tanhf(row[ANG_OFF + i]) * dt);
-        *phi = ph;
-        sincosf(ph, &s_cs[NANGLES + i], &s_cs[i]);
-    }
-    for (int n = tid; n < DSTATE; n += STEP_THREADS) s_kp[n] = st[ST_K + h * DSTATE + n];
-    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) {
-        s_vp[pp] = st[ST_V + h * HEADDIM + pp];
-        s_x[pp] = row[X_OFF + h * HEADDIM + pp];
+        const float ph = wrap_angle_f(s_phi[i] + PI_F * tanhf(s_ang[i]) * dt);
+        st[ST_ANGLE + h * NANGLES + i] = ph;
+        sincos_phase(ph, &s_cs[NANGLES + i], &s_cs[i]);
     }
     __syncthreads();
-    for (int i = tid; i < DSTATE / 2; i += STEP_THREADS) {
+    // k̃, q̃: normed, biased, rotated pairwise (thread n holds the constants of n).
+    for (int n = tid; n < DSTATE; n += STEP_THREADS) {
+        const float bwn = n == tid ? bw : b_norm[n], cwn = n == tid ? cw : c_norm[n];
+        const float bbn = n == tid ? bb : b_bias[h * DSTATE + n], cbn = n == tid ? cb : c_bias[h * DSTATE + n];
+        s_k[n] = s_b[n] * s_scal[0] * bwn + bbn;
+        s_q[n] = s_c[n] * s_scal[1] * cwn + cbn;
+    }
+    __syncthreads();
+    for (int i = tid; i < NANGLES; i += STEP_THREADS) {
         const int n = 2 * i;
-        const float* bs = row + B_OFF + g * DSTATE;
-        const float* cs = row + C_OFF + g * DSTATE;
-        float k0 = bs[n] * s_scal[0] * b_norm[n] + b_bias[h * DSTATE + n];
-        float k1 = bs[n + 1] * s_scal[0] * b_norm[n + 1] + b_bias[h * DSTATE + n + 1];
-        float q0 = cs[n] * s_scal[1] * c_norm[n] + c_bias[h * DSTATE + n];
-        float q1 = cs[n + 1] * s_scal[1] * c_norm[n + 1] + c_bias[h * DSTATE + n + 1];
-        if (i < NANGLES) {
-            const float c = s_cs[i], s = s_cs[NANGLES + i];
-            float u = k0, v = k1;
-            k0 = u * c - v * s;
-            k1 = u * s + v * c;
-            u = q0, v = q1;
-            q0 = u * c - v * s;
-            q1 = u * s + v * c;
-        }
-        s_k[n] = k0;
-        s_k[n + 1] = k1;
-        s_q[n] = q0;
-        s_q[n + 1] = q1;
+        const float c = s_cs[i], s = s_cs[NANGLES + i];
+        float u = s_k[n], v = s_k[n + 1];
+        s_k[n] = u * c - v * s;
+        s_k[n + 1] = u * s + v * c;
+        u = s_q[n], v = s_q[n + 1];
+        s_q[n] = u * c - v * s;
+        s_q[n + 1] = u * s + v * c;
     }
     __syncthreads();
     // State rows: one warp per row p, float4 across n.
@@ -117,11 +140,11 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
             acc += v.x * s_q[n] + v.y * s_q[n + 1] + v.z * s_q[n + 2] + v.w * s_q[n + 3];
         }
         acc = warp_sum(acc);
-        if (lane == 0) s_y[pp] = acc + d_skip[h] * s_x[pp];
+        if (lane == 0) s_y[pp] = acc + dsk * s_x[pp];
     }
-    __syncthreads();
     for (int n = tid; n < DSTATE; n += STEP_THREADS) st[ST_K + h * DSTATE + n] = s_k[n];
     for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) st[ST_V + h * HEADDIM + pp] = s_x[pp];
+    __syncthreads();
 #if OUTNORM
     float ss = 0.f;
     for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) ss += s_y[pp] * s_y[pp];
@@ -132,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 #if OUTNORM
         v = v * inv * out_norm[h * HEADDIM + pp];
 #endif
-        v *= silu_f(row[Z_OFF + h * HEADDIM + pp]);
+        v *= silu_f(s_z[pp]);
         const size_t o = (size_t)b * D_INNER + h * HEADDIM + pp;
         if (y_f32) y_f32[o] = v;
         else y_act[o] = from_f<act_t>(v);
