@@ -133,6 +133,20 @@ fn start_engine(
                     return;
                 }
             };
+            // On a GPU, each decode step of up to 16 sequences replays a CUDA graph of the
+            // next bucket (captured here, before the server reports ready); rows of such a
+            // batch are computed on their own, so the padding changes no result.
+            if loaded.model.device() != Device::Cpu {
+                for bucket in [1usize, 2, 4, 8, 16] {
+                    if bucket > cfg.scheduler.max_batch.max(1).next_power_of_two() {
+                        break;
+                    }
+                    if let Err(e) = loaded.model.capture_decode_graph(bucket) {
+                        eprintln!("mamba3 serve: no decode graph for batch {bucket} ({e}); decoding eagerly");
+                        break;
+                    }
+                }
+            }
             let d = loaded.model.dims();
             let _ = app.ready.set(Ready {
                 vocab_size: d.vocab_size,
