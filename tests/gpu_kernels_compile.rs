@@ -14,7 +14,7 @@
 
 mod gpu;
 use mamba3::cuda::kernels::{
-    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath,
+    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, Program, ScanMath,
 };
 use mamba3::model::DType;
 use std::path::PathBuf;
@@ -101,11 +101,26 @@ fn every_kernel_compiles_under_nvrtc() {
             // every mode for the benchmark shape (and once for Ampere), the main modes
             // for the others
             let main = matches!(scan, ScanMath::F32 | ScanMath::Half) || dtype == DType::BF16;
+            let inference = Program::Inference;
             if *what == "bench" || main {
-                jobs.push((format!("{what} {dtype:?} {scan:?}"), kc.clone(), "sm_90a"));
+                let name = format!("{what} {dtype:?} {scan:?}");
+                jobs.push((name, inference, kc.clone(), "sm_90a"));
             }
             if *what == "bench" && dtype == DType::BF16 && scan == ScanMath::Tf32 {
-                jobs.push((format!("{what} {dtype:?} {scan:?}"), kc, "sm_80"));
+                jobs.push((
+                    format!("{what} {dtype:?} {scan:?}"),
+                    inference,
+                    kc.clone(),
+                    "sm_80",
+                ));
+            }
+            // the training program in its two modes: f32 (exact scan), bf16 (TF32 scan)
+            if matches!(
+                (dtype, scan),
+                (DType::F32, ScanMath::F32) | (DType::BF16, ScanMath::Tf32)
+            ) {
+                let name = format!("{what} {dtype:?} {scan:?} training");
+                jobs.push((name, Program::Training, kc, "sm_90a"));
             }
         }
     }
@@ -118,10 +133,10 @@ fn every_kernel_compiles_under_nvrtc() {
         for _ in 0..threads {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let Some((what, kc, arch)) = jobs.get(i) else {
+                let Some((what, program, kc, arch)) = jobs.get(i) else {
                     break;
                 };
-                match compile_cubin(kc, arch) {
+                match compile_cubin(*program, kc, arch) {
                     Ok((cubin, log)) if !cubin.is_empty() && !log.contains("warning") => {
                         // MAMBA3_DUMP_CUBIN=DIR keeps the cubins (for cuobjdump: registers,
                         // spills, SASS) — no GPU needed.

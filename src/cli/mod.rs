@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod bench_serve;
+pub mod bench_train;
 pub mod convert;
 pub mod generate;
 pub mod inspect;
@@ -45,6 +46,8 @@ pub enum Command {
     BenchServe(bench_serve::Args),
     /// Train a model on text files (byte-level), with checkpoints and a loss plot.
     Train(train::Args),
+    /// Time optimiser steps (forward, backward, AdamW) on a synthetic model.
+    BenchTrain(bench_train::Args),
 }
 
 /// Options every model-running subcommand shares.
@@ -82,6 +85,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Train(a) => train::run(a),
+        Command::BenchTrain(a) => bench_train::run(a),
     }
 }
 

@@ -1,12 +1,14 @@
 //! `mamba3 train`: train a Mamba-3 SISO language model on text files (byte-level
 //! tokens), with a progress bar, validation loss, checkpoints (resumable) and a loss plot.
 
+use crate::engine::{Device, DeviceChoice};
 use crate::error::{Error, Result};
 use crate::model::config::Config;
+use crate::model::DType;
 use crate::train::data::Dataset;
 use crate::train::optim::{AdamWConfig, Schedule};
 use crate::train::trainer::{Progress, RunConfig, Trainer};
-use crate::train::CpuBackend;
+use crate::train::{Backend, CpuBackend};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
@@ -94,9 +96,12 @@ pub struct Args {
     /// Print a log line every N steps (always, besides the bar).
     #[arg(long, default_value_t = 10)]
     pub log_every: u64,
-    /// Device: cpu (the GPU backward is not there yet).
+    /// Device: cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "cpu")]
-    pub device: String,
+    pub device: DeviceChoice,
+    /// Arithmetic: f32, or (on a GPU) bf16 / f16 mixed precision with f32 master weights.
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
     /// Stop (with a checkpoint to resume from) once this many seconds have passed.
     #[arg(long)]
     pub max_seconds: Option<f64>,
@@ -125,20 +130,42 @@ fn model_config(a: &Args) -> Result<Config> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    if a.device != "cpu" {
-        return Err(Error::Device(format!(
-            "training on `{}`: only `cpu` is implemented so far",
-            a.device
-        )));
-    }
     if let Some(n) = a.threads {
         let _ = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global();
     }
+    match a.device.resolve() {
+        Device::Cpu => {
+            if a.dtype != DType::F32 {
+                return Err(Error::input(format!(
+                    "training on the CPU runs in f32; --dtype {} needs --device cuda",
+                    a.dtype
+                )));
+            }
+            train_with(a, CpuBackend)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => {
+            let config = if a.resume {
+                crate::train::trainer::saved_run(&a.out)?.model
+            } else {
+                model_config(&a)?
+            };
+            let backend = crate::cuda::train::CudaTrainer::new(&config, a.dtype, n)?;
+            train_with(a, backend)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(Error::Device(
+            "this build has no CUDA support (build with --features cuda)".into(),
+        )),
+    }
+}
+
+fn train_with<B: Backend>(a: Args, backend: B) -> Result<()> {
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
     let mut trainer = if a.resume {
-        let mut t = Trainer::resume(&a.out, CpuBackend, None)?;
+        let mut t = Trainer::resume(&a.out, backend, None)?;
         if let Some(s) = a.steps {
             t.run.steps = s;
         }
@@ -173,7 +200,7 @@ pub fn run(a: Args) -> Result<()> {
             ckpt_every: a.ckpt_every,
         };
         let data = Dataset::load(&run.data, run.val_every_block)?;
-        Trainer::with_data(run, CpuBackend, data)?
+        Trainer::with_data(run, backend, data)?
     };
     let r = &trainer.run;
     eprintln!(

@@ -17,7 +17,7 @@
 //! with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
 use super::context::{Gpu, KArg};
-use super::gemm::{ElemType, GemmSpec, Lt};
+use super::gemm::{ElemType, GemmOp, GemmSpec, Lt};
 use super::kernels::{proj_ld, Kernels, ScanMath};
 use super::weights::{GpuWeights, InProjInput};
 use super::work::{Layout, Work};
@@ -36,24 +36,26 @@ const NORM_F16: i32 = 2;
 
 /// Kernel parameters of `scan_states`/`scan_outputs` (`ScanArgs` in kernels/scan.cu).
 #[repr(C)]
-struct ScanArgs {
-    proj: u64,
-    bcn: u64,
-    tok: u64,
-    theta: u64,
-    phi0: u64,
-    chunks: u64,
-    segs: u64,
-    b_bias: u64,
-    c_bias: u64,
-    d_skip: u64,
-    out_norm: u64,
-    sbuf: u64,
-    sdecay: u64,
-    y: u64,
-    states: u64,
-    layer: i32,
-    _pad: i32,
+pub(crate) struct ScanArgs {
+    pub proj: u64,
+    pub bcn: u64,
+    pub tok: u64,
+    pub theta: u64,
+    pub phi0: u64,
+    pub chunks: u64,
+    pub segs: u64,
+    pub b_bias: u64,
+    pub c_bias: u64,
+    pub d_skip: u64,
+    pub out_norm: u64,
+    pub sbuf: u64,
+    pub sdecay: u64,
+    pub y: u64,
+    /// y before the gate, f32 (training; 0 in inference)
+    pub y_pre: u64,
+    pub states: u64,
+    pub layer: i32,
+    pub _pad: i32,
 }
 
 impl KArg for ScanArgs {
@@ -175,10 +177,13 @@ impl Pipe<'_> {
         acc: bool,
     ) -> Result<()> {
         let spec = GemmSpec {
+            op: GemmOp::Linear,
             rows,
             n,
             k,
             ldd,
+            lda: 0,
+            ldw: 0,
             a: self.act(),
             w: self.act(),
             d: if d_f32 { ElemType::F32 } else { self.act() },
@@ -202,10 +207,13 @@ impl Pipe<'_> {
         ldd: usize,
     ) -> Result<()> {
         let spec = GemmSpec {
+            op: GemmOp::Linear,
             rows,
             n,
             k,
             ldd,
+            lda: 0,
+            ldw: 0,
             a: ab,
             w: ab,
             d: ElemType::F32,
@@ -439,6 +447,7 @@ impl Pipe<'_> {
                 sbuf: work.sbuf.ptr,
                 sdecay: work.sdecay.ptr,
                 y: work.y.ptr,
+                y_pre: 0,
                 states: work.states.ptr,
                 layer,
                 _pad: 0,

@@ -1,9 +1,13 @@
-//! Row-major GEMMs through cuBLASLt: `D[rows, n] (+)= A[rows, k] · W[n, k]ᵀ`, the shape of
-//! every projection (PyTorch `nn.Linear` weights are `[out, in]`). The CPU twin is
-//! `matmul_t` in src/cpu/matmul.rs.
+//! Row-major GEMMs through cuBLASLt. [`GemmOp::Linear`] is `D[rows, n] (+)= A[rows, k] ·
+//! W[n, k]ᵀ`, the shape of every projection (PyTorch `nn.Linear` weights are `[out, in]`;
+//! CPU twin `matmul_t` in src/cpu/matmul.rs); training adds the two backward shapes of a
+//! linear layer (CPU twins `linear_dx`, `linear_dw` in src/train/ops.rs):
+//! [`GemmOp::Dx`] `D[rows, n] (+)= A[rows, k] · W[k, n]` and [`GemmOp::Dw`]
+//! `D[rows, n] (+)= A[k, rows]ᵀ · W[k, n]`.
 //!
-//! In cuBLAS's column-major terms that is `Dᵀ = op_T(W)·Aᵀ` ("TN"): m = n, n = rows,
-//! both operands K-major. A and W are f32, bf16 or f16, D is f32 (the in_proj output, the
+//! In cuBLAS's column-major terms a row-major `X[r, c]` is `Xᵀ` with the same leading
+//! dimension, so `Linear` is `Dᵀ = op_T(W)·Aᵀ` ("TN"), `Dx` is `Dᵀ = Wᵀ·Aᵀ` ("NN") and `Dw`
+//! is `Dᵀ = Wᵀ·op_T(Aᵀ)` ("NT"). A and W are f32, bf16 or f16, D is f32 (the in_proj output, the
 //! residual stream, the logits) or the activation dtype; accumulation is always f32
 //! (`CUBLAS_COMPUTE_32F`, or `…_FAST_TF32` when asked for with f32 operands). With
 //! `accumulate`, D is also the addend (β = 1): the residual add of out_proj and fc2 rides
@@ -52,14 +56,30 @@ impl ElemType {
     }
 }
 
+/// Which product (module doc); row-major shapes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GemmOp {
+    /// `D[rows, n] = A[rows, k] · W[n, k]ᵀ`
+    #[default]
+    Linear,
+    /// `D[rows, n] = A[rows, k] · W[k, n]`
+    Dx,
+    /// `D[rows, n] = A[k, rows]ᵀ · W[k, n]`
+    Dw,
+}
+
 /// One GEMM shape and its numeric choices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmSpec {
+    pub op: GemmOp,
     pub rows: usize,
     pub n: usize,
     pub k: usize,
     /// row stride of D (≥ n)
     pub ldd: usize,
+    /// row strides of A and W (0: packed)
+    pub lda: usize,
+    pub ldw: usize,
     pub a: ElemType,
     pub w: ElemType,
     pub d: ElemType,
@@ -119,17 +139,39 @@ impl Lt {
             lt::set_matmul_desc_attribute(desc, attr, (&v as *const i32).cast(), 4)
         };
         use sys::cublasLtMatmulDescAttributes_t as D;
-        set(D::CUBLASLT_MATMUL_DESC_TRANSA, 1).map_err(|e| blas_err("transa", e))?;
-        set(D::CUBLASLT_MATMUL_DESC_TRANSB, 0).map_err(|e| blas_err("transb", e))?;
-        let lay = |t: ElemType, r: usize, c: usize, ld: usize| {
+        // Column-major operands (rows × cols, ld) of cuBLAS's D = op(A)·op(B) with
+        // A = our W, B = our A (module doc).
+        let ld = |given: usize, packed: usize| if given == 0 { packed } else { given };
+        let (ta, a_shape, tb, b_shape) = match s.op {
+            GemmOp::Linear => (
+                1,
+                (s.k, s.n, ld(s.ldw, s.k)),
+                0,
+                (s.k, s.rows, ld(s.lda, s.k)),
+            ),
+            GemmOp::Dx => (
+                0,
+                (s.n, s.k, ld(s.ldw, s.n)),
+                0,
+                (s.k, s.rows, ld(s.lda, s.k)),
+            ),
+            GemmOp::Dw => (
+                0,
+                (s.n, s.k, ld(s.ldw, s.n)),
+                1,
+                (s.rows, s.k, ld(s.lda, s.rows)),
+            ),
+        };
+        set(D::CUBLASLT_MATMUL_DESC_TRANSA, ta).map_err(|e| blas_err("transa", e))?;
+        set(D::CUBLASLT_MATMUL_DESC_TRANSB, tb).map_err(|e| blas_err("transb", e))?;
+        let lay = |t: ElemType, (r, c, ld): (usize, usize, usize)| {
             lt::create_matrix_layout(t.cuda(), r as u64, c as u64, ld as i64)
                 .map_err(|e| blas_err("matrix layout", e))
         };
-        // W: k × n (col-major, ld k), used transposed; A: k × rows; D: n × rows.
         let layouts = [
-            lay(s.w, s.k, s.n, s.k)?,
-            lay(s.a, s.k, s.rows, s.k)?,
-            lay(s.d, s.n, s.rows, s.ldd)?,
+            lay(s.w, a_shape)?,
+            lay(s.a, b_shape)?,
+            lay(s.d, (s.n, s.rows, s.ldd))?,
         ];
         let pref = lt::create_matmul_pref().map_err(|e| blas_err("preference", e))?;
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
@@ -177,7 +219,7 @@ impl Lt {
         })
     }
 
-    /// `D (+)= A · Wᵀ` on the GPU's stream. Device addresses; `spec` gives the shape.
+    /// `D (+)= op(A, W)` on the GPU's stream. Device addresses; `spec` gives the shape.
     pub fn gemm(&self, gpu: &Gpu, s: &GemmSpec, a: u64, w: u64, d: u64) -> Result<()> {
         if s.rows == 0 || s.n == 0 {
             return Ok(());

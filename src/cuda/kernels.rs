@@ -26,6 +26,33 @@ pub const SOURCES: [(&str, &str); 6] = [
     ("step.cu", include_str!("kernels/step.cu")),
 ];
 
+/// The training program: the forward's row and scan kernels plus the backward and the
+/// optimiser (src/cuda/train).
+pub const TRAIN_SOURCES: [(&str, &str); 6] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("dense.cu", include_str!("kernels/dense.cu")),
+    ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
+    ("scan.cu", include_str!("kernels/scan.cu")),
+    ("scan_bwd.cu", include_str!("kernels/scan_bwd.cu")),
+    ("train.cu", include_str!("kernels/train.cu")),
+];
+
+/// Which set of kernels a module holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Program {
+    Inference,
+    Training,
+}
+
+impl Program {
+    fn sources(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Program::Inference => &SOURCES,
+            Program::Training => &TRAIN_SOURCES,
+        }
+    }
+}
+
 /// The kernels a module exports (the `gemv_tc_*` ones only for 16-bit models).
 pub const KERNEL_NAMES: [&str; 15] = [
     "embed",
@@ -106,6 +133,7 @@ impl KernelConfig {
             i("D_IN_PROJ", d.d_in_proj),
             i("PROJ_LD", proj_ld(d)),
             i("CHUNK", d.chunk_len),
+            i("VOCAB_PADDED", d.vocab_padded),
             i("MLP_HIDDEN", d.mlp_hidden),
             i("OUTNORM", usize::from(cfg.ssm_cfg.is_outproj_norm)),
             i(
@@ -169,8 +197,9 @@ fn f32_literal(v: f32) -> String {
 }
 
 /// The whole program: every source file, in order.
-pub fn program_source() -> String {
-    SOURCES
+pub fn program_source(program: Program) -> String {
+    program
+        .sources()
         .iter()
         .map(|(name, text)| format!("// ---- {name}\n{text}\n"))
         .collect()
@@ -234,7 +263,11 @@ fn options(cfg: &KernelConfig, arch: &str, include: &std::path::Path) -> Vec<Str
 }
 
 /// Compile the program for `arch` and return the cubin, with the compiler's log.
-pub fn compile_cubin(cfg: &KernelConfig, arch: &str) -> Result<(Vec<u8>, String)> {
+pub fn compile_cubin(
+    program: Program,
+    cfg: &KernelConfig,
+    arch: &str,
+) -> Result<(Vec<u8>, String)> {
     nvrtc_version()?;
     let include = cuda_include_dir().ok_or_else(|| {
         Error::Device(
@@ -242,7 +275,7 @@ pub fn compile_cubin(cfg: &KernelConfig, arch: &str) -> Result<(Vec<u8>, String)
                 .into(),
         )
     })?;
-    let src = std::ffi::CString::new(program_source())
+    let src = std::ffi::CString::new(program_source(program))
         .map_err(|_| Error::Device("kernel source holds a NUL byte".into()))?;
     let prog = nvrtc::create_program(&src, Some(c"mamba3.cu"))
         .map_err(|e| dev_err("creating the NVRTC program", e))?;
@@ -287,10 +320,10 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// The cubin for `cfg` on `arch`: from the disk cache, or compiled (and cached).
 /// Returns whether it came from the cache.
-pub fn cubin_cached(cfg: &KernelConfig, arch: &str) -> Result<(Vec<u8>, bool)> {
+pub fn cubin_cached(program: Program, cfg: &KernelConfig, arch: &str) -> Result<(Vec<u8>, bool)> {
     let (va, vb) = nvrtc_version()?;
     let key = Fnv::new()
-        .bytes(program_source().as_bytes())
+        .bytes(program_source(program).as_bytes())
         .bytes(format!("{:?}|{arch}|nvrtc {va}.{vb}", cfg.defines).as_bytes())
         .0;
     let path = cache_dir().map(|d| d.join(format!("{key:016x}-{arch}.cubin")));
@@ -301,7 +334,7 @@ pub fn cubin_cached(cfg: &KernelConfig, arch: &str) -> Result<(Vec<u8>, bool)> {
             }
         }
     }
-    let (cubin, _log) = compile_cubin(cfg, arch)?;
+    let (cubin, _log) = compile_cubin(program, cfg, arch)?;
     if let Some(p) = &path {
         if let Some(dir) = p.parent() {
             let tmp = p.with_extension(format!("tmp{}", std::process::id()));
@@ -345,7 +378,7 @@ impl Kernels {
     pub fn load(gpu: &Gpu, cfg: &KernelConfig) -> Result<Kernels> {
         gpu.bind()?;
         let arch = arch_for(gpu.cc);
-        let (cubin, from_cache) = cubin_cached(cfg, &arch)?;
+        let (cubin, from_cache) = cubin_cached(Program::Inference, cfg, &arch)?;
         let module = gpu
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))

@@ -9,7 +9,8 @@
 //! - `forward`: the prefill and decode launch sequences;
 //! - `graphs`: CUDA-graph capture and replay;
 //! - `model`: `CudaModel`, what the engine's `Model` calls;
-//! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step.
+//! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step;
+//! - `train`: training on the GPU (`CudaTrainer`, a `train::Backend`).
 //!
 //! Every kernel has a CPU twin of the same name in `crate::cpu` (`embed` → the embedding
 //! loop of `CpuModel::forward`, `rms_norm_rows` → `rms_norm`, `prefill_pre` → `token_pre`,
@@ -24,6 +25,7 @@ pub mod kernels;
 pub mod model;
 pub mod probe;
 pub mod state;
+pub mod train;
 pub mod weights;
 pub mod work;
 

@@ -31,8 +31,15 @@ impl Layout {
     /// The layout of sequences of `lens` tokens; `slots` is how many scan blocks the GPU
     /// runs at once (SMs × blocks per SM).
     pub fn new(lens: &[usize], d: &Dims, slots: usize, want: LogitsWant) -> Layout {
+        let per_seg = chunks_per_segment(lens, d.chunk_len, d.nheads, slots.max(1));
+        Layout::with_segments(lens, d, per_seg, want)
+    }
+
+    /// The layout with segments of `per_seg` chunks (training takes 1: the scan then
+    /// leaves the state entering every chunk in `sbuf`, which the backward needs).
+    pub fn with_segments(lens: &[usize], d: &Dims, per_seg: usize, want: LogitsWant) -> Layout {
         let l = d.chunk_len;
-        let per_seg = chunks_per_segment(lens, l, d.nheads, slots.max(1));
+        let per_seg = per_seg.max(1);
         let mut lay = Layout {
             rows: 0,
             chunks: vec![],

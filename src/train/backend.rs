@@ -1,24 +1,59 @@
 //! Where a training step's arithmetic runs. The trainer only sees [`Backend`]: the CPU
-//! implementation below runs [`super::model::loss_and_grad`] in f32; a GPU backend
-//! (device-resident weights, its own kernels, bf16 mixed precision with f32 master
-//! weights) implements the same two calls.
+//! implementation below runs [`super::model::loss_and_grad`] in f32 and the optimiser on
+//! the host; the GPU one (`crate::cuda::train::CudaTrainer`) keeps the parameters, the
+//! gradients and AdamW's moments on the device and brings them back in [`Backend::sync`].
 
 use super::model::{loss_and_grad, Batch};
+use super::optim::{clip_global_norm, scale, AdamW};
 use super::params::Params;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 pub trait Backend {
     /// A short name for logs ("cpu", "cuda:0").
     fn name(&self) -> String;
-    /// Mean loss of `batch`, adding the gradient of that mean into `grad`.
+    /// Mean loss of `batch` at `params`, adding the gradient of that mean into `grad`.
     fn loss_and_grad(
         &mut self,
         params: &Params<f32>,
         batch: &Batch,
         grad: &mut Params<f32>,
     ) -> Result<f64>;
-    /// Mean loss of `batch` (no gradient).
+    /// Mean loss of `batch` (no gradient). A backend that holds the run's parameters
+    /// itself (after a [`Backend::step`]) uses those; `params` is the trainer's copy.
     fn loss(&mut self, params: &Params<f32>, batch: &Batch) -> Result<f64>;
+    /// One optimiser step over the micro-batches `batches`: their mean loss and mean
+    /// gradient, clipped to the global norm `clip` (when positive), then an AdamW update at
+    /// learning rate `lr`. Returns (mean loss, gradient norm before clipping). The default
+    /// runs on the host through [`Backend::loss_and_grad`].
+    fn step(
+        &mut self,
+        params: &mut Params<f32>,
+        opt: &mut AdamW,
+        batches: &[Batch],
+        clip: f64,
+        lr: f64,
+    ) -> Result<(f64, f64)> {
+        if batches.is_empty() {
+            return Err(Error::input("an optimiser step needs at least one batch"));
+        }
+        let mut grad = Params::zeros(&params.config);
+        let mut loss = 0.0;
+        for b in batches {
+            loss += self.loss_and_grad(params, b, &mut grad)?;
+        }
+        let accum = batches.len();
+        if accum > 1 {
+            scale(&mut grad, (1.0 / accum as f64) as f32);
+        }
+        let norm = clip_global_norm(&mut grad, clip);
+        opt.update(params, &grad, lr);
+        Ok((loss / accum as f64, norm))
+    }
+    /// Bring `params` and `opt` up to date with what the backend holds (a no-op for
+    /// backends that update them in place).
+    fn sync(&mut self, _params: &mut Params<f32>, _opt: &mut AdamW) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The CPU backend: f32 arithmetic on rayon's pool.

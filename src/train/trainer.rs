@@ -9,7 +9,7 @@
 
 use super::backend::Backend;
 use super::data::{save_byte_tokenizer, Dataset};
-use super::optim::{clip_global_norm, scale, AdamW, AdamWConfig, Schedule};
+use super::optim::{AdamW, AdamWConfig, Schedule};
 use super::params::Params;
 use crate::error::{Error, Result};
 use crate::model::config::Config;
@@ -66,6 +66,17 @@ struct TrainerFile {
     progress: Progress,
 }
 
+fn read_trainer_file(dir: &Path) -> Result<TrainerFile> {
+    let tf = dir.join("trainer.json");
+    let text = std::fs::read_to_string(&tf).map_err(|e| Error::io(&tf, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::checkpoint(tf.display(), e.to_string()))
+}
+
+/// The settings of the run saved in checkpoint directory `dir`.
+pub fn saved_run(dir: &Path) -> Result<RunConfig> {
+    Ok(read_trainer_file(dir)?.run)
+}
+
 pub struct Trainer<B: Backend> {
     pub run: RunConfig,
     pub progress: Progress,
@@ -117,10 +128,7 @@ impl<B: Backend> Trainer<B> {
     /// Resume from a checkpoint directory written by [`Trainer::save`]. `steps` (if given)
     /// replaces the run's total step count.
     pub fn resume(dir: &Path, backend: B, data: Option<Dataset>) -> Result<Self> {
-        let tf = dir.join("trainer.json");
-        let text = std::fs::read_to_string(&tf).map_err(|e| Error::io(&tf, e))?;
-        let file: TrainerFile = serde_json::from_str(&text)
-            .map_err(|e| Error::checkpoint(tf.display(), e.to_string()))?;
+        let file = read_trainer_file(dir)?;
         let data = match data {
             Some(d) => d,
             None => Dataset::load(&file.run.data, file.run.val_every_block)?,
@@ -159,7 +167,8 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Save a checkpoint into `dir` (see the module doc).
-    pub fn save(&self, dir: &Path) -> Result<()> {
+    pub fn save(&mut self, dir: &Path) -> Result<()> {
+        self.sync()?;
         self.params.to_weights(DType::F32).save(dir)?;
         save_byte_tokenizer(dir)?;
         let mut tensors = Vec::new();
@@ -217,30 +226,26 @@ impl<B: Backend> Trainer<B> {
     /// One optimiser step (all micro-batches); returns (loss, lr, grad norm).
     pub fn step(&mut self) -> Result<(f64, f64, f64)> {
         let step = self.progress.step;
-        let mut grad = Params::zeros(&self.run.model);
-        let mut loss = 0.0;
-        for micro in 0..self.run.accum as u64 {
-            let b = self.data.train_batch(
-                self.run.seed,
-                step,
-                micro,
-                self.run.batch,
-                self.run.seq_len,
-            )?;
-            loss += self.backend.loss_and_grad(&self.params, &b, &mut grad)?;
-            self.progress.tokens += b.tokens() as u64;
-        }
-        let accum = self.run.accum as f64;
-        loss /= accum;
-        if self.run.accum > 1 {
-            scale(&mut grad, (1.0 / accum) as f32);
-        }
-        let norm = clip_global_norm(&mut grad, self.run.clip);
+        let batches = (0..self.run.accum as u64)
+            .map(|micro| {
+                self.data
+                    .train_batch(self.run.seed, step, micro, self.run.batch, self.run.seq_len)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let lr = self.run.schedule.lr(step);
-        self.opt.update(&mut self.params, &grad, lr);
+        let (loss, norm) =
+            self.backend
+                .step(&mut self.params, &mut self.opt, &batches, self.run.clip, lr)?;
+        self.progress.tokens += batches.iter().map(|b| b.tokens() as u64).sum::<u64>();
         self.progress.step += 1;
         self.progress.train_loss.push((step, loss));
         Ok((loss, lr, norm))
+    }
+
+    /// Bring `params` and `opt` up to date with the backend (a device-resident backend
+    /// holds the newest ones).
+    pub fn sync(&mut self) -> Result<()> {
+        self.backend.sync(&mut self.params, &mut self.opt)
     }
 
     /// Train until `run.steps`, validating every `eval_every` steps and checkpointing into

@@ -261,6 +261,46 @@ __device__ __forceinline__ void rotate4(float4& v, float4 cs) {
     v.w = c * cs.w + d * cs.z;
 }
 
+// Phases of one chunk (spec §2.4): φ_j = wrap(φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j'), as (cos, sin)
+// pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w sums the tokens
+// [w·TPW, (w+1)·TPW) per angle (lane = angle), the warps' totals are combined through
+// s_ph (SCAN_WARPS × NANGLES), then each warp turns its tokens into (cos, sin). s_dt (the
+// chunk's Δ) must be ready; the caller syncs before reading s_cs.
+__device__ __forceinline__ void chunk_phases(const float* __restrict__ theta, const float* __restrict__ phi_enter,
+                                             const float* s_dt, int start, int len, float* s_cs, float* s_ph) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int TPW = CHP / SCAN_WARPS;
+    float part[(NANGLES + 31) / 32][TPW];
+#pragma unroll
+    for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
+        const int i = lane + 32 * q;
+        float run = 0.f;
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) {
+            const int j = warp * TPW + u;
+            if (i < NANGLES && j < len) run += theta[(size_t)(start + j) * NANGLES + i] * s_dt[j];
+            part[q][u] = run;
+        }
+        if (i < NANGLES) s_ph[warp * NANGLES + i] = run;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
+        const int i = lane + 32 * q;
+        if (i >= NANGLES) continue;
+        float base = phi_enter[i];
+        for (int w = 0; w < warp; ++w) base += s_ph[w * NANGLES + i];
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) {
+            const int j = warp * TPW + u;
+            float sn = 0.f, cs = 1.f;
+            if (j < len) sincos_phase(wrap_angle_f(base + part[q][u]), &sn, &cs);
+            s_cs[2 * (j * NANGLES + i)] = cs;
+            s_cs[2 * (j * NANGLES + i) + 1] = sn;
+        }
+    }
+}
+
 struct ScanArgs {
     const float* proj;   // [rows][PROJ_LD]
     const float* bcn;    // [rows][BC_W]
@@ -276,6 +316,7 @@ struct ScanArgs {
     float* sbuf;            // [seg][H][P][N]: S_seg (A), S_enter (B, C)
     float* sdecay;          // [seg][H]
     act_t* y;               // [rows][D_INNER]
+    float* y_pre;           // [rows][D_INNER] f32, y before the gate (training), or null
     float* const* states;   // per sequence
     int layer;
 };
@@ -371,41 +412,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             s_eml[j] = split ? expf(-v.w) * v.z : 0.f;
         }
         __syncthreads();
-        // Phases (spec §2.4): φ_j = wrap(φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j'). Warp w sums the
-        // tokens [w·TPW, (w+1)·TPW) per angle (lane = angle), the warps' totals are
-        // combined through shared memory, then each warp turns its tokens into (cos, sin).
-        {
-            constexpr int TPW = CHP / SCAN_WARPS;
-            float part[(NANGLES + 31) / 32][TPW];
-#pragma unroll
-            for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
-                const int i = lane + 32 * q;
-                float run = 0.f;
-#pragma unroll
-                for (int u = 0; u < TPW; ++u) {
-                    const int j = warp * TPW + u;
-                    if (i < NANGLES && j < len) run += A.theta[(size_t)(start + j) * NANGLES + i] * s_dt[j];
-                    part[q][u] = run;
-                }
-                if (i < NANGLES) s_ph[warp * NANGLES + i] = run;
-            }
-            __syncthreads();
-#pragma unroll
-            for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
-                const int i = lane + 32 * q;
-                if (i >= NANGLES) continue;
-                float base = A.phi0[((size_t)c * NHEADS + h) * NANGLES + i];
-                for (int w = 0; w < warp; ++w) base += s_ph[w * NANGLES + i];
-#pragma unroll
-                for (int u = 0; u < TPW; ++u) {
-                    const int j = warp * TPW + u;
-                    float sn = 0.f, cs = 1.f;
-                    if (j < len) sincos_phase(wrap_angle_f(base + part[q][u]), &sn, &cs);
-                    s_cs[2 * (j * NANGLES + i)] = cs;
-                    s_cs[2 * (j * NANGLES + i) + 1] = sn;
-                }
-            }
-        }
+        chunk_phases(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, s_dt, start, len, s_cs, s_ph);
         __syncthreads();
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
@@ -613,6 +620,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     for (int u = 0; u < 2; ++u) {
                         if (pp + u >= HEADDIM) break;
                         float v = yacc[i][2 * hf + u];
+                        if (A.y_pre) A.y_pre[(size_t)(start + r) * D_INNER + h * HEADDIM + pp + u] = v;
 #if OUTNORM
                         v = v * inv[hf] * A.out_norm[h * HEADDIM + pp + u];
 #endif

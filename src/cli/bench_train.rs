@@ -1,0 +1,137 @@
+//! `mamba3 bench-train`: the wall time of one optimiser step (forward, backward, global-norm
+//! clipping, AdamW) on a synthetic model of a given shape, with random byte tokens, on the
+//! CPU or a GPU. Median over the timed steps, warm-up excluded.
+
+use crate::engine::{Device, DeviceChoice};
+use crate::error::{Error, Result};
+use crate::model::rng::Rng;
+use crate::model::{Config, DType};
+use crate::train::optim::{AdamW, AdamWConfig};
+use crate::train::{Backend, Batch, CpuBackend, Params};
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[arg(long, default_value_t = 768)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 128)]
+    pub d_state: usize,
+    #[arg(long, default_value_t = 64)]
+    pub headdim: usize,
+    #[arg(long, default_value_t = 2)]
+    pub expand: usize,
+    #[arg(long, default_value_t = 256)]
+    pub vocab: usize,
+    #[arg(long, default_value_t = 64)]
+    pub chunk: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Timed optimiser steps (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Device: cpu, cuda, cuda:N or auto.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// f32, or bf16 / f16 mixed precision (GPU).
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    /// One JSON object instead of a line of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let mut cfg = Config::synthetic(
+        a.d_model, a.layers, a.d_state, a.headdim, a.expand, 1, a.vocab,
+    );
+    cfg.ssm_cfg.chunk_size = a.chunk;
+    cfg.validate()?;
+    match a.device.resolve() {
+        Device::Cpu => {
+            if a.dtype != DType::F32 {
+                return Err(Error::input("the CPU trains in f32 only"));
+            }
+            bench(&a, &cfg, CpuBackend, "cpu".into())
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => {
+            let t = crate::cuda::train::CudaTrainer::new(&cfg, a.dtype, n)?;
+            let name = t.device_name();
+            bench(&a, &cfg, t, name)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(Error::Device("this build has no CUDA support".into())),
+    }
+}
+
+fn bench<B: Backend>(a: &Args, cfg: &Config, mut backend: B, device: String) -> Result<()> {
+    let mut params = Params::<f32>::init(cfg, 0)?;
+    let mut opt = AdamW::new(AdamWConfig::default(), &params);
+    let mut rng = Rng::new(1);
+    let mut times = Vec::with_capacity(a.steps);
+    let mut last_loss = f64::NAN;
+    for i in 0..a.warmup + a.steps.max(1) {
+        let windows: Vec<Vec<u32>> = (0..a.batch)
+            .map(|_| {
+                (0..=a.seq_len)
+                    .map(|_| rng.below(a.vocab as u64) as u32)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[u32]> = windows.iter().map(|w| w.as_slice()).collect();
+        let batch = Batch::from_windows(&refs);
+        let t0 = Instant::now();
+        let (loss, _) = backend.step(&mut params, &mut opt, &[batch], 1.0, 1e-3)?;
+        let dt = t0.elapsed().as_secs_f64();
+        if !loss.is_finite() {
+            return Err(Error::Other(format!("loss became {loss} at step {i}")));
+        }
+        last_loss = loss;
+        if i >= a.warmup {
+            times.push(dt);
+        }
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    let med = times[times.len() / 2];
+    let tokens = (a.batch * a.seq_len) as f64;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "device": device, "dtype": a.dtype.to_string(), "d_model": a.d_model,
+                "layers": a.layers, "d_state": a.d_state, "headdim": a.headdim,
+                "vocab": a.vocab, "batch": a.batch, "seq_len": a.seq_len,
+                "params": params.numel(), "steps": times.len(),
+                "step_ms": med * 1e3, "step_ms_min": times[0] * 1e3,
+                "step_ms_max": times[times.len() - 1] * 1e3,
+                "tokens_per_s": tokens / med, "last_loss": last_loss,
+            })
+        );
+    } else {
+        println!(
+            "train step on {device} ({}), d_model {} · {} layers · d_state {} · headdim {} · \
+             {} × {} tokens: median {:.2} ms (min {:.2}, max {:.2}) over {} steps, {:.0} tokens/s",
+            a.dtype,
+            a.d_model,
+            a.layers,
+            a.d_state,
+            a.headdim,
+            a.batch,
+            a.seq_len,
+            med * 1e3,
+            times[0] * 1e3,
+            times[times.len() - 1] * 1e3,
+            times.len(),
+            tokens / med
+        );
+    }
+    Ok(())
+}

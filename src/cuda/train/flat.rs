@@ -1,0 +1,170 @@
+//! The trainable tensors on the device: four flat f32 buffers of one layout (parameters,
+//! gradients, AdamW's two moments), the tensors that take weight decay first so that
+//! AdamW is one launch with one boundary, and typed addresses into any of them.
+
+use crate::train::params::{decays, Params};
+
+/// Every tensor starts at a multiple of this many elements (16-byte aligned GEMM operands,
+/// also in 16-bit copies); the gaps stay zero.
+const ALIGN: usize = 8;
+
+/// Where each tensor of [`Params::tensors`] lives in a flat buffer (element offsets).
+pub struct FlatLayout {
+    /// (offset, length) per tensor, in `Params::tensors` order
+    pub spans: Vec<(usize, usize)>,
+    pub len: usize,
+    /// elements of the weight-decayed tensors (they come first)
+    pub n_decay: usize,
+}
+
+impl FlatLayout {
+    pub fn new(p: &Params<f32>) -> FlatLayout {
+        let tensors = p.tensors();
+        let mut spans = vec![(0, 0); tensors.len()];
+        let mut at = 0;
+        for pass in [true, false] {
+            for (i, (name, t)) in tensors.iter().enumerate() {
+                if decays(name) == pass {
+                    spans[i] = (at, t.len());
+                    at += t.len().next_multiple_of(ALIGN);
+                }
+            }
+        }
+        let n_decay = tensors
+            .iter()
+            .filter(|(n, _)| decays(n))
+            .map(|(_, t)| t.len().next_multiple_of(ALIGN))
+            .sum();
+        FlatLayout {
+            spans,
+            len: at,
+            n_decay,
+        }
+    }
+
+    /// Typed device addresses of the tensors in the flat buffer at `base` whose elements
+    /// are `elem` bytes.
+    pub fn addrs(&self, p: &Params<f32>, base: u64, elem: usize) -> Addrs {
+        let mut it = self
+            .spans
+            .iter()
+            .map(|&(off, _)| base + (elem * off) as u64);
+        let mut next = || it.next().expect("one span per tensor");
+        let embedding = next();
+        let layers = p
+            .layers
+            .iter()
+            .map(|l| {
+                let norm = next();
+                let dt_bias = next();
+                let b_bias = next();
+                let c_bias = next();
+                let d = next();
+                let in_proj = next();
+                let b_norm = next();
+                let c_norm = next();
+                let out_norm = l.out_norm.as_ref().map(|_| next());
+                let out_proj = next();
+                let mlp = l.mlp.as_ref().map(|_| {
+                    let norm = next();
+                    let fc1 = next();
+                    let fc2 = next();
+                    MlpAddrs { norm, fc1, fc2 }
+                });
+                LayerAddrs {
+                    norm,
+                    dt_bias,
+                    b_bias,
+                    c_bias,
+                    d,
+                    in_proj,
+                    b_norm,
+                    c_norm,
+                    out_norm,
+                    out_proj,
+                    mlp,
+                }
+            })
+            .collect();
+        let norm_f = next();
+        let lm_head = p.lm_head.as_ref().map(|_| next());
+        Addrs {
+            embedding,
+            layers,
+            norm_f,
+            lm_head,
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct MlpAddrs {
+    pub norm: u64,
+    pub fc1: u64,
+    pub fc2: u64,
+}
+
+#[derive(Clone)]
+pub struct LayerAddrs {
+    pub norm: u64,
+    pub dt_bias: u64,
+    pub b_bias: u64,
+    pub c_bias: u64,
+    pub d: u64,
+    pub in_proj: u64,
+    pub b_norm: u64,
+    pub c_norm: u64,
+    pub out_norm: Option<u64>,
+    pub out_proj: u64,
+    pub mlp: Option<MlpAddrs>,
+}
+
+/// Device addresses of every tensor, by role (the order of `Params::tensors`).
+#[derive(Clone)]
+pub struct Addrs {
+    pub embedding: u64,
+    pub layers: Vec<LayerAddrs>,
+    pub norm_f: u64,
+    pub lm_head: Option<u64>,
+}
+
+impl Addrs {
+    /// The head matrix (the embedding when tied).
+    pub fn head(&self) -> u64 {
+        self.lm_head.unwrap_or(self.embedding)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::Config;
+
+    #[test]
+    fn decayed_tensors_come_first_and_nothing_overlaps() {
+        let mut cfg = Config::synthetic(32, 2, 16, 16, 2, 1, 256);
+        cfg.d_intermediate = 64;
+        cfg.ssm_cfg.is_outproj_norm = true;
+        cfg.tie_embeddings = false;
+        let p = Params::<f32>::zeros(&cfg);
+        let f = FlatLayout::new(&p);
+        assert!(f.len >= p.numel() && f.len < p.numel() + ALIGN * f.spans.len());
+        let mut spans = f.spans.clone();
+        spans.sort();
+        let mut at = 0;
+        for (off, len) in spans {
+            assert_eq!(off, at, "tensors in order, aligned, not overlapping");
+            assert_eq!(off % ALIGN, 0);
+            at += len.next_multiple_of(ALIGN);
+        }
+        assert_eq!(at, f.len);
+        for ((name, t), &(off, len)) in p.tensors().iter().zip(&f.spans) {
+            assert_eq!(t.len(), len);
+            assert_eq!(decays(name), off < f.n_decay, "{name}");
+        }
+        let a = f.addrs(&p, 0, 4);
+        assert_eq!(a.embedding, 4 * f.spans[0].0 as u64);
+        assert_eq!(f.addrs(&p, 0, 2).embedding, 2 * f.spans[0].0 as u64);
+        assert!(a.layers[1].mlp.is_some() && a.lm_head.is_some());
+    }
+}
