@@ -26,6 +26,8 @@ pub struct Gpu {
     pub sms: usize,
     /// The most dynamic shared memory one block may ask for.
     pub max_smem: usize,
+    /// Buffers of dropped sequence states, for the next ones.
+    pub state_pool: super::state::StatePool,
 }
 
 impl Gpu {
@@ -61,6 +63,7 @@ impl Gpu {
             ordinal,
             ctx,
             stream,
+            state_pool: Default::default(),
         })
     }
 

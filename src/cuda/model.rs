@@ -229,7 +229,13 @@ impl CudaModel {
         let caps = Caps::of(&lay);
         let grow = inner.work.as_ref().is_none_or(|w| !w.caps.covers(&caps));
         if grow {
-            let c = inner.work.as_ref().map_or(caps, |w| w.caps.max(&caps));
+            // Grown by powers of two: reallocating frees and allocates every buffer, slow
+            // driver calls, so a server whose batches vary settles on one size quickly.
+            let c = inner
+                .work
+                .as_ref()
+                .map_or(caps, |w| w.caps.max(&caps))
+                .rounded_up();
             inner.work = None;
             inner.work = Some(Work::new(&self.gpu, &d, self.weights.dtype.size(), c)?);
         }
