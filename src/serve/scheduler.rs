@@ -361,9 +361,22 @@ impl Scheduler {
         };
         let cont = Continuation::new(&job.params, &job.prompt, self.tokenizer.clone());
         let plen = job.prompt.len();
+        // A hit starts from the cached state as it is (shared until the first write); only a
+        // miss needs a fresh one.
+        let (state, fed, first_logits) = match hit {
+            Some(Hit { len, state, logits }) => {
+                m.cache_hits.fetch_add(1, Relaxed);
+                m.cache_hit_tokens.fetch_add(len as u64, Relaxed);
+                (state, len, (len == plen).then_some(logits))
+            }
+            None => {
+                m.cache_misses.fetch_add(1, Relaxed);
+                (self.model.new_state(), 0, None)
+            }
+        };
         let mut seq = Seq {
-            state: self.model.new_state(),
-            fed: 0,
+            state,
+            fed,
             cache_points: Vec::new(),
             next: None,
             last_emit: None,
@@ -371,21 +384,6 @@ impl Scheduler {
             cont,
             job,
         };
-        let mut first_logits = None;
-        match hit {
-            Some(Hit { len, state, logits }) => {
-                m.cache_hits.fetch_add(1, Relaxed);
-                m.cache_hit_tokens.fetch_add(len as u64, Relaxed);
-                seq.state = state;
-                seq.fed = len;
-                if len == plen {
-                    first_logits = Some(logits);
-                }
-            }
-            None => {
-                m.cache_misses.fetch_add(1, Relaxed);
-            }
-        }
         if self.cfg.cache_bytes > 0 {
             if shared < plen && shared >= seq.fed + self.cfg.branch_min_tokens.max(1) {
                 seq.cache_points.push(shared);
