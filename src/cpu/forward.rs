@@ -134,6 +134,17 @@ impl<F: Real> CpuModel<F> {
         self.run(seqs, states, want, false)
     }
 
+    /// Like [`CpuModel::forward`], but the picked positions' logits stay in one buffer,
+    /// `[picked, vocab_padded]` (a decode step's `[batch, vocab_padded]`), uncut.
+    pub fn forward_flat(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+    ) -> Result<Vec<F>> {
+        Ok(rayon::scope(|_| self.run_in_pool(seqs, states, want, true))?.0)
+    }
+
     /// The forward pass; `head` selects logits (true) or the normed hidden rows (false).
     fn run(
         &self,
@@ -144,7 +155,8 @@ impl<F: Real> CpuModel<F> {
     ) -> Result<Vec<Vec<F>>> {
         // One trip into the thread pool per call: the parallel loops below then split
         // their work locally instead of handing it across threads each time.
-        rayon::scope(|_| self.run_in_pool(seqs, states, want, head))
+        let (rows, spans, width) = rayon::scope(|_| self.run_in_pool(seqs, states, want, head))?;
+        Ok(split_rows(rows, &spans, want, width))
     }
 
     fn run_in_pool(
@@ -153,7 +165,7 @@ impl<F: Real> CpuModel<F> {
         states: &mut [&mut SeqState<F>],
         want: LogitsWant,
         head: bool,
-    ) -> Result<Vec<Vec<F>>> {
+    ) -> Result<(Vec<F>, Vec<Span>, usize)> {
         let w = &*self.weights;
         check_batch(w, seqs, states.len())?;
         let d = w.dims;
@@ -247,11 +259,11 @@ impl<F: Real> CpuModel<F> {
         let mut normed = vec![F::zero(); sel.len()];
         norm_rows(&sel, &w.norm_f, dm, &mut normed);
         if !head {
-            return Ok(split_rows(normed, &spans, want, dm));
+            return Ok((normed, spans, dm));
         }
         let vp = d.vocab_padded;
         let mut logits = vec![F::zero(); picked.len() * vp];
         matmul_t(&normed, picked.len(), w.head(), &mut logits);
-        Ok(split_rows(logits, &spans, want, vp))
+        Ok((logits, spans, vp))
     }
 }

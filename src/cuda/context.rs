@@ -26,6 +26,8 @@ pub struct Gpu {
     pub sms: usize,
     /// The most dynamic shared memory one block may ask for.
     pub max_smem: usize,
+    /// Buffers of dropped sequence states, for the next ones.
+    pub state_pool: super::state::StatePool,
 }
 
 impl Gpu {
@@ -61,6 +63,7 @@ impl Gpu {
             ordinal,
             ctx,
             stream,
+            state_pool: Default::default(),
         })
     }
 
@@ -230,6 +233,61 @@ impl Drop for DevBuf {
         if self.ctx.bind_to_thread().is_ok() {
             // Nothing useful to do with an error while dropping.
             let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Page-locked host memory of `f32`s that device → host copies land in directly, by DMA
+/// (into pageable memory the driver stages every copy through a buffer of its own and
+/// then copies again). Cacheable, not write-combined: the host reads it.
+pub struct PinnedBuf {
+    ptr: *mut f32,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// The memory is plain host memory owned by this value.
+unsafe impl Send for PinnedBuf {}
+unsafe impl Sync for PinnedBuf {}
+
+impl PinnedBuf {
+    /// `len` zeros.
+    pub fn new(gpu: &Gpu, len: usize) -> Result<PinnedBuf> {
+        gpu.bind()?;
+        let bytes = len.max(1) * std::mem::size_of::<f32>();
+        // (portable: a buffer stays pinned for every context, whichever model reuses it)
+        let what = format!("allocating {bytes} bytes of pinned host memory");
+        let ptr = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| dev_err(&what, e))? as *mut f32;
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedBuf {
+            ptr,
+            len,
+            ctx: gpu.ctx.clone(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[f32] {
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
         }
     }
 }

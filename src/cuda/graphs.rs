@@ -172,6 +172,20 @@ impl CudaModel {
 
     /// Replay the decode graph of the smallest bucket ≥ the batch.
     pub fn decode_graph(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Vec<Vec<f32>>> {
+        let vp = self.weights.dims.vocab_padded;
+        let mut logits = vec![0f32; tokens.len() * vp];
+        self.decode_graph_into(tokens, states, &mut logits)?;
+        Ok(logits.chunks(vp).map(<[f32]>::to_vec).collect())
+    }
+
+    /// [`CudaModel::decode_graph`] with the `[batch, vocab_padded]` logits copied into `dst`
+    /// (which holds at least that many).
+    pub fn decode_graph_into(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut State],
+        dst: &mut [f32],
+    ) -> Result<()> {
         let b = tokens.len();
         let ptrs = self.state_ptrs(states)?;
         let mut inner = self.lock()?;
@@ -190,11 +204,8 @@ impl CudaModel {
         p.resize(bucket, sp);
         let mut t = tokens.to_vec();
         t.resize(bucket, 0);
-        self.replay(cap, &t, &p, b).map(|l| {
-            l.chunks(self.weights.dims.vocab_padded)
-                .map(<[f32]>::to_vec)
-                .collect()
-        })
+        let n = b * self.weights.dims.vocab_padded;
+        self.replay(cap, &t, &p, &mut dst[..n])
     }
 
     /// Replay the prefill graph captured for exactly these sequence lengths.
@@ -234,7 +245,8 @@ impl CudaModel {
         )?;
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
         let picked = cap.layout.picked.len();
-        let logits = self.replay(cap, &tokens, &ptrs, picked)?;
+        let mut logits = vec![0f32; picked * self.weights.dims.vocab_padded];
+        self.replay(cap, &tokens, &ptrs, &mut logits)?;
         Ok(split_logits(
             &logits,
             seqs,
@@ -244,13 +256,8 @@ impl CudaModel {
         ))
     }
 
-    fn replay(
-        &self,
-        cap: &Captured,
-        tokens: &[u32],
-        ptrs: &[u64],
-        rows: usize,
-    ) -> Result<Vec<f32>> {
+    /// Launch `cap` on these tokens and states; its first `dst.len()` logits land in `dst`.
+    fn replay(&self, cap: &Captured, tokens: &[u32], ptrs: &[u64], dst: &mut [f32]) -> Result<()> {
         let gpu = self.gpu();
         gpu.htod(tokens, cap.work.tokens.ptr)?;
         gpu.htod(ptrs, cap.work.states.ptr)?;
@@ -258,9 +265,7 @@ impl CudaModel {
         cap.graph
             .launch()
             .map_err(|e| dev_err("launching a CUDA graph", e))?;
-        let mut logits = vec![0f32; rows * self.weights.dims.vocab_padded];
-        gpu.dtoh(cap.work.logits.ptr, &mut logits)?;
-        Ok(logits)
+        gpu.dtoh(cap.work.logits.ptr, dst)
     }
 }
 

@@ -180,6 +180,40 @@ impl CudaModel {
         states: &mut [&mut State],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
+        let vp = self.weights.dims.vocab_padded;
+        let decode = seqs.iter().all(|s| s.len() == 1);
+        let logits = self.pass(seqs, states, want, |gpu, src, picked| {
+            let mut logits = vec![0f32; picked * vp];
+            gpu.dtoh(src, &mut logits)?;
+            Ok(logits)
+        })?;
+        Ok(split_logits(&logits, seqs, want, vp, decode))
+    }
+
+    /// One decode step without a graph, its `[batch, vocab_padded]` logits copied into
+    /// `dst` (which holds at least that many).
+    pub fn decode_eager_into(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut State],
+        dst: &mut [f32],
+    ) -> Result<()> {
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        let n = tokens.len() * self.weights.dims.vocab_padded;
+        self.pass(&seqs, states, LogitsWant::Last, |gpu, src, _| {
+            gpu.dtoh(src, &mut dst[..n])
+        })
+    }
+
+    /// One eager pass; `read(gpu, logits address, picked rows)` fetches the logits before
+    /// the work buffers are released (it must wait for the stream, as `Gpu::dtoh` does).
+    fn pass<R>(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut State],
+        want: LogitsWant,
+        read: impl FnOnce(&Gpu, u64, usize) -> Result<R>,
+    ) -> Result<R> {
         let mut inner = self.lock()?;
         let opts = inner.opts;
         let k = self.kernels(&mut inner, opts)?;
@@ -195,7 +229,13 @@ impl CudaModel {
         let caps = Caps::of(&lay);
         let grow = inner.work.as_ref().is_none_or(|w| !w.caps.covers(&caps));
         if grow {
-            let c = inner.work.as_ref().map_or(caps, |w| w.caps.max(&caps));
+            // Grown by powers of two: reallocating frees and allocates every buffer, slow
+            // driver calls, so a server whose batches vary settles on one size quickly.
+            let c = inner
+                .work
+                .as_ref()
+                .map_or(caps, |w| w.caps.max(&caps))
+                .rounded_up();
             inner.work = None;
             inner.work = Some(Work::new(&self.gpu, &d, self.weights.dtype.size(), c)?);
         }
@@ -212,14 +252,13 @@ impl CudaModel {
             pipe.prefill(work, &lay)?;
             lay.picked.len()
         };
-        let mut logits = vec![0f32; picked * d.vocab_padded];
         // (dtoh waits for the stream; with nothing to read, wait explicitly so that a
         // failed kernel is reported by the call that launched it)
-        self.gpu.dtoh(work.logits.ptr, &mut logits)?;
+        let out = read(&self.gpu, work.logits.ptr, picked)?;
         if picked == 0 {
             self.gpu.sync()?;
         }
-        Ok(split_logits(&logits, seqs, want, d.vocab_padded, decode))
+        Ok(out)
     }
 
     pub(crate) fn gpu(&self) -> &Arc<Gpu> {

@@ -2,16 +2,82 @@
 //! `[angle H·S | ssm H·P·N | k H·N | v H·P]`, f32 (the host `LayerState` fields in order;
 //! `ST_*` in kernels/common.cuh). Clones share the buffer until one of them is written
 //! (copy-on-write, like host states), so a snapshot costs nothing until it is used.
+//!
+//! The buffers of dropped states go back to the GPU's [`StatePool`] for the next state.
 
 use super::context::{DevBuf, Gpu};
 use crate::cpu::{LayerState, SeqState};
 use crate::error::{Error, Result};
 use crate::model::Dims;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// Freed state buffers, kept for the next state of the same size. Allocating and freeing
+/// device memory are slow driver calls (a free waits for the whole device), and a server
+/// makes and drops states with every request: a fresh state, the copy-on-write copy after
+/// a cache snapshot, an evicted entry. All work runs in order on one stream, so a buffer
+/// can be handed out again at once: its new owner's work is queued after the old owner's.
+#[derive(Default)]
+pub struct StatePool {
+    free: Mutex<Vec<DevBuf>>,
+}
+
+/// Bytes of free buffers a pool keeps at most (beyond that they are freed).
+const POOL_KEEP_BYTES: usize = 256 << 20;
+
+impl StatePool {
+    fn take(&self, gpu: &Gpu, bytes: usize) -> Result<DevBuf> {
+        let reused = self.free.lock().ok().and_then(|mut f| {
+            let i = f.iter().position(|b| b.bytes == bytes)?;
+            Some(f.swap_remove(i))
+        });
+        match reused {
+            Some(b) => Ok(b),
+            None => DevBuf::new(&gpu.ctx, bytes),
+        }
+    }
+
+    fn put(&self, b: DevBuf) {
+        if let Ok(mut f) = self.free.lock() {
+            let held: usize = f.iter().map(|b| b.bytes).sum();
+            if held + b.bytes <= POOL_KEEP_BYTES {
+                f.push(b);
+            }
+        }
+    }
+}
+
+/// A state's device memory; it goes back to the pool when the last clone is dropped.
+struct Slot {
+    buf: Option<DevBuf>,
+    gpu: Arc<Gpu>,
+}
+
+impl Slot {
+    fn new(gpu: &Arc<Gpu>, bytes: usize) -> Result<Slot> {
+        Ok(Slot {
+            buf: Some(gpu.state_pool.take(gpu, bytes)?),
+            gpu: gpu.clone(),
+        })
+    }
+    fn ptr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.ptr)
+    }
+    fn bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.bytes)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.gpu.state_pool.put(b);
+        }
+    }
+}
 
 #[derive(Clone)]
 pub struct CudaState {
-    buf: Arc<DevBuf>,
+    buf: Arc<Slot>,
     gpu: Arc<Gpu>,
 }
 
@@ -19,8 +85,8 @@ impl CudaState {
     /// A zero state (a fresh sequence).
     pub fn zeros(gpu: &Arc<Gpu>, d: &Dims) -> Result<CudaState> {
         let bytes = d.n_layer * d.state_elems_per_layer() * 4;
-        let buf = DevBuf::new(&gpu.ctx, bytes)?;
-        gpu.zero(buf.ptr, bytes)?;
+        let buf = Slot::new(gpu, bytes)?;
+        gpu.zero(buf.ptr(), bytes)?;
         Ok(CudaState {
             buf: Arc::new(buf),
             gpu: gpu.clone(),
@@ -49,8 +115,10 @@ impl CudaState {
                 d.n_layer * d.state_elems_per_layer()
             )));
         }
+        let buf = Slot::new(gpu, flat.len() * 4)?;
+        gpu.htod(&flat, buf.ptr())?;
         Ok(CudaState {
-            buf: Arc::new(gpu.upload(&flat)?),
+            buf: Arc::new(buf),
             gpu: gpu.clone(),
         })
     }
@@ -59,7 +127,7 @@ impl CudaState {
     pub fn to_host(&self, d: &Dims) -> Result<SeqState<f32>> {
         let per = d.state_elems_per_layer();
         let mut flat = vec![0f32; d.n_layer * per];
-        self.gpu.dtoh(self.buf.ptr, &mut flat)?;
+        self.gpu.dtoh(self.buf.ptr(), &mut flat)?;
         let (h, p, n, s) = (d.nheads, d.headdim, d.d_state, d.num_rope_angles);
         Ok(flat
             .chunks(per)
@@ -80,11 +148,12 @@ impl CudaState {
     /// The device address of a buffer this state alone owns (copying a shared one first).
     pub fn unique_ptr(&mut self) -> Result<u64> {
         if Arc::get_mut(&mut self.buf).is_none() {
-            let copy = DevBuf::new(&self.gpu.ctx, self.buf.bytes)?;
-            self.gpu.dtod(self.buf.ptr, copy.ptr, self.buf.bytes)?;
+            let copy = Slot::new(&self.gpu, self.buf.bytes())?;
+            self.gpu
+                .dtod(self.buf.ptr(), copy.ptr(), self.buf.bytes())?;
             self.buf = Arc::new(copy);
         }
-        Ok(self.buf.ptr)
+        Ok(self.buf.ptr())
     }
 
     /// Whether this state lives on `gpu`'s device.

@@ -138,6 +138,16 @@ impl Caps {
             && self.seqs >= o.seqs
             && self.picked >= o.picked
     }
+    /// Each size rounded up to a power of two.
+    pub fn rounded_up(&self) -> Caps {
+        Caps {
+            rows: self.rows.next_power_of_two(),
+            chunks: self.chunks.next_power_of_two(),
+            segs: self.segs.next_power_of_two(),
+            seqs: self.seqs.next_power_of_two(),
+            picked: self.picked.next_power_of_two(),
+        }
+    }
     pub fn max(&self, o: &Caps) -> Caps {
         Caps {
             rows: self.rows.max(o.rows),

@@ -3,12 +3,14 @@
 //! batched decode.
 
 pub mod device;
+pub mod logits;
 pub mod model;
 pub mod state;
 
 pub use crate::cpu::LogitsWant;
 pub use device::{Device, DeviceChoice};
-pub use model::{GpuOptions, Logits, Model};
+pub use logits::{Logits, StepLogits};
+pub use model::{GpuOptions, Model};
 pub use state::State;
 
 /// Number of CUDA devices visible (0 without the `cuda` feature or without a driver).

@@ -2,34 +2,14 @@
 //! `new_state`, `prefill`, `decode` — whatever the device.
 
 use super::device::Device;
+use super::logits::HostBuf;
+pub use super::logits::{Logits, StepLogits};
 use super::state::{State, StateData};
 use crate::cpu::{CpuModel, LogitsWant};
 use crate::error::{Error, Result};
 use crate::model::{Config, DType, Dims, Weights};
 use std::path::Path;
 use std::sync::Arc;
-
-/// Logits of some positions: `[rows, vocab]` row-major, `vocab = vocab_padded` (the rows
-/// past `vocab_size` are padding and never a valid token).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Logits {
-    pub rows: usize,
-    pub vocab: usize,
-    pub data: Vec<f32>,
-}
-
-impl Logits {
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.data[i * self.vocab..(i + 1) * self.vocab]
-    }
-    fn from_rows(data: Vec<f32>, vocab: usize) -> Logits {
-        Logits {
-            rows: data.len() / vocab,
-            vocab,
-            data,
-        }
-    }
-}
 
 enum Backend {
     Cpu(CpuModel<f32>),
@@ -298,6 +278,41 @@ impl Model {
         self.decode_eager(tokens, states)
     }
 
+    /// [`Model::decode`] into `out`, a buffer kept across steps (see [`StepLogits`]): the
+    /// serving loop's call. On a failure `out` holds no rows.
+    pub fn decode_into(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut State],
+        out: &mut StepLogits,
+    ) -> Result<()> {
+        out.rows = 0;
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.check_and_place(&seqs, states)?;
+        let vp = self.weights.dims.vocab_padded;
+        match &self.backend {
+            Backend::Cpu(m) => {
+                let data = m.forward_flat(&seqs, &mut host_states(states), LogitsWant::Last)?;
+                out.buf = HostBuf::Heap(data);
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => {
+                let dst = out.pinned(m, tokens.len() * vp)?;
+                if m.decode_bucket(tokens.len())?.is_some() {
+                    m.decode_graph_into(tokens, states, dst)?;
+                } else {
+                    m.decode_eager_into(tokens, states, dst)?;
+                }
+            }
+        }
+        for s in states.iter_mut() {
+            s.position += 1;
+        }
+        out.rows = tokens.len();
+        out.vocab = vp;
+        Ok(())
+    }
+
     /// [`Model::decode`] without CUDA graphs.
     pub fn decode_eager(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Logits> {
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
@@ -427,17 +442,7 @@ impl Model {
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
         let out = match &self.backend {
-            Backend::Cpu(m) => {
-                let mut host: Vec<&mut crate::cpu::SeqState<f32>> = states
-                    .iter_mut()
-                    .map(|s| match &mut s.data {
-                        StateData::Host(h) => Arc::make_mut(h),
-                        #[cfg(feature = "cuda")]
-                        StateData::Cuda(_) => unreachable!("placed on the host above"),
-                    })
-                    .collect();
-                m.forward(seqs, &mut host, want)?
-            }
+            Backend::Cpu(m) => m.forward(seqs, &mut host_states(states), want)?,
             #[cfg(feature = "cuda")]
             Backend::Cuda(m) => m.forward(seqs, states, want)?,
         };
@@ -446,6 +451,18 @@ impl Model {
         }
         Ok(out)
     }
+}
+
+/// The host data of states placed on the host (each made unique: copy-on-write).
+fn host_states<'a>(states: &'a mut [&mut State]) -> Vec<&'a mut crate::cpu::SeqState<f32>> {
+    states
+        .iter_mut()
+        .map(|s| match &mut s.data {
+            StateData::Host(h) => Arc::make_mut(h),
+            #[cfg(feature = "cuda")]
+            StateData::Cuda(_) => unreachable!("placed on the host above"),
+        })
+        .collect()
 }
 
 /// Hidden states for embeddings (a separate, small addition: the product layer's

@@ -24,7 +24,7 @@
 
 use super::metrics::Metrics;
 use super::prefix_cache::{Hit, PrefixCache};
-use crate::engine::{LogitsWant, Model, State};
+use crate::engine::{LogitsWant, Model, State, StepLogits};
 use crate::text::{Continuation, FinishReason, GenParams, StepOut, Tokenizer};
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -134,6 +134,11 @@ pub struct Scheduler {
     waiting: VecDeque<GenJob>,
     active: Vec<Seq>,
     embeds: VecDeque<EmbedTask>,
+    /// The decode step's logits, its rows (indices into `active`) and their tokens, kept
+    /// from step to step.
+    logits: StepLogits,
+    step_rows: Vec<usize>,
+    step_tokens: Vec<u32>,
 }
 
 /// An embedding request being read, one input after another.
@@ -169,6 +174,9 @@ impl Scheduler {
             waiting: VecDeque::new(),
             active: Vec::new(),
             embeds: VecDeque::new(),
+            logits: StepLogits::new(),
+            step_rows: Vec::new(),
+            step_tokens: Vec::new(),
         }
     }
 
@@ -353,9 +361,22 @@ impl Scheduler {
         };
         let cont = Continuation::new(&job.params, &job.prompt, self.tokenizer.clone());
         let plen = job.prompt.len();
+        // A hit starts from the cached state as it is (shared until the first write); only a
+        // miss needs a fresh one.
+        let (state, fed, first_logits) = match hit {
+            Some(Hit { len, state, logits }) => {
+                m.cache_hits.fetch_add(1, Relaxed);
+                m.cache_hit_tokens.fetch_add(len as u64, Relaxed);
+                (state, len, (len == plen).then_some(logits))
+            }
+            None => {
+                m.cache_misses.fetch_add(1, Relaxed);
+                (self.model.new_state(), 0, None)
+            }
+        };
         let mut seq = Seq {
-            state: self.model.new_state(),
-            fed: 0,
+            state,
+            fed,
             cache_points: Vec::new(),
             next: None,
             last_emit: None,
@@ -363,21 +384,6 @@ impl Scheduler {
             cont,
             job,
         };
-        let mut first_logits = None;
-        match hit {
-            Some(Hit { len, state, logits }) => {
-                m.cache_hits.fetch_add(1, Relaxed);
-                m.cache_hit_tokens.fetch_add(len as u64, Relaxed);
-                seq.state = state;
-                seq.fed = len;
-                if len == plen {
-                    first_logits = Some(logits);
-                }
-            }
-            None => {
-                m.cache_misses.fetch_add(1, Relaxed);
-            }
-        }
         if self.cfg.cache_bytes > 0 {
             if shared < plen && shared >= seq.fed + self.cfg.branch_min_tokens.max(1) {
                 seq.cache_points.push(shared);
@@ -490,53 +496,62 @@ impl Scheduler {
     }
 
     fn decode_step(&mut self) {
-        let idx: Vec<usize> = (0..self.active.len())
-            .filter(|&i| !self.active[i].closed && self.active[i].next.is_some())
-            .collect();
-        if idx.is_empty() {
+        let (rows, tokens) = (&mut self.step_rows, &mut self.step_tokens);
+        rows.clear();
+        tokens.clear();
+        for (i, s) in self.active.iter().enumerate() {
+            if let (false, Some(t)) = (s.closed, s.next) {
+                rows.push(i);
+                tokens.push(t);
+            }
+        }
+        if rows.is_empty() {
             return;
         }
-        let tokens: Vec<u32> = idx
-            .iter()
-            .map(|&i| self.active[i].next.unwrap_or(0))
-            .collect();
         let result = {
-            let mut states: Vec<&mut State> = Vec::with_capacity(idx.len());
-            let mut it = idx.iter().peekable();
+            let mut states: Vec<&mut State> = Vec::with_capacity(rows.len());
+            let mut it = rows.iter().peekable();
             for (i, s) in self.active.iter_mut().enumerate() {
                 if it.peek() == Some(&&i) {
                     states.push(&mut s.state);
                     it.next();
                 }
             }
-            self.model.decode(&tokens, &mut states)
+            self.model
+                .decode_into(tokens, &mut states, &mut self.logits)
         };
-        let logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                for &i in &idx {
-                    Self::fail(&mut self.active[i], format!("decode failed: {e}"));
-                }
-                return;
+        if let Err(e) = result {
+            for &i in rows.iter() {
+                Self::fail(&mut self.active[i], format!("decode failed: {e}"));
             }
-        };
+            return;
+        }
         let vocab = self.model.dims().vocab_size;
-        // Sampling and detokenization of every row in parallel, then stream in order.
+        let logits = &self.logits;
         let outs: Vec<StepOut> = {
-            use rayon::prelude::*;
-            let mut conts: Vec<&mut Continuation> = Vec::with_capacity(idx.len());
-            let mut it = idx.iter().peekable();
+            let mut conts: Vec<&mut Continuation> = Vec::with_capacity(rows.len());
+            let mut it = rows.iter().peekable();
             for (i, s) in self.active.iter_mut().enumerate() {
                 if it.peek() == Some(&&i) {
                     conts.push(&mut s.cont);
                     it.next();
                 }
             }
-            conts
-                .into_par_iter()
-                .enumerate()
-                .map(|(b, c)| c.step(&logits.row(b)[..vocab]))
-                .collect()
+            // A greedy row costs an argmax (~2 µs at 32k entries) and its detokenising, a
+            // row that draws about ten times more (softmax over the vocabulary, top-p
+            // sorting). Handing work to the thread pool and waiting for it costs tens of
+            // µs, so only a step with enough of it goes there.
+            let cost: usize = conts
+                .iter()
+                .map(|c| if c.is_greedy() { 1 } else { 8 })
+                .sum();
+            let step = |(b, c): (usize, &mut &mut Continuation)| c.step(&logits.row(b)[..vocab]);
+            if cost < 16 {
+                conts.iter_mut().enumerate().map(step).collect()
+            } else {
+                use rayon::prelude::*;
+                conts.par_iter_mut().enumerate().map(step).collect()
+            }
         };
         let mut o = Out {
             cache: &mut self.cache,
@@ -544,7 +559,7 @@ impl Scheduler {
             cfg: &self.cfg,
             vocab,
         };
-        for ((b, &i), out) in idx.iter().enumerate().zip(outs) {
+        for ((b, &i), out) in rows.iter().enumerate().zip(outs) {
             o.emit(&mut self.active[i], out, &logits.row(b)[..vocab]);
         }
     }

@@ -9,7 +9,7 @@ use super::detok::StreamDecoder;
 use super::sampling::{Sampler, SamplingParams};
 use super::stop::StopMatcher;
 use super::tokenizer::Tokenizer;
-use crate::engine::{LogitsWant, Model, State};
+use crate::engine::{LogitsWant, Model, State, StepLogits};
 use crate::error::Result;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -99,6 +99,10 @@ impl Continuation {
     }
     pub fn finished(&self) -> Option<FinishReason> {
         self.finished
+    }
+    /// Whether the next token is the argmax (temperature 0), a cheap step.
+    pub fn is_greedy(&self) -> bool {
+        self.sampler.params().is_greedy()
     }
 
     /// Sample the next token from `logits` (exactly `vocab_size` entries), and say what
@@ -198,7 +202,7 @@ pub fn generate(
 ) -> Result<GenStats> {
     let vocab = model.dims().vocab_size;
     let t0 = Instant::now();
-    let mut logits = if prompt.is_empty() {
+    let first = if prompt.is_empty() {
         last_logits.ok_or_else(|| {
             crate::Error::input(
                 "nothing to continue from: the prompt is empty and no logits were given",
@@ -215,18 +219,21 @@ pub fn generate(
         prefill,
         ..Default::default()
     };
+    // Each step's logits land in the same buffer (pinned on a GPU).
+    let mut step = StepLogits::new();
+    let mut out = cont.step(&first[..vocab]);
     loop {
-        let out = cont.step(&logits[..vocab]);
         on_step(&out);
         stats.generated += 1;
         if out.finish.is_some() {
             stats.finish = out.finish;
             if feed_last {
-                model.decode(&[out.token], &mut [state])?;
+                model.decode_into(&[out.token], &mut [state], &mut step)?;
             }
             break;
         }
-        logits = model.decode(&[out.token], &mut [state])?.data;
+        model.decode_into(&[out.token], &mut [state], &mut step)?;
+        out = cont.step(&step.row(0)[..vocab]);
     }
     model.synchronize()?;
     stats.decode = t1.elapsed();
