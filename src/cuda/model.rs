@@ -29,6 +29,9 @@ pub struct CudaModel {
 pub(crate) struct Inner {
     pub opts: GpuOptions,
     kernels: HashMap<KernelConfig, Arc<Kernels>>,
+    /// The last options asked for and their kernels: every pass asks, and a
+    /// `KernelConfig` is a few dozen strings to build and hash.
+    last: Option<(GpuOptions, Arc<Kernels>)>,
     work: Option<Work>,
     pub graphs: Graphs,
 }
@@ -46,6 +49,7 @@ impl CudaModel {
             inner: Mutex::new(Inner {
                 opts: GpuOptions::from_env(),
                 kernels: HashMap::new(),
+                last: None,
                 work: None,
                 graphs: Graphs::default(),
             }),
@@ -96,6 +100,17 @@ impl CudaModel {
 
     /// The kernels for options `o`, compiled or loaded once.
     pub(crate) fn kernels(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
+        if let Some((lo, k)) = &inner.last {
+            if *lo == o {
+                return Ok(k.clone());
+            }
+        }
+        let k = self.kernels_for(inner, o)?;
+        inner.last = Some((o, k.clone()));
+        Ok(k)
+    }
+
+    fn kernels_for(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
         let w = &self.weights;
         let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, self.scan_math(o))?
             .with_embedding(w.embedding.dtype());

@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::model::DType;
 use crate::text::{ChatTemplate, ModelSource, Tokenizer};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use metrics::Metrics;
 use scheduler::{Scheduler, SchedulerConfig, Shared, Work};
@@ -217,17 +218,32 @@ impl Drop for ServerHandle {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+/// The async runtime of the HTTP side. Every streamed token costs it a JSON chunk and a
+/// socket write per client; on the CPU two workers leave the cores to the model, on a GPU
+/// the cores are free and many clients need more.
+fn runtime(device: Device) -> Result<tokio::runtime::Runtime> {
+    let workers = match device {
+        Device::Cpu => 2,
+        Device::Cuda(_) => std::thread::available_parallelism()
+            .map_or(2, |n| n.get() / 4)
+            .clamp(2, 8),
+    };
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(workers)
         .enable_all()
         .build()
         .map_err(|e| Error::Other(format!("starting the async runtime failed: {e}")))
 }
 
+/// Streamed tokens are small writes: send each at once instead of holding it until the
+/// previous one is acknowledged (Nagle's algorithm).
+fn no_delay(tcp: &mut tokio::net::TcpStream) {
+    let _ = tcp.set_nodelay(true);
+}
+
 /// Bind `cfg.addr` (port 0 picks a free one) and serve on a background thread.
 pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
-    let rt = runtime()?;
+    let rt = runtime(cfg.device)?;
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(cfg.addr))
         .map_err(|e| Error::Other(format!("cannot listen on {}: {e}", cfg.addr)))?;
@@ -242,7 +258,7 @@ pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
         .name("mamba3-http".into())
         .spawn(move || {
             rt.block_on(async move {
-                let _ = axum::serve(listener, router(app))
+                let _ = axum::serve(listener.tap_io(no_delay), router(app))
                     .with_graceful_shutdown(async move {
                         let _ = stop.await;
                     })
@@ -260,7 +276,7 @@ pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
 /// Serve in the foreground until Ctrl-C (the `mamba3 serve` command). Fails if the
 /// address cannot be bound or the model cannot be loaded.
 pub fn run(cfg: ServeConfig) -> Result<()> {
-    let rt = runtime()?;
+    let rt = runtime(cfg.device)?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(cfg.addr)
             .await
@@ -276,10 +292,11 @@ pub fn run(cfg: ServeConfig) -> Result<()> {
         })
         .map_err(|e| Error::Other(format!("starting the engine thread failed: {e}")))?;
         eprintln!("mamba3 serve: listening on http://{addr} (model `{name}` loading)");
-        let server = axum::serve(listener, router(app)).with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("mamba3 serve: shutting down");
-        });
+        let server =
+            axum::serve(listener.tap_io(no_delay), router(app)).with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+                eprintln!("mamba3 serve: shutting down");
+            });
         let server = tokio::spawn(async move { server.await });
         match load_rx.await {
             Ok(Ok(())) => eprintln!("mamba3 serve: model ready"),

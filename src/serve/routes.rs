@@ -261,32 +261,54 @@ impl Reply {
                "choices": choices})
     }
 
-    /// One streamed piece of choice `index`.
+    /// What follows `"choices":[…]` in each streamed chunk: `,"created":…,"id":…,"model":…,"object":…}`,
+    /// written once per response.
+    fn chunk_tail(&self) -> String {
+        let head = json!({"id": self.id, "object": self.object(), "created": self.created,
+                          "model": self.model});
+        format!(",{}", &head.to_string()[1..])
+    }
+
+    /// One streamed piece of choice `index` as JSON text (`tail` from
+    /// [`Reply::chunk_tail`]). Written directly, as it goes out for every token of every
+    /// client: the same text as serialising the chunk's `Value` (keys in serde_json's
+    /// sorted order), without building one.
     fn delta(
         &self,
+        tail: &str,
         index: usize,
         text: &str,
-        tokens: &[u32],
+        token: u32,
         finish: Option<FinishReason>,
-    ) -> Value {
-        let fin = finish.map(|f| f.as_str());
-        let mut c = match self.kind {
-            Kind::Completion => {
-                json!({"index": index, "text": text, "logprobs": null, "finish_reason": fin})
-            }
-            Kind::Chat => {
-                let delta = if text.is_empty() {
-                    json!({})
-                } else {
-                    json!({"content": text})
-                };
-                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": fin})
-            }
+    ) -> String {
+        use std::fmt::Write;
+        let text = Value::from(text).to_string();
+        let fin = match finish {
+            Some(f) => format!("\"{}\"", f.as_str()),
+            None => "null".into(),
+        };
+        let mut s = String::with_capacity(96 + text.len() + tail.len());
+        s.push_str("{\"choices\":[{");
+        let _ = match self.kind {
+            Kind::Completion => write!(
+                s,
+                "\"finish_reason\":{fin},\"index\":{index},\"logprobs\":null,\"text\":{text}"
+            ),
+            Kind::Chat if text == "\"\"" => write!(
+                s,
+                "\"delta\":{{}},\"finish_reason\":{fin},\"index\":{index},\"logprobs\":null"
+            ),
+            Kind::Chat => write!(
+                s,
+                "\"delta\":{{\"content\":{text}}},\"finish_reason\":{fin},\"index\":{index},\"logprobs\":null"
+            ),
         };
         if self.return_ids {
-            c["token_ids"] = json!(tokens);
+            let _ = write!(s, ",\"token_ids\":[{token}]");
         }
-        self.chunk(json!([c]))
+        s.push_str("}]");
+        s.push_str(tail);
+        s
     }
 }
 
@@ -360,6 +382,8 @@ async fn collect(reply: &Reply, mut rx: UnboundedReceiver<Event>) -> Result<Resp
 struct StreamState {
     rx: UnboundedReceiver<Event>,
     reply: Reply,
+    /// `reply.chunk_tail()`
+    tail: String,
     out: VecDeque<SseEvent>,
     left: usize,
     completion: usize,
@@ -404,8 +428,8 @@ impl StreamState {
             }) => {
                 self.completion += 1;
                 if !text.is_empty() || finish.is_some() || self.reply.return_ids {
-                    let v = self.reply.delta(index, &text, &[token], finish);
-                    self.push_json(v);
+                    let d = self.reply.delta(&self.tail, index, &text, token, finish);
+                    self.out.push_back(SseEvent::default().data(d));
                 }
                 if finish.is_some() {
                     self.left -= 1;
@@ -434,6 +458,7 @@ fn stream(reply: Reply, rx: UnboundedReceiver<Event>) -> Response {
     let st = StreamState {
         rx,
         left: reply.n,
+        tail: reply.chunk_tail(),
         reply,
         out: VecDeque::new(),
         completion: 0,
@@ -642,4 +667,63 @@ pub async fn embeddings(State(app): AppState, body: Result<Bytes, BytesRejection
         .into_response())
     };
     run.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A streamed chunk as a `Value`, serialised: what [`Reply::delta`] must write.
+    fn delta_value(
+        r: &Reply,
+        index: usize,
+        text: &str,
+        token: u32,
+        finish: Option<FinishReason>,
+    ) -> String {
+        let fin = finish.map(|f| f.as_str());
+        let mut c = match r.kind {
+            Kind::Completion => {
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": fin})
+            }
+            Kind::Chat => {
+                let delta = if text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": fin})
+            }
+        };
+        if r.return_ids {
+            c["token_ids"] = json!([token]);
+        }
+        r.chunk(json!([c])).to_string()
+    }
+
+    #[test]
+    fn streamed_chunks_are_the_values_text() {
+        for kind in [Kind::Completion, Kind::Chat] {
+            for return_ids in [false, true] {
+                let r = Reply {
+                    kind,
+                    id: "cmpl-6f0a\"x".into(),
+                    created: 1_700_000_000,
+                    model: "mamba3 \\ \u{e9}".into(),
+                    prompt_tokens: 3,
+                    n: 2,
+                    stream: true,
+                    include_usage: false,
+                    return_ids,
+                };
+                let tail = r.chunk_tail();
+                for text in ["", "a", " said \"hi\"\n\tthen\\", "\u{1F600}\u{0}\u{1f}"] {
+                    for finish in [None, Some(FinishReason::Stop), Some(FinishReason::Length)] {
+                        let got = r.delta(&tail, 1, text, 31999, finish);
+                        assert_eq!(got, delta_value(&r, 1, text, 31999, finish));
+                    }
+                }
+            }
+        }
+    }
 }
