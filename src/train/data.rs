@@ -1,8 +1,8 @@
 //! Training text: the byte-level tokenizer, a train/validation split and deterministic
 //! batches.
 //!
-//! Tokens are the text's bytes (vocabulary 256). [`byte_tokenizer_json`] writes the same
-//! tokenizer in the Hugging Face `tokenizer.json` format — a byte-level BPE whose 256
+//! Tokens are the text's bytes (vocabulary 256). [`byte_tokenizer_json`] (in
+//! [`super::tokenizer`]) writes the same tokenizer in the Hugging Face `tokenizer.json` format — a byte-level BPE whose 256
 //! tokens are the bytes in GPT-2's byte-to-unicode alphabet, with no merges — so that any
 //! `tokenizers`-based loader encodes a text to exactly its bytes and decodes them back.
 //!
@@ -16,57 +16,9 @@ use crate::error::{Error, Result};
 use crate::model::rng::Rng;
 use std::path::{Path, PathBuf};
 
-pub const BYTE_VOCAB: usize = 256;
+pub use super::tokenizer::{byte_to_char, byte_tokenizer_json, BYTE_VOCAB};
+
 pub const BLOCK: usize = 4096;
-
-/// GPT-2's reversible byte → unicode map (the ByteLevel pre-tokenizer's alphabet).
-pub fn byte_to_char(b: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
-    if printable(b) {
-        return b as char;
-    }
-    // Non-printable bytes map, in order, to U+0100, U+0101, ...
-    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + n).unwrap()
-}
-
-/// A `tokenizer.json` for the byte-level tokenizer (see the module doc).
-pub fn byte_tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
-        .map(|b| {
-            (
-                byte_to_char(b).to_string(),
-                serde_json::Value::from(b as u64),
-            )
-        })
-        .collect();
-    let byte_level = serde_json::json!({
-        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false
-    });
-    let tok = serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [],
-        "normalizer": null,
-        "pre_tokenizer": byte_level,
-        "post_processor": null,
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": false,
-            "vocab": vocab,
-            "merges": []
-        }
-    });
-    serde_json::to_string_pretty(&tok).unwrap()
-}
 
 pub fn encode_bytes(text: &[u8]) -> Vec<u32> {
     text.iter().map(|&b| b as u32).collect()
@@ -177,17 +129,6 @@ pub fn save_byte_tokenizer(dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn byte_alphabet_is_gpt2s() {
-        assert_eq!(byte_to_char(b'A'), 'A');
-        assert_eq!(byte_to_char(b' '), '\u{120}');
-        assert_eq!(byte_to_char(b'\n'), '\u{10a}');
-        assert_eq!(byte_to_char(0), '\u{100}');
-        assert_eq!(byte_to_char(0xAD), '\u{143}');
-        let all: std::collections::BTreeSet<char> = (0..=255u8).map(byte_to_char).collect();
-        assert_eq!(all.len(), 256);
-    }
 
     #[test]
     fn split_and_batches_are_deterministic() {
