@@ -15,6 +15,9 @@ fn tokenizer_json_is_the_byte_tokenizer() {
     let bytes: Vec<u32> = text.bytes().map(u32::from).collect();
     assert_eq!(ids, bytes);
     assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    // `mamba3 train` writes this very file for a byte-level run.
+    let file = std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
+    assert_eq!(file, mamba3::train::data::byte_tokenizer_json());
 }
 
 /// Mean bits per byte the model spends on `text` (predicting bytes 1.. from a fresh state).

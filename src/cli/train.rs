@@ -1,16 +1,19 @@
-//! `mamba3 train`: train a Mamba-3 SISO language model on text files (byte-level
-//! tokens), with a progress bar, validation loss, checkpoints (resumable) and a loss plot.
+//! `mamba3 train`: train a Mamba-3 SISO language model on text files (bytes, a BPE
+//! trained on the text, or a given tokenizer.json), with a progress bar, validation loss,
+//! checkpoints (resumable) and a loss plot.
 
 use crate::engine::{Device, DeviceChoice};
 use crate::error::{Error, Result};
 use crate::model::config::Config;
 use crate::model::DType;
-use crate::train::data::Dataset;
+use crate::train::data::{read_text, Dataset};
 use crate::train::optim::{AdamWConfig, Schedule};
+use crate::train::tokenizer::{TokenizerSpec, BPE_VOCAB_RANGE};
 use crate::train::trainer::{Progress, RunConfig, Trainer};
 use crate::train::{Backend, CpuBackend};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
+use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -23,9 +26,14 @@ pub struct Args {
     /// Continue the run saved in --out (its settings are kept; --steps may extend it).
     #[arg(long)]
     pub resume: bool,
-    /// Tokenizer: `byte` (vocabulary 256; a tokenizer.json is written beside the model).
+    /// Tokenizer: `byte` (vocabulary 256), `bpe` (a byte-level BPE of --vocab-size tokens
+    /// trained on the training split), or the path of a tokenizer.json to use as is. It is
+    /// saved as tokenizer.json beside the model.
     #[arg(long, default_value = "byte")]
     pub tokenizer: String,
+    /// Vocabulary size of `--tokenizer bpe` (257..=65536; default 4096).
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
     #[arg(long, default_value_t = 256)]
     pub d_model: usize,
     #[arg(long, default_value_t = 4)]
@@ -110,15 +118,9 @@ pub struct Args {
     pub threads: Option<usize>,
 }
 
-fn model_config(a: &Args) -> Result<Config> {
+fn model_config(a: &Args, vocab_size: usize) -> Result<Config> {
     let mut c = Config::synthetic(
-        a.d_model,
-        a.n_layer,
-        a.d_state,
-        a.headdim,
-        a.expand,
-        a.ngroups,
-        crate::train::data::BYTE_VOCAB,
+        a.d_model, a.n_layer, a.d_state, a.headdim, a.expand, a.ngroups, vocab_size,
     );
     c.d_intermediate = a.d_intermediate;
     c.tie_embeddings = !a.untied;
@@ -129,31 +131,135 @@ fn model_config(a: &Args) -> Result<Config> {
     Ok(c)
 }
 
+/// What `--tokenizer` and `--vocab-size` ask for.
+fn tokenizer_spec(a: &Args) -> Result<TokenizerSpec> {
+    let spec = match a.tokenizer.as_str() {
+        "bpe" => TokenizerSpec::Bpe {
+            vocab_size: a.vocab_size.unwrap_or(4096),
+        },
+        t => TokenizerSpec::parse(t),
+    };
+    match &spec {
+        TokenizerSpec::Bpe { vocab_size } if !BPE_VOCAB_RANGE.contains(vocab_size) => {
+            return Err(Error::input(format!(
+                "--vocab-size {vocab_size}: a byte-level BPE needs {}..={} tokens (the 256 \
+                 bytes plus merges; e.g. 4096)",
+                BPE_VOCAB_RANGE.start(),
+                BPE_VOCAB_RANGE.end()
+            )))
+        }
+        TokenizerSpec::Bpe { .. } => {}
+        _ if a.vocab_size.is_some() => {
+            return Err(Error::input(format!(
+                "--vocab-size applies to --tokenizer bpe, not `{}`",
+                a.tokenizer
+            )))
+        }
+        TokenizerSpec::File(p) if !p.is_file() => {
+            return Err(Error::input(format!(
+                "--tokenizer {}: expected `byte`, `bpe` or the path of a tokenizer.json, \
+                 and there is no such file",
+                p.display()
+            )))
+        }
+        _ => {}
+    }
+    Ok(spec)
+}
+
+/// A fresh run's settings and tokenized data (a BPE is trained here).
+fn fresh_run(a: &Args) -> Result<(RunConfig, Dataset)> {
+    let spec = tokenizer_spec(a)?;
+    let text = read_text(&a.data)?;
+    let t0 = Instant::now();
+    let data = Dataset::prepare(&text, a.val_every_block, &spec)?;
+    if !data.tokenizer.is_byte() {
+        eprintln!(
+            "tokenizer {spec}: {} tokens; the text is {} tokens for {} bytes ({:.2} bytes/token), \
+             {:.1} s",
+            data.tokenizer.vocab_size(),
+            data.train.len() + data.val.len(),
+            text.len(),
+            text.len() as f64 / (data.train.len() + data.val.len()).max(1) as f64,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    if let TokenizerSpec::Bpe { vocab_size } = spec {
+        if data.tokenizer.vocab_size() < vocab_size {
+            eprintln!(
+                "note: the training text supports only {} merges seen twice or more: the BPE \
+                 has {} tokens, not {vocab_size}",
+                data.tokenizer.vocab_size() - crate::train::data::BYTE_VOCAB,
+                data.tokenizer.vocab_size()
+            );
+        }
+    }
+    let steps = a.steps.unwrap_or(1000);
+    let run = RunConfig {
+        model: model_config(a, data.tokenizer.vocab_size())?,
+        data: a.data.clone(),
+        tokenizer: spec.to_string(),
+        steps,
+        batch: a.batch,
+        accum: a.accum.max(1),
+        seq_len: a.seq_len,
+        schedule: Schedule {
+            peak: a.lr,
+            min: a.min_lr,
+            warmup: a.warmup,
+            total: steps,
+        },
+        adamw: AdamWConfig {
+            beta1: a.beta1,
+            beta2: a.beta2,
+            eps: 1e-8,
+            weight_decay: a.weight_decay,
+        },
+        clip: a.clip,
+        seed: a.seed,
+        val_every_block: a.val_every_block,
+        eval_every: a.eval_every,
+        eval_windows: a.eval_windows,
+        ckpt_every: a.ckpt_every,
+    };
+    Ok((run, data))
+}
+
 pub fn run(a: Args) -> Result<()> {
     if let Some(n) = a.threads {
         let _ = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global();
     }
-    match a.device.resolve() {
-        Device::Cpu => {
-            if a.dtype != DType::F32 {
-                return Err(Error::input(format!(
-                    "training on the CPU runs in f32; --dtype {} needs --device cuda",
-                    a.dtype
-                )));
-            }
-            train_with(a, CpuBackend)
+    let device = a.device.resolve();
+    if device == Device::Cpu && a.dtype != DType::F32 {
+        return Err(Error::input(format!(
+            "training on the CPU runs in f32; --dtype {} needs --device cuda",
+            a.dtype
+        )));
+    }
+    let fresh = if a.resume {
+        if a.tokenizer != "byte" || a.vocab_size.is_some() {
+            eprintln!(
+                "note: --resume keeps the run's tokenizer ({}); --tokenizer and --vocab-size \
+                 are ignored",
+                a.out.join("tokenizer.json").display()
+            );
         }
+        None
+    } else {
+        Some(fresh_run(&a)?)
+    };
+    match device {
+        Device::Cpu => train_with(a, fresh, CpuBackend),
         #[cfg(feature = "cuda")]
         Device::Cuda(n) => {
-            let config = if a.resume {
-                crate::train::trainer::saved_run(&a.out)?.model
-            } else {
-                model_config(&a)?
+            let config = match &fresh {
+                Some((run, _)) => run.model.clone(),
+                None => crate::train::trainer::saved_run(&a.out)?.model,
             };
             let backend = crate::cuda::train::CudaTrainer::new(&config, a.dtype, n)?;
-            train_with(a, backend)
+            train_with(a, fresh, backend)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(Error::Device(
@@ -162,50 +268,22 @@ pub fn run(a: Args) -> Result<()> {
     }
 }
 
-fn train_with<B: Backend>(a: Args, backend: B) -> Result<()> {
+fn train_with<B: Backend>(a: Args, fresh: Option<(RunConfig, Dataset)>, backend: B) -> Result<()> {
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
-    let mut trainer = if a.resume {
-        let mut t = Trainer::resume(&a.out, backend, None)?;
-        if let Some(s) = a.steps {
-            t.run.steps = s;
+    let mut trainer = match fresh {
+        Some((run, data)) => Trainer::with_data(run, backend, data)?,
+        None => {
+            let mut t = Trainer::resume(&a.out, backend, None)?;
+            if let Some(s) = a.steps {
+                t.run.steps = s;
+            }
+            t
         }
-        t
-    } else {
-        let steps = a.steps.unwrap_or(1000);
-        let run = RunConfig {
-            model: model_config(&a)?,
-            data: a.data.clone(),
-            tokenizer: a.tokenizer.clone(),
-            steps,
-            batch: a.batch,
-            accum: a.accum.max(1),
-            seq_len: a.seq_len,
-            schedule: Schedule {
-                peak: a.lr,
-                min: a.min_lr,
-                warmup: a.warmup,
-                total: steps,
-            },
-            adamw: AdamWConfig {
-                beta1: a.beta1,
-                beta2: a.beta2,
-                eps: 1e-8,
-                weight_decay: a.weight_decay,
-            },
-            clip: a.clip,
-            seed: a.seed,
-            val_every_block: a.val_every_block,
-            eval_every: a.eval_every,
-            eval_windows: a.eval_windows,
-            ckpt_every: a.ckpt_every,
-        };
-        let data = Dataset::load(&run.data, run.val_every_block)?;
-        Trainer::with_data(run, backend, data)?
     };
     let r = &trainer.run;
     eprintln!(
         "training {} parameters ({} layers, d_model {}, d_state {}, headdim {}) on {}: \
-         {} steps × {} × {} × {} tokens, from step {}",
+         {} steps × {} × {} × {} tokens ({} tokenizer, vocabulary {}), from step {}",
         trainer.params.numel(),
         r.model.n_layer,
         r.model.d_model,
@@ -216,12 +294,14 @@ fn train_with<B: Backend>(a: Args, backend: B) -> Result<()> {
         r.accum,
         r.batch,
         r.seq_len,
+        r.tokenizer,
+        r.model.vocab_size,
         trainer.progress.step
     );
     if trainer.progress.unigram_bits.is_finite() {
         eprintln!(
-            "unigram baseline on the validation split: {:.4} bits/byte",
-            trainer.progress.unigram_bits
+            "unigram baseline on the validation split: {:.4} bits/byte ({:.4} bits/token)",
+            trainer.progress.unigram_bpb, trainer.progress.unigram_bits
         );
     } else {
         eprintln!(
@@ -242,10 +322,8 @@ fn train_with<B: Backend>(a: Args, backend: B) -> Result<()> {
     let mut hook = |p: &Progress, loss: f64, lr: f64, norm: f64, tps: f64| {
         let e = ema.map_or(loss, |e| 0.95 * e + 0.05 * loss);
         ema = Some(e);
-        let val = p
-            .val_loss
-            .last()
-            .map(|&(_, v)| format!(" val {:.4} ({:.3} bpb)", v, v / std::f64::consts::LN_2))
+        let val = (p.val_loss.last().zip(p.val_bpb.last()))
+            .map(|(&(_, v), &(_, b))| format!(" val {v:.4} ({b:.3} bpb)"))
             .unwrap_or_default();
         pb.set_message(format!("loss {e:.4}{val} {tps:.0} tok/s"));
         pb.set_position(p.step);
@@ -274,11 +352,10 @@ fn train_with<B: Backend>(a: Args, backend: B) -> Result<()> {
         );
     }
     let p = &trainer.progress;
-    if let Some(&(_, v)) = p.val_loss.last() {
+    if let Some((&(_, v), &(_, b))) = p.val_loss.last().zip(p.val_bpb.last()) {
         eprintln!(
-            "final validation loss {v:.4} nats/byte = {:.4} bits/byte (unigram {:.4})",
-            v / std::f64::consts::LN_2,
-            p.unigram_bits
+            "final validation loss {v:.4} nats/token = {b:.4} bits/byte (unigram {:.4} bits/byte)",
+            p.unigram_bpb
         );
     }
     let png = a.out.join("loss.png");

@@ -10,8 +10,10 @@
 //!   a GPU backward slots in behind the same trait.
 //! - [`optim`]: AdamW with the official no-decay groups, global-norm clipping, warm-up +
 //!   cosine schedule.
-//! - [`data`]: the byte-level tokenizer (with a `tokenizers`-compatible tokenizer.json),
-//!   train/validation split, deterministic batches.
+//! - [`tokenizer`]: the run's tokenizer — bytes, a byte-level BPE trained on the text with
+//!   the `tokenizers` crate, or a given tokenizer.json — and its tokenizer.json.
+//! - [`data`]: the train/validation split of the text's bytes, its tokens, deterministic
+//!   batches.
 //! - [`trainer`]: the loop, gradient accumulation, checkpoints and bit-exact resume.
 //! - [`plot`]: the loss-curve PNG.
 
@@ -24,6 +26,7 @@ pub mod params;
 pub mod plot;
 pub mod scan;
 pub mod scan_backward;
+pub mod tokenizer;
 pub mod trainer;
 
 pub use backend::{Backend, CpuBackend};

@@ -21,14 +21,15 @@ fn err(e: impl std::fmt::Display) -> Error {
 }
 
 /// Training loss (raw and a 50-step moving average), validation loss and the unigram
-/// baseline, in bits per byte against the optimiser step.
+/// baseline, in bits per byte against the optimiser step (the training loss through the
+/// training split's bytes per token).
 pub fn loss_png(p: &Progress, path: &Path) -> Result<()> {
     register_font();
-    let ln2 = std::f64::consts::LN_2;
+    let per_byte = std::f64::consts::LN_2 * p.train_bytes_per_token;
     let train: Vec<(f64, f64)> = p
         .train_loss
         .iter()
-        .map(|&(s, l)| (s as f64 + 1.0, l / ln2))
+        .map(|&(s, l)| (s as f64 + 1.0, l / per_byte))
         .collect();
     if train.is_empty() {
         return Ok(());
@@ -42,13 +43,13 @@ pub fn loss_png(p: &Progress, path: &Path) -> Result<()> {
         })
         .collect();
     let val: Vec<(f64, f64)> = p
-        .val_loss
+        .val_bpb
         .iter()
-        .map(|&(s, l)| (s as f64 + 1.0, l / ln2))
+        .map(|&(s, b)| (s as f64 + 1.0, b))
         .collect();
     let xmax = train.last().unwrap().0.max(2.0);
     let lows = smooth.iter().chain(&val).map(|v| v.1);
-    let u = p.unigram_bits;
+    let u = p.unigram_bpb;
     let ymin = lows.fold(f64::INFINITY, f64::min).min(u) * 0.9;
     let top = if u.is_finite() { u * 1.25 } else { train[0].1 };
     let ymax = top.max(ymin + 0.5);

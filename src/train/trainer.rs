@@ -2,15 +2,20 @@
 //! checkpoints with the optimiser state, and resume.
 //!
 //! A checkpoint directory holds `config.json` + `model.safetensors` (the official layout,
-//! f32), `tokenizer.json`, `optimizer.safetensors` (AdamW moments `m.<name>`, `v.<name>`),
-//! `trainer.json` (the run's settings, its step and loss history) and `loss.csv`. A run
-//! resumed from it takes the same batches and the same arithmetic as the unbroken run, so
-//! it lands on the same weights bit for bit.
+//! f32), `tokenizer.json` (the run's tokenizer, whichever it is), `optimizer.safetensors`
+//! (AdamW moments `m.<name>`, `v.<name>`), `trainer.json` (the run's settings, its step
+//! and loss history) and `loss.csv`. A run resumed from it re-tokenizes its text with that
+//! `tokenizer.json` (a BPE is never trained again) and takes the same batches and the
+//! same arithmetic as the unbroken run, so it lands on the same weights bit for bit.
+//!
+//! Losses are nats per token of the run's tokenizer; validation is also reported in bits
+//! per byte of held-out text, which compares across tokenizers.
 
 use super::backend::Backend;
-use super::data::{save_byte_tokenizer, Dataset};
+use super::data::{read_text, Dataset};
 use super::optim::{AdamW, AdamWConfig, Schedule};
 use super::params::Params;
+use super::tokenizer::{TokenizerSpec, TrainTokenizer};
 use crate::error::{Error, Result};
 use crate::model::config::Config;
 use crate::model::dtype::DType;
@@ -25,6 +30,8 @@ use std::time::Instant;
 pub struct RunConfig {
     pub model: Config,
     pub data: Vec<PathBuf>,
+    /// `byte`, `bpe:N` or the path of the tokenizer.json used ([`TokenizerSpec`]); the
+    /// tokenizer itself is the checkpoint's `tokenizer.json`.
     pub tokenizer: String,
     pub steps: u64,
     pub batch: usize,
@@ -41,7 +48,7 @@ pub struct RunConfig {
 }
 
 /// Where the run stands (saved in `trainer.json`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Progress {
     pub step: u64,
     pub tokens: u64,
@@ -50,14 +57,47 @@ pub struct Progress {
     pub train_loss: Vec<(u64, f64)>,
     /// (step, validation loss, nats/token)
     pub val_loss: Vec<(u64, f64)>,
+    /// (step, validation loss, bits per byte of validation text)
+    #[serde(default)]
+    pub val_bpb: Vec<(u64, f64)>,
     /// unigram baseline on the validation split, bits per token (NaN, saved as null,
     /// without a validation split)
     #[serde(deserialize_with = "nan_if_null")]
     pub unigram_bits: f64,
+    /// the same baseline in bits per byte
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
+    pub unigram_bpb: f64,
+    /// bytes of text per token in the training split (1 for the byte tokenizer)
+    #[serde(default = "one")]
+    pub train_bytes_per_token: f64,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Progress {
+            step: 0,
+            tokens: 0,
+            seconds: 0.0,
+            train_loss: Vec::new(),
+            val_loss: Vec::new(),
+            val_bpb: Vec::new(),
+            unigram_bits: f64::NAN,
+            unigram_bpb: f64::NAN,
+            train_bytes_per_token: 1.0,
+        }
+    }
 }
 
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+fn nan() -> f64 {
+    f64::NAN
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 #[derive(Serialize, Deserialize)]
@@ -90,29 +130,23 @@ pub struct Trainer<B: Backend> {
 pub type StepHook<'a> = dyn FnMut(&Progress, f64, f64, f64, f64) + 'a;
 
 impl<B: Backend> Trainer<B> {
-    /// A fresh run: official initialisation from `run.seed`.
+    /// A fresh run: the text of `run.data` with the tokenizer `run.tokenizer` asks for (a
+    /// BPE is trained here), official initialisation from `run.seed`.
     pub fn new(run: RunConfig, backend: B) -> Result<Self> {
-        let data = Dataset::load(&run.data, run.val_every_block)?;
+        let spec = TokenizerSpec::parse(&run.tokenizer);
+        let data = Dataset::prepare(&read_text(&run.data)?, run.val_every_block, &spec)?;
         Self::with_data(run, backend, data)
     }
 
+    /// A fresh run on `data`, tokenized as `run.tokenizer` says.
     pub fn with_data(run: RunConfig, backend: B, data: Dataset) -> Result<Self> {
-        if run.tokenizer != "byte" {
-            return Err(Error::input(format!(
-                "tokenizer `{}`: only `byte` is supported",
-                run.tokenizer
-            )));
-        }
-        if run.model.vocab_size != super::data::BYTE_VOCAB {
-            return Err(Error::input(format!(
-                "the byte tokenizer needs vocab_size 256, found {}",
-                run.model.vocab_size
-            )));
-        }
+        check_tokenizer(&run, &data.tokenizer)?;
         let params = Params::init(&run.model, run.seed)?;
         let opt = AdamW::new(run.adamw, &params);
         let progress = Progress {
             unigram_bits: data.unigram_bits(),
+            unigram_bpb: data.unigram_bits_per_byte(),
+            train_bytes_per_token: data.train_bytes as f64 / data.train.len().max(1) as f64,
             ..Progress::default()
         };
         Ok(Trainer {
@@ -125,14 +159,24 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
-    /// Resume from a checkpoint directory written by [`Trainer::save`]. `steps` (if given)
-    /// replaces the run's total step count.
+    /// Resume from a checkpoint directory written by [`Trainer::save`], on `data` or else
+    /// the run's files tokenized by the directory's `tokenizer.json`.
     pub fn resume(dir: &Path, backend: B, data: Option<Dataset>) -> Result<Self> {
         let file = read_trainer_file(dir)?;
+        let saved = saved_tokenizer(dir, &file.run)?;
         let data = match data {
+            Some(d) if d.tokenizer.json() != saved.json() => {
+                return Err(Error::input(format!(
+                    "resume: the dataset's tokenizer is not the checkpoint's {}",
+                    dir.join("tokenizer.json").display()
+                )))
+            }
             Some(d) => d,
-            None => Dataset::load(&file.run.data, file.run.val_every_block)?,
+            None => {
+                Dataset::from_text(&read_text(&file.run.data)?, file.run.val_every_block, saved)?
+            }
         };
+        check_tokenizer(&file.run, &data.tokenizer)?;
         let w = Weights::load(dir, DType::F32)?;
         let params = Params::<f32>::from_weights(&w);
         let mut opt = AdamW::new(file.run.adamw, &params);
@@ -156,21 +200,33 @@ impl<B: Backend> Trainer<B> {
             }
         }
         opt.step = file.progress.step;
-        Ok(Trainer {
+        let mut t = Trainer {
             run: file.run,
             progress: file.progress,
             params,
             opt,
             backend,
             data,
-        })
+        };
+        // A checkpoint from before bits per byte were recorded (byte tokenizer only).
+        if t.progress.val_bpb.len() < t.progress.val_loss.len() {
+            t.progress.val_bpb = (t.progress.val_loss.iter())
+                .map(|&(s, l)| (s, t.bits_per_byte(l)))
+                .collect();
+        }
+        if t.progress.unigram_bpb.is_nan() {
+            t.progress.unigram_bpb = t.data.unigram_bits_per_byte();
+        }
+        Ok(t)
     }
 
     /// Save a checkpoint into `dir` (see the module doc).
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         self.sync()?;
         self.params.to_weights(DType::F32).save(dir)?;
-        save_byte_tokenizer(dir)?;
+        let tp = dir.join("tokenizer.json");
+        std::fs::write(&tp, self.data.tokenizer.json().as_bytes())
+            .map_err(|e| Error::io(&tp, e))?;
         let mut tensors = Vec::new();
         for (prefix, moments) in [("m.", &self.opt.m), ("v.", &self.opt.v)] {
             for (name, t) in moments.tensors() {
@@ -191,15 +247,16 @@ impl<B: Backend> Trainer<B> {
         std::fs::write(&tmp, serde_json::to_string_pretty(&file).unwrap())
             .map_err(|e| Error::io(&tmp, e))?;
         std::fs::rename(&tmp, &tf).map_err(|e| Error::io(&tf, e))?;
-        let mut csv = String::from("step,train_loss,val_loss\n");
-        let mut vi = self.progress.val_loss.iter().peekable();
-        for &(s, l) in &self.progress.train_loss {
+        let mut csv = String::from("step,train_loss,val_loss,val_bpb\n");
+        let p = &self.progress;
+        let mut vi = p.val_loss.iter().zip(&p.val_bpb).peekable();
+        for &(s, l) in &p.train_loss {
             let v = match vi.peek() {
-                Some(&&(vs, vl)) if vs == s => {
+                Some(&(&(vs, vl), &(_, vb))) if vs == s => {
                     vi.next();
-                    format!("{vl}")
+                    format!("{vl},{vb}")
                 }
-                _ => String::new(),
+                _ => ",".into(),
             };
             csv.push_str(&format!("{s},{l},{v}\n"));
         }
@@ -221,6 +278,19 @@ impl<B: Backend> Trainer<B> {
             n += b.tokens();
         }
         Ok(sum / n as f64)
+    }
+
+    /// A validation loss in nats/token as bits per byte of the validation text the
+    /// windows predict (NaN without validation windows).
+    pub fn bits_per_byte(&self, nats_per_token: f64) -> f64 {
+        let (tokens, bytes) = self
+            .data
+            .val_window_span(self.run.eval_windows, self.run.seq_len);
+        nats_per_token * (tokens as f64 / bytes as f64) / std::f64::consts::LN_2
+    }
+
+    pub fn dataset(&self) -> &Dataset {
+        &self.data
     }
 
     /// One optimiser step (all micro-batches); returns (loss, lr, grad norm).
@@ -279,6 +349,8 @@ impl<B: Backend> Trainer<B> {
                 let v = self.validate()?;
                 if v.is_finite() {
                     self.progress.val_loss.push((s - 1, v));
+                    let bpb = self.bits_per_byte(v);
+                    self.progress.val_bpb.push((s - 1, bpb));
                 }
             }
             let dt = t0.elapsed().as_secs_f64();
@@ -295,4 +367,37 @@ impl<B: Backend> Trainer<B> {
         self.save(dir)?;
         Ok(true)
     }
+}
+
+/// The tokenizer a resumed run reads back: the byte tokenizer, or the checkpoint's
+/// `tokenizer.json`.
+fn saved_tokenizer(dir: &Path, run: &RunConfig) -> Result<TrainTokenizer> {
+    match TokenizerSpec::parse(&run.tokenizer) {
+        TokenizerSpec::Byte => Ok(TrainTokenizer::Byte),
+        _ => TrainTokenizer::from_file(&dir.join("tokenizer.json")),
+    }
+}
+
+/// The run's tokenizer setting, the data's tokenizer and the model's vocabulary agree.
+fn check_tokenizer(run: &RunConfig, tok: &TrainTokenizer) -> Result<()> {
+    let spec = TokenizerSpec::parse(&run.tokenizer);
+    if (spec == TokenizerSpec::Byte) != tok.is_byte() {
+        return Err(Error::input(format!(
+            "the run's tokenizer is `{}` but the data was tokenized {}",
+            run.tokenizer,
+            if tok.is_byte() {
+                "byte by byte"
+            } else {
+                "by a tokenizer.json"
+            }
+        )));
+    }
+    if run.model.vocab_size != tok.vocab_size() {
+        return Err(Error::input(format!(
+            "the tokenizer has {} tokens but the model's vocab_size is {}",
+            tok.vocab_size(),
+            run.model.vocab_size
+        )));
+    }
+    Ok(())
 }
