@@ -8,7 +8,7 @@
 #![cfg(feature = "cuda")]
 
 mod gpu;
-use gpu::config;
+use gpu::{config, rel_l2 as rel};
 use mamba3::cuda::train::CudaTrainer;
 use mamba3::model::rng::Rng;
 use mamba3::model::{Config, DType, Weights};
@@ -45,17 +45,6 @@ fn widen(p: &Params<f32>) -> Params<f64> {
         *a = b.iter().map(|&x| x as f64).collect();
     }
     q
-}
-
-fn rel(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    let r = (num / den).sqrt();
-    if r.is_finite() {
-        r
-    } else {
-        f64::INFINITY
-    }
 }
 
 /// Worst per-tensor relative L2 of the GPU gradient against the CPU's in f64 (and in f32,
@@ -120,12 +109,16 @@ fn gradients_match_the_cpu_in_f32() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bf16_mixed_precision_gradients_stay_close() {
+    // bf16 GEMM operands (rounding 2⁻⁸) through two layers whose matrices are 3× the
+    // official init. Measured on the H200 (2026-12-03): 1–3e-2 per tensor, 6e-2 for D,
+    // whose gradient Σ⟨dy, x⟩ over every token cancels heavily. A bound of 1e-1 still
+    // catches a wrong gradient (those are off by O(1)); the first guess, 5e-2, did not
+    // allow for D.
     for (name, cfg, b) in cases() {
         let worst = compare(name, &cfg, &b, DType::BF16);
-        // bf16 GEMM operands (2⁻⁸) through two layers: a few percent at most.
         assert!(
-            worst <= 5e-2,
-            "{name}: worst gradient rel L2 {worst:e} > 5e-2"
+            worst <= 1e-1,
+            "{name}: worst gradient rel L2 {worst:e} > 1e-1"
         );
     }
 }

@@ -21,6 +21,7 @@ use crate::cpu::math::silu;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::model::dtype::Element;
+use crate::model::Dims;
 use rayon::prelude::*;
 
 /// `batch` windows of `seq_len` input tokens with their next-token targets, row-major.
@@ -98,8 +99,8 @@ fn norm_rows_bwd<F: Real>(x: &[F], w: &[F], r: &[F], dout: &[F], dx: &mut [F], d
     }
 }
 
-fn check<F: Real>(p: &Params<F>, b: &Batch) -> Result<()> {
-    let d = p.config.dims();
+/// A batch fits a model of dims `d`: not empty, consistent, every token in the vocabulary.
+pub fn check_batch(d: &Dims, b: &Batch) -> Result<()> {
     if b.batch == 0 || b.seq_len == 0 {
         return Err(Error::input("empty training batch"));
     }
@@ -134,7 +135,7 @@ pub fn loss_and_grad<F: Real>(
     batch: &Batch,
     grad: Option<&mut Params<F>>,
 ) -> Result<f64> {
-    check(p, batch)?;
+    check_batch(&p.config.dims(), batch)?;
     let cfg = &p.config;
     let d = cfg.dims();
     let th = rayon::current_num_threads();

@@ -49,6 +49,18 @@ impl Schedule {
     }
 }
 
+/// One step's AdamW coefficients in f32: `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
+/// `p ← p·decay − step_size·m / (√v / bc2_sqrt + eps)` (decay only on the decayed group).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepCoefficients {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub step_size: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    pub decay: f32,
+}
+
 /// The optimiser's state: first and second moments and the number of steps taken.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdamW {
@@ -94,17 +106,32 @@ impl AdamW {
         }
     }
 
-    /// One update of `p` with gradient `g` at learning rate `lr`.
-    pub fn update(&mut self, p: &mut Params<f32>, g: &Params<f32>, lr: f64) {
+    /// Count one more step and return its f32 coefficients at learning rate `lr` (the
+    /// CPU update below and the GPU's `adamw` kernel use the same ones).
+    pub fn next_step(&mut self, lr: f64) -> StepCoefficients {
         self.step += 1;
         let c = self.cfg;
         let t = self.step as i32;
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2 = 1.0 - c.beta2.powi(t);
-        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-        let step_size = (lr / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let eps = c.eps as f32;
+        StepCoefficients {
+            beta1: c.beta1 as f32,
+            beta2: c.beta2 as f32,
+            step_size: (lr / (1.0 - c.beta1.powi(t))) as f32,
+            bc2_sqrt: (1.0 - c.beta2.powi(t)).sqrt() as f32,
+            eps: c.eps as f32,
+            decay: (1.0 - lr * c.weight_decay) as f32,
+        }
+    }
+
+    /// One update of `p` with gradient `g` at learning rate `lr`.
+    pub fn update(&mut self, p: &mut Params<f32>, g: &Params<f32>, lr: f64) {
+        let StepCoefficients {
+            beta1: b1,
+            beta2: b2,
+            step_size,
+            bc2_sqrt,
+            eps,
+            decay: wd_decay,
+        } = self.next_step(lr);
         let names: Vec<String> = p.tensors().into_iter().map(|(n, _)| n).collect();
         let grads = g.tensors();
         for ((((name, pt), mt), vt), (_, gt)) in names
@@ -114,11 +141,7 @@ impl AdamW {
             .zip(self.v.tensors_mut())
             .zip(grads)
         {
-            let decay = if decays(name) {
-                (1.0 - lr * c.weight_decay) as f32
-            } else {
-                1.0
-            };
+            let decay = if decays(name) { wd_decay } else { 1.0 };
             for i in 0..pt.len() {
                 let gi = gt[i];
                 mt[i] = b1 * mt[i] + (1.0 - b1) * gi;

@@ -216,30 +216,7 @@ impl CudaTrainer {
     /// uploaded.
     fn prepare(&mut self, batch: &Batch) -> Result<()> {
         let d = &self.d;
-        if batch.batch == 0 || batch.seq_len == 0 {
-            return Err(Error::input("empty training batch"));
-        }
-        if batch.inputs.len() != batch.tokens() || batch.targets.len() != batch.tokens() {
-            return Err(Error::input(format!(
-                "batch of {}×{} needs {} inputs and targets, found {} and {}",
-                batch.batch,
-                batch.seq_len,
-                batch.tokens(),
-                batch.inputs.len(),
-                batch.targets.len()
-            )));
-        }
-        if let Some(&t) = batch
-            .inputs
-            .iter()
-            .chain(&batch.targets)
-            .find(|&&t| t as usize >= d.vocab_size)
-        {
-            return Err(Error::input(format!(
-                "token {t} out of range: vocabulary has {} entries",
-                d.vocab_size
-            )));
-        }
+        crate::train::model::check_batch(d, batch)?;
         let same = self
             .acts
             .as_ref()
@@ -331,16 +308,7 @@ impl CudaTrainer {
             false,
             &[&self.norm_part.ptr, &parts_i, &self.norm.ptr],
         )?;
-        opt.step += 1;
-        let c = opt.cfg;
-        let t = opt.step as i32;
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2 = 1.0 - c.beta2.powi(t);
-        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-        let step_size = (lr / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let eps = c.eps as f32;
-        let decay = (1.0 - lr * c.weight_decay) as f32;
+        let k = opt.next_step(lr);
         let max_norm = clip as f32;
         let n_decay = self.flat.n_decay as u64;
         let blocks = self.flat.len.div_ceil(256).min(4096) as u32;
@@ -360,12 +328,12 @@ impl CudaTrainer {
                 &self.norm.ptr,
                 &scale,
                 &max_norm,
-                &b1,
-                &b2,
-                &step_size,
-                &bc2_sqrt,
-                &eps,
-                &decay,
+                &k.beta1,
+                &k.beta2,
+                &k.step_size,
+                &k.bc2_sqrt,
+                &k.eps,
+                &k.decay,
             ],
         )?;
         self.refresh_half()?;
