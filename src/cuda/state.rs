@@ -161,3 +161,47 @@ impl CudaState {
         self.gpu.ordinal == gpu.ordinal
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::engine::state::StateData;
+    use crate::engine::{Device, LogitsWant, Model};
+    use crate::model::{Config, DType, Weights};
+
+    /// Buffers come back from the pool zeroed for a fresh state, and a clone written after
+    /// its source was dropped and reused does not see the reuse. Run on a machine with a
+    /// CUDA device: `cargo test --release --lib state_pool -- --include-ignored`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn state_pool_reuse_is_invisible() {
+        let cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);
+        let w = Weights::synthetic(cfg, DType::F32, 5).unwrap();
+        let m = Model::from_weights(w, Device::Cuda(0)).unwrap();
+        let zero = m.new_state().to_host().unwrap();
+        let prompt: Vec<u32> = (0..40).map(|t| (t * 37 + 11) % 300).collect();
+        let mut reference = m.new_state();
+        m.prefill(&prompt, &mut reference, LogitsWant::None)
+            .unwrap();
+        let after = reference.to_host().unwrap();
+        for round in 0..20 {
+            // A written state dropped: its buffer goes to the pool...
+            let mut s = m.new_state();
+            m.prefill(&prompt[..10 + round], &mut s, LogitsWant::None)
+                .unwrap();
+            let snapshot = s.clone();
+            drop(s);
+            // ...and a fresh state from it is zero.
+            assert_eq!(m.new_state().to_host().unwrap(), zero, "round {round}");
+            // A clone of a shared state copies on its first write and leaves the other.
+            let mut c = reference.clone();
+            m.decode(&[1], &mut [&mut c]).unwrap();
+            assert_eq!(reference.to_host().unwrap(), after, "round {round}");
+            drop(snapshot);
+        }
+        let pooled = m.new_state();
+        let StateData::Cuda(cs) = &pooled.data else {
+            panic!("a GPU model's state is on the GPU")
+        };
+        assert!(!cs.gpu.state_pool.free.lock().unwrap().is_empty());
+    }
+}

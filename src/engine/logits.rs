@@ -103,3 +103,70 @@ impl StepLogits {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::engine::{Device, LogitsWant, Model, State, StepLogits};
+    use crate::model::{Config, DType, Weights};
+
+    fn model(device: Device) -> Model {
+        let cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);
+        Model::from_weights(Weights::synthetic(cfg, DType::F32, 5).unwrap(), device).unwrap()
+    }
+
+    fn primed(m: &Model, n: usize) -> Vec<State> {
+        (0..n)
+            .map(|i| {
+                let mut s = m.new_state();
+                let p: Vec<u32> = (0..5 + i as u32).map(|t| (t * 37 + 11) % 300).collect();
+                m.prefill(&p, &mut s, LogitsWant::None).unwrap();
+                s
+            })
+            .collect()
+    }
+
+    /// Steps of `decode_into` through one buffer equal `decode`'s owned rows, bit for bit,
+    /// and advance the states alike; a failed step leaves no rows.
+    fn into_equals_decode(m: &Model, batches: &[usize]) {
+        let mut buf = StepLogits::new();
+        for &n in batches {
+            let (mut a, mut b) = (primed(m, n), primed(m, n));
+            for step in 0..3u32 {
+                let toks: Vec<u32> = (0..n as u32).map(|i| (i * 7 + step * 3) % 300).collect();
+                let want = m
+                    .decode(&toks, &mut a.iter_mut().collect::<Vec<_>>())
+                    .unwrap();
+                m.decode_into(&toks, &mut b.iter_mut().collect::<Vec<_>>(), &mut buf)
+                    .unwrap();
+                assert_eq!(buf.rows(), n);
+                assert_eq!(buf.to_logits(), want, "batch {n}, step {step}");
+                for (x, y) in a.iter().zip(&b) {
+                    assert_eq!(x.position(), y.position());
+                    assert_eq!(x.to_host().unwrap(), y.to_host().unwrap());
+                }
+            }
+        }
+        let mut s = primed(m, 1);
+        let bad = m.decode_into(&[300], &mut s.iter_mut().collect::<Vec<_>>(), &mut buf);
+        assert!(bad.is_err());
+        assert_eq!(buf.rows(), 0);
+    }
+
+    #[test]
+    fn decode_into_equals_decode_on_the_cpu() {
+        into_equals_decode(&model(Device::Cpu), &[1, 3, 9, 1]);
+    }
+
+    /// On a GPU: graph replays (batches up to 4 here) and eager steps, through one pinned
+    /// buffer that grows. Run on a machine with a CUDA device:
+    /// `cargo test --release --lib decode_into -- --include-ignored`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn decode_into_equals_decode_on_the_gpu() {
+        let m = model(Device::Cuda(0));
+        for bucket in [1, 2, 4] {
+            m.capture_decode_graph(bucket).unwrap();
+        }
+        into_equals_decode(&m, &[1, 3, 9, 2, 20, 4]);
+    }
+}
