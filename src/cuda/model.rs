@@ -220,6 +220,22 @@ impl CudaModel {
         })
     }
 
+    /// Size the eager passes' work buffers for passes of up to `rows` tokens over up to
+    /// `seqs` sequences now, rather than regrowing them (every buffer freed and allocated
+    /// again) in the middle of serving.
+    pub fn reserve_passes(&self, rows: usize, seqs: usize) -> Result<()> {
+        let d = self.weights.dims;
+        let caps = Caps::for_passes(rows, seqs, d.chunk_len);
+        let mut inner = self.lock()?;
+        if inner.work.as_ref().is_some_and(|w| w.caps.covers(&caps)) {
+            return Ok(());
+        }
+        let c = inner.work.as_ref().map_or(caps, |w| w.caps.max(&caps));
+        inner.work = None;
+        inner.work = Some(Work::new(&self.gpu, &d, self.weights.dtype.size(), c)?);
+        Ok(())
+    }
+
     /// One eager pass; `read(gpu, logits address, picked rows)` fetches the logits before
     /// the work buffers are released (it must wait for the stream, as `Gpu::dtoh` does).
     fn pass<R>(

@@ -3,7 +3,7 @@
 //! `ST_*` in kernels/common.cuh). Clones share the buffer until one of them is written
 //! (copy-on-write, like host states), so a snapshot costs nothing until it is used.
 //!
-//! The buffers of dropped states go back to the GPU's [`StatePool`] for the next state.
+//! States live in pieces of larger device allocations, recycled by the GPU's [`StatePool`].
 
 use super::context::{DevBuf, Gpu};
 use crate::cpu::{LayerState, SeqState};
@@ -11,66 +11,101 @@ use crate::error::{Error, Result};
 use crate::model::Dims;
 use std::sync::{Arc, Mutex};
 
-/// Freed state buffers, kept for the next state of the same size. Allocating and freeing
-/// device memory are slow driver calls (a free waits for the whole device), and a server
-/// makes and drops states with every request: a fresh state, the copy-on-write copy after
-/// a cache snapshot, an evicted entry. All work runs in order on one stream, so a buffer
-/// can be handed out again at once: its new owner's work is queued after the old owner's.
+/// Device memory for states: slabs of several states each, cut into pieces that are
+/// recycled. Allocating and freeing device memory are slow driver calls (a free waits for
+/// the whole device), and a server makes states with every request (a fresh one, the
+/// copy-on-write copy after a cache snapshot): a slab makes one allocation serve several,
+/// and a dropped state's piece goes back to the free list for the next one. Slabs are
+/// freed with the pool, so it holds the peak of states alive at once (which the prefix
+/// cache's budget bounds). All work runs in order on one stream, so a piece can be handed
+/// out again at once: its new owner's work is queued after the old owner's.
 #[derive(Default)]
 pub struct StatePool {
-    free: Mutex<Vec<DevBuf>>,
+    free: Mutex<Vec<Piece>>,
 }
 
-/// Bytes of free buffers a pool keeps at most (beyond that they are freed).
-const POOL_KEEP_BYTES: usize = 256 << 20;
+/// Bytes a slab aims at (a larger state gets a slab of its own), ...
+const SLAB_BYTES: usize = 64 << 20;
+/// ... holding at most this many states.
+const SLAB_STATES: usize = 16;
+/// Pieces start at multiples of this (the kernels' vector loads).
+const PIECE_ALIGN: usize = 256;
+
+/// One state's bytes in a slab.
+struct Piece {
+    slab: Arc<DevBuf>,
+    offset: usize,
+    bytes: usize,
+}
+
+impl Piece {
+    fn ptr(&self) -> u64 {
+        self.slab.ptr + self.offset as u64
+    }
+}
 
 impl StatePool {
-    fn take(&self, gpu: &Gpu, bytes: usize) -> Result<DevBuf> {
-        let reused = self.free.lock().ok().and_then(|mut f| {
-            let i = f.iter().position(|b| b.bytes == bytes)?;
-            Some(f.swap_remove(i))
-        });
-        match reused {
-            Some(b) => Ok(b),
-            None => DevBuf::new(&gpu.ctx, bytes),
+    fn take(&self, gpu: &Gpu, bytes: usize) -> Result<Piece> {
+        let mut free = self
+            .free
+            .lock()
+            .map_err(|_| Error::Device("the state pool's lock is poisoned".into()))?;
+        if let Some(i) = free.iter().rposition(|p| p.bytes == bytes) {
+            return Ok(free.swap_remove(i));
         }
+        let stride = bytes.div_ceil(PIECE_ALIGN) * PIECE_ALIGN;
+        let n = (SLAB_BYTES / stride).clamp(1, SLAB_STATES);
+        // (short of memory for a whole slab, a state may still fit alone)
+        let (slab, n) = match DevBuf::new(&gpu.ctx, stride * n) {
+            Ok(b) => (b, n),
+            Err(_) if n > 1 => (DevBuf::new(&gpu.ctx, bytes)?, 1),
+            Err(e) => return Err(e),
+        };
+        let slab = Arc::new(slab);
+        free.extend((1..n).map(|i| Piece {
+            slab: slab.clone(),
+            offset: i * stride,
+            bytes,
+        }));
+        Ok(Piece {
+            slab,
+            offset: 0,
+            bytes,
+        })
     }
 
-    fn put(&self, b: DevBuf) {
+    fn put(&self, p: Piece) {
         if let Ok(mut f) = self.free.lock() {
-            let held: usize = f.iter().map(|b| b.bytes).sum();
-            if held + b.bytes <= POOL_KEEP_BYTES {
-                f.push(b);
-            }
+            f.push(p);
         }
     }
 }
 
 /// A state's device memory; it goes back to the pool when the last clone is dropped.
 struct Slot {
-    buf: Option<DevBuf>,
+    piece: Option<Piece>,
     gpu: Arc<Gpu>,
 }
 
 impl Slot {
     fn new(gpu: &Arc<Gpu>, bytes: usize) -> Result<Slot> {
         Ok(Slot {
-            buf: Some(gpu.state_pool.take(gpu, bytes)?),
+            piece: Some(gpu.state_pool.take(gpu, bytes)?),
             gpu: gpu.clone(),
         })
     }
     fn ptr(&self) -> u64 {
-        self.buf.as_ref().map_or(0, |b| b.ptr)
+        self.piece.as_ref().map_or(0, Piece::ptr)
     }
     fn bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.bytes)
+        self.piece.as_ref().map_or(0, |p| p.bytes)
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            self.gpu.state_pool.put(b);
+        if let Some(p) = self.piece.take() {
+            self.gpu.state_pool.put(p);
         }
     }
 }
@@ -168,8 +203,9 @@ mod tests {
     use crate::engine::{Device, LogitsWant, Model};
     use crate::model::{Config, DType, Weights};
 
-    /// Buffers come back from the pool zeroed for a fresh state, and a clone written after
-    /// its source was dropped and reused does not see the reuse. Run on a machine with a
+    /// Pieces come back from the pool zeroed for a fresh state, states of one slab do not
+    /// touch each other, and a clone written after its source was dropped and reused does
+    /// not see the reuse. Run on a machine with a
     /// CUDA device: `cargo test --release --lib state_pool -- --include-ignored`.
     #[test]
     #[ignore = "needs a CUDA device"]
@@ -198,6 +234,18 @@ mod tests {
             assert_eq!(reference.to_host().unwrap(), after, "round {round}");
             drop(snapshot);
         }
+        // Many states at once (more than one slab): each holds its own prompt's state.
+        let prompts: Vec<&[u32]> = (0..40).map(|i| &prompt[i % 7..]).collect();
+        let mut many: Vec<_> = prompts.iter().map(|_| m.new_state()).collect();
+        for (s, p) in many.iter_mut().zip(&prompts) {
+            m.prefill(p, s, LogitsWant::None).unwrap();
+        }
+        for (s, p) in many.iter().zip(&prompts) {
+            let mut alone = m.new_state();
+            m.prefill(p, &mut alone, LogitsWant::None).unwrap();
+            assert_eq!(s.to_host().unwrap(), alone.to_host().unwrap());
+        }
+        drop(many);
         let pooled = m.new_state();
         let StateData::Cuda(cs) = &pooled.data else {
             panic!("a GPU model's state is on the GPU")

@@ -138,6 +138,20 @@ impl Caps {
             && self.seqs >= o.seqs
             && self.picked >= o.picked
     }
+    /// What passes of up to `rows` tokens over up to `seqs` sequences need, with the last
+    /// position's logits of each sequence (`chunk`: the model's chunk length). A segment
+    /// holds at least one chunk, and a sequence's chunks are ceil(len / chunk).
+    pub fn for_passes(rows: usize, seqs: usize, chunk: usize) -> Caps {
+        let chunks = rows.div_ceil(chunk.max(1)) + seqs;
+        Caps {
+            rows,
+            chunks,
+            segs: chunks,
+            seqs,
+            picked: seqs,
+        }
+    }
+
     /// Each size rounded up to a power of two.
     pub fn rounded_up(&self) -> Caps {
         Caps {

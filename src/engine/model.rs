@@ -352,6 +352,18 @@ impl Model {
         }
     }
 
+    /// Make room now for passes of up to `rows` tokens over up to `seqs` sequences (with
+    /// the last position's logits of each), so that serving never stops to regrow the
+    /// GPU's work buffers; a no-op on the CPU.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn reserve_passes(&self, rows: usize, seqs: usize) -> Result<()> {
+        match &self.backend {
+            Backend::Cpu(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(m) => m.reserve_passes(rows, seqs),
+        }
+    }
+
     /// Capture the decode step for batches of up to `bucket` sequences as one CUDA graph;
     /// [`Model::decode`] replays it from then on for batches that fit.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]

@@ -71,6 +71,11 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
             "the body must be a JSON object, found {found}"
         )));
     }
+    // Tracking the path costs as much again as the parse (a long prompt of token ids is
+    // thousands of elements): only a body that fails is read a second time, with it.
+    if let Ok(v) = serde_json::from_slice::<T>(body) {
+        return Ok(v);
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
     match serde_path_to_error::deserialize::<_, T>(de) {
         Ok(v) => Ok(v),

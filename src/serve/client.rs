@@ -251,13 +251,17 @@ pub fn stream(
     headers: &[(&str, &str)],
     body: &serde_json::Value,
 ) -> io::Result<Events> {
-    let (status, _, r) = send(
-        addr,
-        "POST",
-        path,
-        headers,
-        Some(body.to_string().as_bytes()),
-    )?;
+    stream_bytes(addr, path, headers, body.to_string().as_bytes())
+}
+
+/// [`stream`] with the JSON body already written.
+pub fn stream_bytes(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> io::Result<Events> {
+    let (status, _, r) = send(addr, "POST", path, headers, Some(body))?;
     Ok(Events {
         status,
         r: BufReader::new(r),

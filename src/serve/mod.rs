@@ -138,6 +138,13 @@ fn start_engine(
             // next bucket (captured here, before the server reports ready); rows of such a
             // batch are computed on their own, so the padding changes no result.
             if loaded.model.device() != Device::Cpu {
+                // Eager passes (prefill turns, decode batches past the graphs) get their
+                // work buffers now, at their largest.
+                let s = &cfg.scheduler;
+                let seqs = s.max_batch.max(1);
+                if let Err(e) = loaded.model.reserve_passes(s.prefill_chunk.max(seqs), seqs) {
+                    eprintln!("mamba3 serve: work buffers not reserved ({e}); they grow on demand");
+                }
                 for bucket in [1usize, 2, 4, 8, 16] {
                     if bucket > cfg.scheduler.max_batch.max(1).next_power_of_two() {
                         break;
