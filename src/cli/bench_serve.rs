@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::model::rng::Rng;
 use crate::model::Config;
 use crate::serve::client;
-use crate::serve::metrics::sample;
+use crate::serve::metrics::{sample, Phase};
 use crate::serve::scheduler::SchedulerConfig;
 use crate::serve::ServeConfig;
 use crate::text::ModelSource;
@@ -138,6 +138,43 @@ fn stream_one(
     Ok((ttft, n, end, rate))
 }
 
+/// The engine thread's counters from `/metrics`: seconds per phase (admit, prefill,
+/// decode, sample, emit), decode steps, decode rows.
+#[derive(Clone, Copy, Default)]
+struct Engine {
+    secs: [f64; 5],
+    steps: f64,
+    rows: f64,
+}
+
+impl Engine {
+    fn read(addr: SocketAddr) -> Result<Engine> {
+        let m = client::get(addr, "/metrics")
+            .map_err(|e| Error::Other(format!("{addr}/metrics: {e}")))?
+            .text();
+        let mut e = Engine::default();
+        for (i, p) in Phase::ALL.iter().enumerate() {
+            let name = format!("mamba3_engine_seconds_total{{phase=\"{}\"}}", p.name());
+            e.secs[i] = sample(&m, &name).unwrap_or(f64::NAN);
+        }
+        e.steps = sample(&m, "mamba3_decode_steps_total").unwrap_or(f64::NAN);
+        e.rows = sample(&m, "mamba3_decode_rows_total").unwrap_or(f64::NAN);
+        Ok(e)
+    }
+
+    fn since(self, before: Engine) -> Engine {
+        Engine {
+            secs: std::array::from_fn(|i| self.secs[i] - before.secs[i]),
+            steps: self.steps - before.steps,
+            rows: self.rows - before.rows,
+        }
+    }
+
+    fn phase(&self, p: Phase) -> f64 {
+        self.secs[p as usize]
+    }
+}
+
 fn random_prompt(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|_| rng.below(vocab as u64) as u32).collect()
 }
@@ -234,6 +271,7 @@ pub fn run(a: Args) -> Result<()> {
         let mut dps = Vec::new();
         let mut ttfts = Vec::new();
         let mut total = 0;
+        let before = Engine::read(addr)?;
         for _ in 0..a.repeats.max(1) {
             let prompts: Vec<Vec<u32>> = (0..c)
                 .map(|_| random_prompt(&mut rng, a.prompt_len, vocab))
@@ -268,24 +306,40 @@ pub fn run(a: Args) -> Result<()> {
         let t = median(tps);
         let dt = median(dps);
         let b = *base.get_or_insert(dt);
+        // Server side, all repeats together: where a decode step's time goes.
+        let e = Engine::read(addr)?.since(before);
+        let per_step = |p: Phase| e.phase(p) / e.steps.max(1.0) * 1e6;
+        let (dec, smp, emit) = (
+            per_step(Phase::Decode),
+            per_step(Phase::Sample),
+            per_step(Phase::Emit),
+        );
+        let mean_batch = e.rows / e.steps.max(1.0);
         println!(
-            "{:>8} {:>8} {:>14.1} {:>16.1} {:>10.1} {:>12.2}",
+            "{:>8} {:>8} {:>14.1} {:>16.1} {:>10.1} {:>12.2}   step: {:.1} rows, model {:.0} us, sample {:.0} us, emit {:.0} us",
             c,
             total,
             t,
             dt,
             median(ttfts.clone()) * 1e3,
-            dt / b
+            dt / b,
+            mean_batch,
+            dec,
+            smp,
+            emit
         );
         rows.push(json!({"test": "throughput", "clients": c, "tokens": total,
                          "aggregate_tokens_per_s": t, "aggregate_decode_tokens_per_s": dt,
                          "median_ttft_ms": median(ttfts) * 1e3,
                          "speedup_vs_first": dt / b, "max_tokens": a.max_tokens,
-                         "prompt_len": a.prompt_len}));
+                         "prompt_len": a.prompt_len, "decode_steps": e.steps,
+                         "mean_step_rows": mean_batch, "step_model_us": dec,
+                         "step_sample_us": smp, "step_emit_us": emit}));
     }
 
     if a.prefix_len > 0 {
         let (mut cold, mut hit) = (Vec::new(), Vec::new());
+        let (mut hit_admit, mut hit_prefill) = (Vec::new(), Vec::new());
         for _ in 0..a.repeats.max(1) {
             let prefix = random_prompt(&mut rng, a.prefix_len, vocab);
             let with = |rng: &mut Rng| {
@@ -296,9 +350,14 @@ pub fn run(a: Args) -> Result<()> {
             let (p1, p2, p3) = (with(&mut rng), with(&mut rng), with(&mut rng));
             cold.push(stream_one(addr, &p1, 1)?.0.as_secs_f64());
             stream_one(addr, &p2, 1)?; // snapshots the branch point (the shared prefix)
+            let before = Engine::read(addr)?;
             hit.push(stream_one(addr, &p3, 1)?.0.as_secs_f64());
+            let e = Engine::read(addr)?.since(before);
+            hit_admit.push(e.phase(Phase::Admit));
+            hit_prefill.push(e.phase(Phase::Prefill));
         }
         let (c, h) = (median(cold), median(hit));
+        let (ha, hp) = (median(hit_admit), median(hit_prefill));
         println!(
             "TTFT on a {}-token shared prefix (+{} tokens): cold {:.1} ms · prefix-cache hit {:.1} ms · {:.1}x faster",
             a.prefix_len,
@@ -307,9 +366,15 @@ pub fn run(a: Args) -> Result<()> {
             h * 1e3,
             c / h
         );
+        println!(
+            "  the hit inside the engine: admit {:.2} ms, prefill turn {:.2} ms (the rest: HTTP, queueing, streaming)",
+            ha * 1e3,
+            hp * 1e3
+        );
         rows.push(
             json!({"test": "prefix_ttft", "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
-                         "cold_ms": c * 1e3, "hit_ms": h * 1e3, "speedup": c / h}),
+                         "cold_ms": c * 1e3, "hit_ms": h * 1e3, "speedup": c / h,
+                         "hit_admit_ms": ha * 1e3, "hit_prefill_ms": hp * 1e3}),
         );
     }
     let m = client::get(addr, "/metrics")

@@ -62,6 +62,40 @@ const ITL_BUCKETS: &[f64] = &[
     5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ];
 
+/// Where the engine thread's time goes, phase by phase (`mamba3_engine_seconds_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Looking a new sequence up in the prefix cache and giving it a state.
+    Admit,
+    /// Prefill turns (the model call, the cache inserts, the first tokens' sampling).
+    Prefill,
+    /// The model's decode steps, logits back on the host.
+    Decode,
+    /// Sampling the decode steps' rows.
+    Sample,
+    /// Streaming the sampled tokens out (and caching finished sequences).
+    Emit,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 5] = [
+        Phase::Admit,
+        Phase::Prefill,
+        Phase::Decode,
+        Phase::Sample,
+        Phase::Emit,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Admit => "admit",
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+            Phase::Sample => "sample",
+            Phase::Emit => "emit",
+        }
+    }
+}
+
 pub struct Metrics {
     requests: Mutex<BTreeMap<(String, u16), u64>>,
     pub prompt_tokens: AtomicU64,
@@ -78,6 +112,10 @@ pub struct Metrics {
     pub cache_budget: AtomicU64,
     pub cache_entries: AtomicU64,
     pub cache_evictions: AtomicU64,
+    /// Nanoseconds spent per [`Phase`].
+    engine_ns: [AtomicU64; Phase::ALL.len()],
+    pub decode_steps: AtomicU64,
+    pub decode_rows: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -104,7 +142,17 @@ impl Metrics {
             cache_budget: AtomicU64::new(0),
             cache_entries: AtomicU64::new(0),
             cache_evictions: AtomicU64::new(0),
+            engine_ns: Default::default(),
+            decode_steps: AtomicU64::new(0),
+            decode_rows: AtomicU64::new(0),
         }
+    }
+
+    /// Count the time since `since` to `phase`; returns now, the start of the next phase.
+    pub fn spent(&self, phase: Phase, since: std::time::Instant) -> std::time::Instant {
+        let now = std::time::Instant::now();
+        self.engine_ns[phase as usize].fetch_add((now - since).as_nanos() as u64, Relaxed);
+        now
     }
 
     pub fn count_request(&self, route: &str, status: u16) {
@@ -223,6 +271,31 @@ impl Metrics {
             "Prefix states evicted to stay within the budget.",
             l(&self.cache_evictions),
         );
+        let _ = writeln!(
+            out,
+            "# HELP mamba3_engine_seconds_total Time of the engine thread by phase.\n\
+             # TYPE mamba3_engine_seconds_total counter"
+        );
+        for p in Phase::ALL {
+            let _ = writeln!(
+                out,
+                "mamba3_engine_seconds_total{{phase=\"{}\"}} {}",
+                p.name(),
+                l(&self.engine_ns[p as usize]) as f64 / 1e9
+            );
+        }
+        counter(
+            &mut out,
+            "mamba3_decode_steps_total",
+            "Batched decode steps run.",
+            l(&self.decode_steps),
+        );
+        counter(
+            &mut out,
+            "mamba3_decode_rows_total",
+            "Sequences advanced by decode steps (the steps' batch sizes summed).",
+            l(&self.decode_rows),
+        );
         out
     }
 }
@@ -254,6 +327,15 @@ mod tests {
         assert!(page.contains("mamba3_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
         assert!(page.contains("mamba3_time_to_first_token_seconds_bucket{le=\"+Inf\"} 2"));
         assert_eq!(sample(&page, "mamba3_active_sequences"), Some(3.0));
+        let t0 = std::time::Instant::now() - std::time::Duration::from_millis(2);
+        m.spent(Phase::Sample, t0);
+        let page = m.render();
+        let v = sample(&page, "mamba3_engine_seconds_total{phase=\"sample\"}").unwrap();
+        assert!((0.002..1.0).contains(&v), "sample phase {v}");
+        assert_eq!(
+            sample(&page, "mamba3_engine_seconds_total{phase=\"decode\"}"),
+            Some(0.0)
+        );
         assert_eq!(
             sample(&page, "mamba3_time_to_first_token_seconds_count"),
             Some(2.0)

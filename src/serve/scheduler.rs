@@ -22,7 +22,7 @@
 //! A panic inside a turn fails the sequences of that turn with an error event and the
 //! thread carries on.
 
-use super::metrics::Metrics;
+use super::metrics::{Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
 use crate::engine::{LogitsWant, Model, State, StepLogits};
 use crate::text::{Continuation, FinishReason, GenParams, StepOut, Tokenizer};
@@ -334,10 +334,14 @@ impl Scheduler {
                 break;
             };
             self.shared.queued.fetch_sub(1, Relaxed);
+            let t = Instant::now();
             self.admit(job);
+            self.shared.metrics.spent(Phase::Admit, t);
         }
         self.publish();
+        let t = Instant::now();
         self.prefill_step();
+        self.shared.metrics.spent(Phase::Prefill, t);
         self.decode_step();
         if let Err(e) = self.embed_step() {
             if let Some(t) = self.embeds.pop_front() {
@@ -508,6 +512,7 @@ impl Scheduler {
         if rows.is_empty() {
             return;
         }
+        let t = Instant::now();
         let result = {
             let mut states: Vec<&mut State> = Vec::with_capacity(rows.len());
             let mut it = rows.iter().peekable();
@@ -520,6 +525,10 @@ impl Scheduler {
             self.model
                 .decode_into(tokens, &mut states, &mut self.logits)
         };
+        let m = &self.shared.metrics;
+        let t = m.spent(Phase::Decode, t);
+        m.decode_steps.fetch_add(1, Relaxed);
+        m.decode_rows.fetch_add(rows.len() as u64, Relaxed);
         if let Err(e) = result {
             for &i in rows.iter() {
                 Self::fail(&mut self.active[i], format!("decode failed: {e}"));
@@ -553,6 +562,7 @@ impl Scheduler {
                 conts.par_iter_mut().enumerate().map(step).collect()
             }
         };
+        let t = self.shared.metrics.spent(Phase::Sample, t);
         let mut o = Out {
             cache: &mut self.cache,
             metrics: &self.shared.metrics,
@@ -562,6 +572,7 @@ impl Scheduler {
         for ((b, &i), out) in rows.iter().enumerate().zip(outs) {
             o.emit(&mut self.active[i], out, &logits.row(b)[..vocab]);
         }
+        self.shared.metrics.spent(Phase::Emit, t);
     }
 }
 
