@@ -334,3 +334,50 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(Model::load(&fixture("siso-tiny"), Device::Cuda(99), DType::F32).is_err());
     assert_eq!(st.position(), 0);
 }
+
+/// A single sequence of up to 16 tokens is read by the decode kernels token by token
+/// (`Pipe::prefill`): fresh and continued, every logits choice, against the f64 reference;
+/// 17 tokens take the chunked scan again.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn short_pieces_match_the_reference() {
+    let cases = random_cases();
+    for (ci, (cfg, _)) in cases.into_iter().enumerate().take(4) {
+        let w = Weights::synthetic(cfg, DType::F32, 300 + ci as u64).unwrap();
+        let r = Reference::<f64>::new(&w);
+        let m = Model::from_weights(w.clone(), CUDA).unwrap();
+        let s = tokens(60, w.dims.vocab_size, 900 + ci as u64);
+        let mut worst = 0f64;
+        for len in [1usize, 2, 5, 15, 16, 17] {
+            for start in [0usize, 20] {
+                let piece = &s[start..start + len];
+                let mut rs = zero_state::<f64>(&w.dims);
+                r.run(&s[..start], &mut rs);
+                let want = r.run(piece, &mut rs);
+                let mut st = m.new_state();
+                if start > 0 {
+                    m.prefill(&s[..start], &mut st, LogitsWant::None).unwrap();
+                }
+                let (mut last, mut none) = (st.clone(), st.clone());
+                let all = m.prefill(piece, &mut st, LogitsWant::All).unwrap();
+                worst = worst.max(rel_l2(&f64s(&all.data), &want.concat()));
+                for (ls, rs) in st.to_host().unwrap().iter().zip(&rs) {
+                    worst = worst
+                        .max(rel_l2(&f64s(&ls.ssm), &rs.ssm))
+                        .max(rel_l2(&f64s(&ls.k), &rs.k))
+                        .max(rel_l2(&f64s(&ls.v), &rs.v))
+                        .max(rel_l2_angles(&f64s(&ls.angle), &rs.angle));
+                }
+                // The last row alone, and no logits at all: the same bits and state.
+                let one = m.prefill(piece, &mut last, LogitsWant::Last).unwrap();
+                assert_eq!(one.row(0), all.row(len - 1), "case {ci} len {len}: Last");
+                m.prefill(piece, &mut none, LogitsWant::None).unwrap();
+                assert_eq!(last.to_host().unwrap(), st.to_host().unwrap());
+                assert_eq!(none.to_host().unwrap(), st.to_host().unwrap());
+                assert_eq!(st.position(), (start + len) as u64);
+            }
+        }
+        println!("case {ci}: short pieces vs the f64 reference, worst rel L2 {worst:.3e}");
+        assert!(worst < 1e-5, "case {ci}: {worst:e}");
+    }
+}
