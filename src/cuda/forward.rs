@@ -7,9 +7,7 @@
 //! residual; the MLP (when present) as norm → fc1 → `swiglu_rows` → fc2 adding into the
 //! residual. Decode, per layer: in_proj as a GEMV with the RMSNorm fused on its input →
 //! `mixer_step` → out_proj GEMV adding into the residual (cuBLASLt instead of the GEMVs
-//! for large batches). A prefill of one sequence of at most [`GEMV_MAX_ROWS`] tokens (the
-//! suffix after a cached prefix) takes the decode path, `mixer_step` walking its tokens in
-//! turn: half the launches, and no chunk tables.
+//! for large batches).
 //!
 //! Precision: the residual stream, the in_proj output, per-token scalars and the states are
 //! f32 in every mode. In bf16/f16 the GEMM operands are 16-bit; the in_proj input is f16
@@ -30,14 +28,6 @@ use crate::model::{DType, Dims};
 /// Decode batches up to this size use the fused-norm GEMV kernels; larger ones cuBLASLt.
 pub const GEMV_MAX_ROWS: usize = 16;
 const GEMV_BG: usize = 4;
-
-/// Which rows of a steps pass reach the head.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Head {
-    None,
-    Last,
-    All,
-}
 
 /// `rms_norm_rows` output modes (kernels/dense.cu).
 const NORM_ACT: i32 = 0;
@@ -364,18 +354,7 @@ impl Pipe<'_> {
     }
 
     /// A prefill pass over `lay` (tables, tokens and state addresses already in `work`).
-    /// One sequence of at most [`GEMV_MAX_ROWS`] tokens (a chat turn's suffix after a cached
-    /// prefix) goes through the decode kernels token by token instead: three launches a
-    /// layer rather than seven, and a few microseconds each.
     pub fn prefill(&self, work: &Work, lay: &Layout) -> Result<()> {
-        if let Some(steps) = lay.short_piece() {
-            let head = match lay.picked.len() {
-                0 => Head::None,
-                1 => Head::Last,
-                _ => Head::All,
-            };
-            return self.steps(work, 1, steps, head);
-        }
         let d = &self.d;
         let (rows, nseg, nseq, nchunk) =
             (lay.rows, lay.segs.len(), lay.seqs.len(), lay.chunks.len());
@@ -568,18 +547,9 @@ impl Pipe<'_> {
     /// One decode step for `nb` sequences (tokens and state addresses already in `work`);
     /// logits land in `work.logits` rows `0..nb`.
     pub fn decode(&self, work: &Work, nb: usize) -> Result<()> {
-        self.steps(work, nb, 1, Head::All)
-    }
-
-    /// `steps` tokens of each of `nseq` sequences through the decode kernels (token rows
-    /// s·steps + t; sequence s's state at `work.states[s]`); the head's logits as `head`
-    /// says (`Last`: the last row of each sequence, which is every row when `steps` is 1).
-    fn steps(&self, work: &Work, nseq: usize, steps: usize, head: Head) -> Result<()> {
         let d = &self.d;
-        let nb = nseq * steps;
         self.embed(work, nb)?;
         let gemv = nb <= GEMV_MAX_ROWS;
-        let steps_i = steps as i32;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let layer = l as i32;
             if gemv {
@@ -604,7 +574,7 @@ impl Pipe<'_> {
             };
             self.launch(
                 &self.k.mixer_step,
-                (d.nheads as u32, nseq as u32, 1),
+                (d.nheads as u32, nb as u32, 1),
                 256,
                 0,
                 &[
@@ -618,7 +588,6 @@ impl Pipe<'_> {
                     &lw.out_norm.as_ref().map_or(0, |b| b.ptr),
                     &work.states.ptr,
                     &layer,
-                    &steps_i,
                     &yf,
                     &ya,
                 ],
@@ -684,34 +653,22 @@ impl Pipe<'_> {
             )?;
         }
         let vp = d.vocab_padded;
-        let (first, rows) = match head {
-            Head::None => return Ok(()),
-            Head::All => (0, nb),
-            Head::Last if steps == 1 => (0, nb),
-            Head::Last if nseq == 1 => (nb - 1, 1),
-            Head::Last => {
-                return Err(crate::error::Error::Device(format!(
-                    "a steps pass keeps the last logits of one sequence, not of {nseq}"
-                )))
-            }
-        };
         if gemv {
             self.gemv(
-                work.res.ptr + (first * d.d_model * 4) as u64,
+                work.res.ptr,
                 self.w.norm_f.ptr,
                 self.w.head().ptr,
                 (work.logits.ptr, d.vocab_padded),
-                rows,
+                nb,
                 d.vocab_padded,
                 d.d_model,
                 1,
                 false,
             )?;
         } else {
-            debug_assert_eq!(first, 0, "only steps of one token exceed the GEMV's rows");
-            self.head_gemm(work, rows, 0)?;
+            self.head_gemm(work, nb, 0)?;
         }
-        self.look("decode head", None, work.logits.ptr, rows, vp, vp, true)
+        self.look("decode head", None, work.logits.ptr, nb, vp, vp, true)
     }
 
     /// `out[b] (+)= transform(in[b]) · Wᵀ` (kernels/gemv.cu: `gemv_tc_*` on tensor cores for

@@ -279,10 +279,7 @@ impl CudaModel {
             pipe.decode(work, seqs.len())?;
             seqs.len()
         } else {
-            if lay.short_piece().is_none() {
-                // (the decode kernels read no tables)
-                work.put_layout(&self.gpu, &lay)?;
-            }
+            work.put_layout(&self.gpu, &lay)?;
             pipe.prefill(work, &lay)?;
             lay.picked.len()
         };

@@ -89,12 +89,6 @@ impl Layout {
     pub fn decode(n: usize, d: &Dims) -> Layout {
         Layout::new(&vec![1; n], d, 1, LogitsWant::Last)
     }
-
-    /// Tokens of a single sequence short enough for the decode kernels (the prefill then
-    /// reads them token by token, see `Pipe::prefill`).
-    pub fn short_piece(&self) -> Option<usize> {
-        (self.seqs.len() == 1 && self.rows <= super::forward::GEMV_MAX_ROWS).then_some(self.rows)
-    }
 }
 
 /// Chunks per segment, by a model of the scan's makespan: phase C runs every segment,

@@ -1,8 +1,6 @@
 // The fused decode step of one mixer layer (spec §3.3): split, activations, B/C norms,
 // angle update, rotation, state update, output, D skip and gate in one launch, one block
-// per (head, sequence), for `steps` tokens of each sequence in turn (rows b·steps + t: a
-// decode step is one; a short prefill piece is read this way too, the state held in the
-// block between its tokens). CPU twin: `mixer_step` in src/cpu/step.rs, once per token:
+// per (head, sequence). CPU twin: `mixer_step` in src/cpu/step.rs:
 //
 //   φ ← wrap(φ + θ·Δ);  k̃, q̃ = rotate(B̄ + B_bias), rotate(C̄ + C_bias)
 //   h ← α·h + β·outer(v_prev, k_prev) + γ·outer(x, k̃),   y = h·q̃ + D·x
@@ -11,7 +9,7 @@
 // Latency is what counts here (a few microseconds per layer): everything that does not
 // depend on the previous kernel — this head's state rows, its k_prev, v_prev and φ, the
 // norm weights and biases — is loaded before waiting for it, and everything that does (one
-// in_proj row per token) is loaded in one go per token.
+// in_proj row) is loaded in one go right after, so the block waits for memory twice.
 
 #define STEP_THREADS 256
 #define STEP_WARPS (STEP_THREADS / 32)
@@ -26,7 +24,7 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
                const float* __restrict__ c_norm, const float* __restrict__ dt_bias,
                const float* __restrict__ b_bias, const float* __restrict__ c_bias,
                const float* __restrict__ d_skip, const float* __restrict__ out_norm,
-               float* const* __restrict__ states, int layer, int steps, float* __restrict__ y_f32,
+               float* const* __restrict__ states, int layer, float* __restrict__ y_f32,
                act_t* __restrict__ y_act) {
     // raw B, C of this head's group, then k̃, q̃; the previous key
     __shared__ float s_b[DSTATE], s_c[DSTATE], s_k[DSTATE], s_q[DSTATE], s_kp[DSTATE];
@@ -70,118 +68,96 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 
     griddep_wait();
     griddep_launch();
-    for (int t = 0; t < steps; ++t) {
-        const int r_out = b * steps + t;
-        // ---- this token's in_proj row, in one go (after the previous token's readers)
-        if (t > 0) __syncthreads();
-        const float* row = proj + (size_t)r_out * PROJ_LD;
-        for (int n = tid; n < DSTATE; n += STEP_THREADS) {
-            s_b[n] = row[B_OFF + g * DSTATE + n];
-            s_c[n] = row[C_OFF + g * DSTATE + n];
-        }
-        for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) {
-            s_x[pp] = row[X_OFF + h * HEADDIM + pp];
-            s_z[pp] = row[Z_OFF + h * HEADDIM + pp];
-        }
-        for (int i = tid; i < NANGLES; i += STEP_THREADS) s_ang[i] = row[ANG_OFF + i];
-        if (tid < 3) s_raw[tid] = row[(tid == 0 ? DT_OFF : tid == 1 ? A_OFF : TRAP_OFF) + h];
-        __syncthreads();
-
-        const float dt = softplus_f(s_raw[0] + dtb);
-        const float a = a_value_f(s_raw[1]) * dt;
-        const float lam = sigmoid_f(s_raw[2]);
-        const float alpha = expf(a), beta = alpha * dt * (1.f - lam), gamma = lam * dt;
-        if (warp < 2) {  // RMS of B (warp 0) and C (warp 1)
-            const float* src = warp ? s_c : s_b;
-            float ss = 0.f;
-            for (int n = lane; n < DSTATE; n += 32) ss += src[n] * src[n];
-            ss = warp_sum(ss);
-            if (lane == 0) s_scal[warp] = 1.f / sqrtf(ss / (float)DSTATE + NORM_EPS);
-        }
-        for (int i = tid; i < NANGLES; i += STEP_THREADS) {
-            const float ph = wrap_angle_f(s_phi[i] + PI_F * tanhf(s_ang[i]) * dt);
-            s_phi[i] = ph;
-            sincos_phase(ph, &s_cs[NANGLES + i], &s_cs[i]);
-        }
-        __syncthreads();
-        // k̃, q̃: normed, biased, rotated pairwise (thread n holds the constants of n).
-        for (int n = tid; n < DSTATE; n += STEP_THREADS) {
-            const float bwn = n == tid ? bw : b_norm[n], cwn = n == tid ? cw : c_norm[n];
-            const float bbn = n == tid ? bb : b_bias[h * DSTATE + n], cbn = n == tid ? cb : c_bias[h * DSTATE + n];
-            s_k[n] = s_b[n] * s_scal[0] * bwn + bbn;
-            s_q[n] = s_c[n] * s_scal[1] * cwn + cbn;
-        }
-        __syncthreads();
-        for (int i = tid; i < NANGLES; i += STEP_THREADS) {
-            const int n = 2 * i;
-            const float c = s_cs[i], s = s_cs[NANGLES + i];
-            float u = s_k[n], v = s_k[n + 1];
-            s_k[n] = u * c - v * s;
-            s_k[n + 1] = u * s + v * c;
-            u = s_q[n], v = s_q[n + 1];
-            s_q[n] = u * c - v * s;
-            s_q[n + 1] = u * s + v * c;
-        }
-        __syncthreads();
-        // State rows: one warp per row p, float4 across n (kept in registers between tokens
-        // when they fit, written back after the last).
-#pragma unroll
-        for (int r = 0; r < STEP_RPW; ++r) {
-            const int pp = warp + r * STEP_WARPS;
-            if (pp >= HEADDIM) break;
-            float4* hr = reinterpret_cast<float4*>(hs + pp * DSTATE);
-            const float bv = beta * s_vp[pp], gx = gamma * s_x[pp];
-            float acc = 0.f;
-#pragma unroll
-            for (int q = 0; q < STEP_NPL; ++q) {
-                const int n4 = lane + 32 * q;
-                if (n4 >= DSTATE / 4) break;
-                float4 v = STEP_PREFETCH ? hreg[r * STEP_NPL + q] : hr[n4];
-                const int n = 4 * n4;
-                v.x = alpha * v.x + bv * s_kp[n] + gx * s_k[n];
-                v.y = alpha * v.y + bv * s_kp[n + 1] + gx * s_k[n + 1];
-                v.z = alpha * v.z + bv * s_kp[n + 2] + gx * s_k[n + 2];
-                v.w = alpha * v.w + bv * s_kp[n + 3] + gx * s_k[n + 3];
-                if (STEP_PREFETCH) hreg[r * STEP_NPL + q] = v;
-                else hr[n4] = v;
-                acc += v.x * s_q[n] + v.y * s_q[n + 1] + v.z * s_q[n + 2] + v.w * s_q[n + 3];
-            }
-            acc = warp_sum(acc);
-            if (lane == 0) s_y[pp] = acc + dsk * s_x[pp];
-        }
-        __syncthreads();
-        // this token's key and value are the next one's previous ones
-        for (int n = tid; n < DSTATE; n += STEP_THREADS) s_kp[n] = s_k[n];
-        for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) s_vp[pp] = s_x[pp];
-#if OUTNORM
-        float ss = 0.f;
-        for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) ss += s_y[pp] * s_y[pp];
-        const float inv = 1.f / sqrtf(block_sum(ss, red) / (float)HEADDIM + NORM_EPS);
-#endif
-        for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) {
-            float v = s_y[pp];
-#if OUTNORM
-            v = v * inv * out_norm[h * HEADDIM + pp];
-#endif
-            v *= silu_f(s_z[pp]);
-            const size_t o = (size_t)r_out * D_INNER + h * HEADDIM + pp;
-            if (y_f32) y_f32[o] = v;
-            else y_act[o] = from_f<act_t>(v);
-        }
+    // ---- this sequence's in_proj row, in one go
+    const float* row = proj + (size_t)b * PROJ_LD;
+    for (int n = tid; n < DSTATE; n += STEP_THREADS) {
+        s_b[n] = row[B_OFF + g * DSTATE + n];
+        s_c[n] = row[C_OFF + g * DSTATE + n];
     }
-    // ---- the state after the last token
-    if (STEP_PREFETCH) {
-#pragma unroll
-        for (int r = 0; r < STEP_RPW; ++r)
-#pragma unroll
-            for (int q = 0; q < STEP_NPL; ++q) {
-                const int pp = warp + r * STEP_WARPS, n4 = lane + 32 * q;
-                if (pp < HEADDIM && n4 < DSTATE / 4)
-                    reinterpret_cast<float4*>(hs + pp * DSTATE)[n4] = hreg[r * STEP_NPL + q];
-            }
+    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) {
+        s_x[pp] = row[X_OFF + h * HEADDIM + pp];
+        s_z[pp] = row[Z_OFF + h * HEADDIM + pp];
+    }
+    for (int i = tid; i < NANGLES; i += STEP_THREADS) s_ang[i] = row[ANG_OFF + i];
+    if (tid < 3) s_raw[tid] = row[(tid == 0 ? DT_OFF : tid == 1 ? A_OFF : TRAP_OFF) + h];
+    __syncthreads();
+
+    const float dt = softplus_f(s_raw[0] + dtb);
+    const float a = a_value_f(s_raw[1]) * dt;
+    const float lam = sigmoid_f(s_raw[2]);
+    const float alpha = expf(a), beta = alpha * dt * (1.f - lam), gamma = lam * dt;
+    if (warp < 2) {  // RMS of B (warp 0) and C (warp 1)
+        const float* src = warp ? s_c : s_b;
+        float ss = 0.f;
+        for (int n = lane; n < DSTATE; n += 32) ss += src[n] * src[n];
+        ss = warp_sum(ss);
+        if (lane == 0) s_scal[warp] = 1.f / sqrtf(ss / (float)DSTATE + NORM_EPS);
+    }
+    for (int i = tid; i < NANGLES; i += STEP_THREADS) {
+        const float ph = wrap_angle_f(s_phi[i] + PI_F * tanhf(s_ang[i]) * dt);
+        st[ST_ANGLE + h * NANGLES + i] = ph;
+        sincos_phase(ph, &s_cs[NANGLES + i], &s_cs[i]);
     }
     __syncthreads();
-    for (int n = tid; n < DSTATE; n += STEP_THREADS) st[ST_K + h * DSTATE + n] = s_kp[n];
-    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) st[ST_V + h * HEADDIM + pp] = s_vp[pp];
-    for (int i = tid; i < NANGLES; i += STEP_THREADS) st[ST_ANGLE + h * NANGLES + i] = s_phi[i];
+    // k̃, q̃: normed, biased, rotated pairwise (thread n holds the constants of n).
+    for (int n = tid; n < DSTATE; n += STEP_THREADS) {
+        const float bwn = n == tid ? bw : b_norm[n], cwn = n == tid ? cw : c_norm[n];
+        const float bbn = n == tid ? bb : b_bias[h * DSTATE + n], cbn = n == tid ? cb : c_bias[h * DSTATE + n];
+        s_k[n] = s_b[n] * s_scal[0] * bwn + bbn;
+        s_q[n] = s_c[n] * s_scal[1] * cwn + cbn;
+    }
+    __syncthreads();
+    for (int i = tid; i < NANGLES; i += STEP_THREADS) {
+        const int n = 2 * i;
+        const float c = s_cs[i], s = s_cs[NANGLES + i];
+        float u = s_k[n], v = s_k[n + 1];
+        s_k[n] = u * c - v * s;
+        s_k[n + 1] = u * s + v * c;
+        u = s_q[n], v = s_q[n + 1];
+        s_q[n] = u * c - v * s;
+        s_q[n + 1] = u * s + v * c;
+    }
+    __syncthreads();
+    // State rows: one warp per row p, float4 across n.
+#pragma unroll
+    for (int r = 0; r < STEP_RPW; ++r) {
+        const int pp = warp + r * STEP_WARPS;
+        if (pp >= HEADDIM) break;
+        float4* hr = reinterpret_cast<float4*>(hs + pp * DSTATE);
+        const float bv = beta * s_vp[pp], gx = gamma * s_x[pp];
+        float acc = 0.f;
+#pragma unroll
+        for (int q = 0; q < STEP_NPL; ++q) {
+            const int n4 = lane + 32 * q;
+            if (n4 >= DSTATE / 4) break;
+            float4 v = STEP_PREFETCH ? hreg[r * STEP_NPL + q] : hr[n4];
+            const int n = 4 * n4;
+            v.x = alpha * v.x + bv * s_kp[n] + gx * s_k[n];
+            v.y = alpha * v.y + bv * s_kp[n + 1] + gx * s_k[n + 1];
+            v.z = alpha * v.z + bv * s_kp[n + 2] + gx * s_k[n + 2];
+            v.w = alpha * v.w + bv * s_kp[n + 3] + gx * s_k[n + 3];
+            hr[n4] = v;
+            acc += v.x * s_q[n] + v.y * s_q[n + 1] + v.z * s_q[n + 2] + v.w * s_q[n + 3];
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) s_y[pp] = acc + dsk * s_x[pp];
+    }
+    for (int n = tid; n < DSTATE; n += STEP_THREADS) st[ST_K + h * DSTATE + n] = s_k[n];
+    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) st[ST_V + h * HEADDIM + pp] = s_x[pp];
+    __syncthreads();
+#if OUTNORM
+    float ss = 0.f;
+    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) ss += s_y[pp] * s_y[pp];
+    const float inv = 1.f / sqrtf(block_sum(ss, red) / (float)HEADDIM + NORM_EPS);
+#endif
+    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) {
+        float v = s_y[pp];
+#if OUTNORM
+        v = v * inv * out_norm[h * HEADDIM + pp];
+#endif
+        v *= silu_f(s_z[pp]);
+        const size_t o = (size_t)b * D_INNER + h * HEADDIM + pp;
+        if (y_f32) y_f32[o] = v;
+        else y_act[o] = from_f<act_t>(v);
+    }
 }
