@@ -1,5 +1,6 @@
 //! CUDA graphs: replay is bit-identical to eager execution, and refuses (with an error)
-//! what does not match its capture. Run on a machine with a CUDA device:
+//! what does not match its capture. The fused decode (one launch for every layer) is
+//! bit-identical to the launch per kernel. Run on a machine with a CUDA device:
 //! `cargo test --test gpu_graphs -- --include-ignored`.
 
 mod gpu;
@@ -187,6 +188,62 @@ fn replay_refuses_what_differs_from_capture() {
     let before = hosts(&st);
     let _ = m.decode_graph(&[1, 2, 3, 4, 5], &mut st.iter_mut().collect::<Vec<_>>());
     assert!(hosts(&st) == before);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fused_decode_is_bit_identical_to_the_unfused_launches() {
+    // the small model (MLP, out-proj norm, 2 groups); a wide one-layer model whose GEMVs
+    // give some blocks three tiles and whose out_proj rows do not fit the weights loaded
+    // ahead (the fused step takes batches whose heads fit in one block per SM: the small
+    // model's 8 heads at every batch here, the wide model's 96 at batch 1)
+    let wide = config(1536, 1, 64, 32, 1, 1.0, false, 0, 64);
+    let cases = [
+        (model(DType::BF16), vec![1usize, 5, 8, 13, 16]),
+        (model(DType::F16), vec![1, 8, 16]),
+        (
+            Model::from_weights(
+                Weights::synthetic(wide, DType::BF16, 5).unwrap(),
+                Device::Cuda(0),
+            )
+            .unwrap(),
+            vec![1, 2],
+        ),
+    ];
+    for (m, batches) in cases {
+        let o = m.gpu_options().unwrap().unwrap();
+        for batch in batches {
+            let base = primed(&m, batch);
+            let mut runs = vec![];
+            for fused in [true, false] {
+                m.set_gpu_options(GpuOptions {
+                    fused_decode: fused,
+                    ..o
+                })
+                .unwrap();
+                let mut st = base.clone();
+                let lg = decode3(&m, &mut st, false);
+                assert!(lg.iter().all(|v| v.is_finite()));
+                runs.push((lg, hosts(&st)));
+            }
+            let d = m.dims();
+            assert!(
+                runs[0].0 == runs[1].0,
+                "d_model {} batch {batch}: logits differ",
+                d.d_model
+            );
+            assert!(
+                runs[0].1 == runs[1].1,
+                "d_model {} batch {batch}: states differ",
+                d.d_model
+            );
+            println!(
+                "d_model {} batch {batch}: fused decode bit-identical",
+                d.d_model
+            );
+        }
+        m.set_gpu_options(o).unwrap();
+    }
 }
 
 #[test]

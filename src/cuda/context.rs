@@ -146,10 +146,53 @@ impl Gpu {
         pdl: bool,
         args: &[&dyn KArg],
     ) -> Result<()> {
-        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.ptr()).collect();
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
+        let attrs = if pdl {
+            std::slice::from_mut(&mut attr)
+        } else {
+            &mut []
+        };
+        self.launch_with(k, grid, block, smem, attrs, args)
+    }
+
+    /// Launch `k` as a cooperative grid: every block resident at once (the driver refuses
+    /// the launch otherwise), so that blocks may wait for each other.
+    pub fn launch_cooperative(
+        &self,
+        k: &Kernel,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        args: &[&dyn KArg],
+    ) -> Result<()> {
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attr.value.cooperative = 1;
+        self.launch_with(
+            k,
+            (grid, 1, 1),
+            block,
+            smem,
+            std::slice::from_mut(&mut attr),
+            args,
+        )
+    }
+
+    fn launch_with(
+        &self,
+        k: &Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        attrs: &mut [sys::CUlaunchAttribute],
+        args: &[&dyn KArg],
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.ptr()).collect();
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -159,12 +202,9 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: self.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(pdl),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
         unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,

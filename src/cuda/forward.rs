@@ -25,9 +25,7 @@ use crate::engine::GpuOptions as CudaOptions;
 use crate::error::Result;
 use crate::model::{DType, Dims};
 
-/// Decode batches up to this size use the fused-norm GEMV kernels; larger ones cuBLASLt.
-pub const GEMV_MAX_ROWS: usize = 16;
-const GEMV_BG: usize = 4;
+pub use super::decode::GEMV_MAX_ROWS;
 
 /// `rms_norm_rows` output modes (kernels/dense.cu).
 const NORM_ACT: i32 = 0;
@@ -85,7 +83,7 @@ impl Pipe<'_> {
     /// With `probe` on: wait, and check `rows × cols` values (rows `ld` apart, f32 or the
     /// activation dtype) that `what` wrote.
     #[allow(clippy::too_many_arguments)]
-    fn look(
+    pub(super) fn look(
         &self,
         what: &str,
         layer: Option<usize>,
@@ -148,7 +146,7 @@ impl Pipe<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn gemm(
+    pub(super) fn gemm(
         &self,
         rows: usize,
         n: usize,
@@ -223,7 +221,7 @@ impl Pipe<'_> {
         self.lt.gemm(self.gpu, &spec, a, w, d)
     }
 
-    fn launch(
+    pub(super) fn launch(
         &self,
         k: &super::context::Kernel,
         grid: (u32, u32, u32),
@@ -247,7 +245,7 @@ impl Pipe<'_> {
         )
     }
 
-    fn embed(&self, work: &Work, rows: usize) -> Result<()> {
+    pub(super) fn embed(&self, work: &Work, rows: usize) -> Result<()> {
         self.launch(
             &self.k.embed,
             (rows as u32, 1, 1),
@@ -258,7 +256,7 @@ impl Pipe<'_> {
     }
 
     /// The in_proj GEMM from the residual rows: norm (into the route's input) + cuBLASLt.
-    fn in_proj_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+    pub(super) fn in_proj_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
         let (d, lw) = (&self.d, &self.w.layers[l]);
         let (w, ab, k, mode) = self.in_proj_route(l);
         self.norm_rows(work.res.ptr, lw.norm.ptr, work.xin.ptr, rows, 0, mode)?;
@@ -287,8 +285,24 @@ impl Pipe<'_> {
         )
     }
 
+    /// The out_proj GEMM of layer `l`, adding the gated mixer output into the residual.
+    pub(super) fn out_proj_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+        let d = &self.d;
+        let w = self.w.layers[l].out_proj.ptr;
+        self.gemm(
+            rows,
+            d.d_model,
+            d.d_inner,
+            work.y.ptr,
+            w,
+            work.res.ptr,
+            true,
+            true,
+        )
+    }
+
     /// The MLP of layer `l` through cuBLASLt (prefill and large decode batches).
-    fn mlp_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+    pub(super) fn mlp_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
         let (d, Some(m)) = (&self.d, &self.w.layers[l].mlp) else {
             return Ok(());
         };
@@ -331,7 +345,7 @@ impl Pipe<'_> {
     }
 
     /// Final norm of the picked rows and the head: logits `[picked, vocab_padded]`.
-    fn head_gemm(&self, work: &Work, picked: usize, idx: u64) -> Result<()> {
+    pub(super) fn head_gemm(&self, work: &Work, picked: usize, idx: u64) -> Result<()> {
         let d = &self.d;
         self.norm_rows(
             work.res.ptr,
@@ -493,16 +507,7 @@ impl Pipe<'_> {
                 d.d_inner,
                 false,
             )?;
-            self.gemm(
-                rows,
-                d.d_model,
-                d.d_inner,
-                work.y.ptr,
-                lw.out_proj.ptr,
-                work.res.ptr,
-                true,
-                true,
-            )?;
+            self.out_proj_gemm(work, l, rows)?;
             self.look(
                 "out_proj",
                 Some(l),
@@ -542,192 +547,6 @@ impl Pipe<'_> {
         )?;
         let vp = d.vocab_padded;
         self.look("head", None, work.logits.ptr, picked, vp, vp, true)
-    }
-
-    /// One decode step for `nb` sequences (tokens and state addresses already in `work`);
-    /// logits land in `work.logits` rows `0..nb`.
-    pub fn decode(&self, work: &Work, nb: usize) -> Result<()> {
-        let d = &self.d;
-        self.embed(work, nb)?;
-        let gemv = nb <= GEMV_MAX_ROWS;
-        for (l, lw) in self.w.layers.iter().enumerate() {
-            let layer = l as i32;
-            if gemv {
-                self.gemv(
-                    work.res.ptr,
-                    lw.norm.ptr,
-                    lw.in_proj.ptr,
-                    (work.proj.ptr, proj_ld(d)),
-                    nb,
-                    d.d_in_proj,
-                    d.d_model,
-                    1,
-                    false,
-                )?;
-            } else {
-                self.in_proj_gemm(work, l, nb)?;
-            }
-            let (yf, ya) = if gemv {
-                (work.yf.ptr, 0u64)
-            } else {
-                (0u64, work.y.ptr)
-            };
-            self.launch(
-                &self.k.mixer_step,
-                (d.nheads as u32, nb as u32, 1),
-                256,
-                0,
-                &[
-                    &work.proj.ptr,
-                    &lw.b_norm.ptr,
-                    &lw.c_norm.ptr,
-                    &lw.dt_bias.ptr,
-                    &lw.b_bias.ptr,
-                    &lw.c_bias.ptr,
-                    &lw.d.ptr,
-                    &lw.out_norm.as_ref().map_or(0, |b| b.ptr),
-                    &work.states.ptr,
-                    &layer,
-                    &yf,
-                    &ya,
-                ],
-            )?;
-            if gemv {
-                self.gemv(
-                    work.yf.ptr,
-                    0,
-                    lw.out_proj.ptr,
-                    (work.res.ptr, d.d_model),
-                    nb,
-                    d.d_model,
-                    d.d_inner,
-                    0,
-                    true,
-                )?;
-                if let Some(m) = &lw.mlp {
-                    let hid = d.mlp_hidden;
-                    self.gemv(
-                        work.res.ptr,
-                        m.norm.ptr,
-                        m.fc1.ptr,
-                        (work.vg.ptr, 2 * hid),
-                        nb,
-                        2 * hid,
-                        d.d_model,
-                        1,
-                        false,
-                    )?;
-                    self.gemv(
-                        work.vg.ptr,
-                        0,
-                        m.fc2.ptr,
-                        (work.res.ptr, d.d_model),
-                        nb,
-                        d.d_model,
-                        hid,
-                        2,
-                        true,
-                    )?;
-                }
-            } else {
-                self.gemm(
-                    nb,
-                    d.d_model,
-                    d.d_inner,
-                    work.y.ptr,
-                    lw.out_proj.ptr,
-                    work.res.ptr,
-                    true,
-                    true,
-                )?;
-                self.mlp_gemm(work, l, nb)?;
-            }
-            self.look(
-                "decode layer",
-                Some(l),
-                work.res.ptr,
-                nb,
-                d.d_model,
-                d.d_model,
-                true,
-            )?;
-        }
-        let vp = d.vocab_padded;
-        if gemv {
-            self.gemv(
-                work.res.ptr,
-                self.w.norm_f.ptr,
-                self.w.head().ptr,
-                (work.logits.ptr, d.vocab_padded),
-                nb,
-                d.vocab_padded,
-                d.d_model,
-                1,
-                false,
-            )?;
-        } else {
-            self.head_gemm(work, nb, 0)?;
-        }
-        self.look("decode head", None, work.logits.ptr, nb, vp, vp, true)
-    }
-
-    /// `out[b] (+)= transform(in[b]) · Wᵀ` (kernels/gemv.cu: `gemv_tc_*` on tensor cores for
-    /// 16-bit models, else `gemv_*`; by input width `k`).
-    #[allow(clippy::too_many_arguments)]
-    fn gemv(
-        &self,
-        input: u64,
-        nw: u64,
-        w: u64,
-        out: (u64, usize),
-        nb: usize,
-        n: usize,
-        k: usize,
-        mode: i32,
-        acc: bool,
-    ) -> Result<()> {
-        let (out, ldo) = (out.0, out.1 as i32);
-        let d = &self.d;
-        let (nb_i, n_i, acc_i) = (nb as i32, n as i32, i32::from(acc));
-        let which = if k == d.d_model {
-            0
-        } else if k == d.d_inner {
-            1
-        } else {
-            2
-        };
-        // 16-bit models always take the tensor-core GEMV, whatever the batch: a row's result
-        // must not depend on how many rows share the launch (graph buckets pad batches).
-        if let Some((kern, smem)) = &self.k.gemv_tc[which] {
-            let smem = smem[usize::from(nb > 8)];
-            if smem as usize <= self.gpu.max_smem {
-                return self.launch(
-                    kern,
-                    (n.div_ceil(16) as u32, 1, 1),
-                    256,
-                    smem,
-                    &[&input, &nw, &w, &out, &ldo, &nb_i, &n_i, &mode, &acc_i],
-                );
-            }
-        }
-        let kern = if k == d.d_model {
-            &self.k.gemv_dmodel
-        } else if k == d.d_inner {
-            &self.k.gemv_dinner
-        } else {
-            self.k
-                .gemv_hidden
-                .as_ref()
-                .expect("compiled when the model has an MLP")
-        };
-        let smem = (GEMV_BG * k * 4) as u32;
-        self.launch(
-            kern,
-            (n.div_ceil(8) as u32, 1, 1),
-            256,
-            smem,
-            &[&input, &nw, &w, &out, &ldo, &nb_i, &n_i, &mode, &acc_i],
-        )
     }
 
     /// The scan math this pipeline's kernels were built with.

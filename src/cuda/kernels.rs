@@ -17,13 +17,14 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::path::PathBuf;
 
 /// Every kernel source, in the order they are concatenated into one program.
-pub const SOURCES: [(&str, &str); 6] = [
+pub const SOURCES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
     ("scan.cu", include_str!("kernels/scan.cu")),
     ("step.cu", include_str!("kernels/step.cu")),
+    ("decode_layers.cu", include_str!("kernels/decode_layers.cu")),
 ];
 
 /// The training program: the forward's row and scan kernels plus the backward and the
@@ -53,8 +54,8 @@ impl Program {
     }
 }
 
-/// The kernels a module exports (the `gemv_tc_*` ones only for 16-bit models).
-pub const KERNEL_NAMES: [&str; 15] = [
+/// The kernels a module exports (`gemv_tc_*` and `decode_layers*` only for 16-bit models).
+pub const KERNEL_NAMES: [&str; 17] = [
     "embed",
     "rms_norm_rows",
     "swiglu_rows",
@@ -70,6 +71,8 @@ pub const KERNEL_NAMES: [&str; 15] = [
     "scan_outputs",
     "scan_pass",
     "mixer_step",
+    "decode_layers8",
+    "decode_layers16",
 ];
 
 /// How the chunk products of the scan are computed (`SCAN_MMA` in kernels/scan.cu).
@@ -364,6 +367,9 @@ pub struct Kernels {
     pub scan_outputs: Kernel,
     pub scan_pass: Kernel,
     pub mixer_step: Kernel,
+    /// every layer of a decode step in one cooperative launch (16-bit models), for
+    /// batches of ≤ 8 and of ≤ 16 rows, with its shared memory
+    pub decode_layers: [Option<(Kernel, u32)>; 2],
     /// Dynamic shared memory of the scan blocks and of prefill_pre, in bytes.
     pub scan_smem: u32,
     /// Scan blocks that fit on one SM at once.
@@ -424,6 +430,13 @@ impl Kernels {
             tc("gemv_tc_dinner")?,
             if mlp { tc("gemv_tc_hidden")? } else { None },
         ];
+        let fused = |name: &'static str| -> Result<Option<(Kernel, u32)>> {
+            if cfg.define("ACT") == Some("0") || module.load_function(name).is_err() {
+                return Ok(None);
+            }
+            Ok(Some((get(name)?, global(&format!("{name}_smem"))?)))
+        };
+        let decode_layers = [fused("decode_layers8")?, fused("decode_layers16")?];
         let k = Kernels {
             embed: get("embed")?,
             rms_norm_rows: get("rms_norm_rows")?,
@@ -438,6 +451,7 @@ impl Kernels {
             scan_outputs: get("scan_outputs")?,
             scan_pass: get("scan_pass")?,
             mixer_step: get("mixer_step")?,
+            decode_layers,
             scan_smem,
             scan_blocks_per_sm: 1,
             pre_smem,
@@ -456,6 +470,11 @@ impl Kernels {
         ];
         if let Some(g) = &k.gemv_hidden {
             sized.push((g, gemv_smem));
+        }
+        for (g, smem) in k.decode_layers.iter().flatten() {
+            if *smem as usize <= gpu.max_smem {
+                sized.push((g, *smem as usize));
+            }
         }
         for (g, smem) in k.gemv_tc.iter().flatten() {
             if smem[1] as usize <= gpu.max_smem {

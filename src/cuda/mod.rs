@@ -6,7 +6,7 @@
 //!   cached on disk;
 //! - `gemm`: the projections through cuBLASLt;
 //! - `weights`, `state`, `work`: what lives on the device;
-//! - `forward`: the prefill and decode launch sequences;
+//! - `forward`: the prefill launch sequence; `decode`: the decode step's;
 //! - `graphs`: CUDA-graph capture and replay;
 //! - `model`: `CudaModel`, what the engine's `Model` calls;
 //! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step;
@@ -14,10 +14,12 @@
 //!
 //! Every kernel has a CPU twin of the same name in `crate::cpu` (`embed` → the embedding
 //! loop of `CpuModel::forward`, `rms_norm_rows` → `rms_norm`, `prefill_pre` → `token_pre`,
-//! `scan_*` → `scan_head`, `mixer_step` → `mixer_step`, `gemv` → `matmul_t`); the
+//! `scan_*` → `scan_head`, `mixer_step` → `mixer_step`, `gemv` → `matmul_t`, `decode_layers*` → the layer loop of
+//! `CpuModel::forward`); the
 //! mathematics is written once, in those twins' module docs and in the spec.
 
 pub mod context;
+pub mod decode;
 pub mod forward;
 pub mod gemm;
 pub mod graphs;

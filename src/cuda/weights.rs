@@ -80,7 +80,38 @@ pub struct GpuWeights {
     pub norm_f: DevBuf,
     /// `None`: the head is the embedding.
     pub lm_head: Option<DevBuf>,
+    /// 16-bit models: every layer's parameter addresses, `LayerW` of
+    /// kernels/decode_layers.cu (13 per layer; 0 for what the layer lacks)
+    pub layer_table: Option<DevBuf>,
     pub bytes: usize,
+}
+
+/// The addresses of each layer's parameters in the order of `LayerW`
+/// (kernels/decode_layers.cu): norm, in_proj, the mixer's b_norm, c_norm, dt_bias, b_bias,
+/// c_bias, D, out_norm, then out_proj and the MLP's norm, fc1, fc2.
+fn layer_table(layers: &[GpuLayer]) -> Vec<u64> {
+    let opt = |b: Option<&DevBuf>| b.map_or(0, |b| b.ptr);
+    layers
+        .iter()
+        .flat_map(|l| {
+            let m = l.mlp.as_ref();
+            [
+                l.norm.ptr,
+                l.in_proj.ptr,
+                l.b_norm.ptr,
+                l.c_norm.ptr,
+                l.dt_bias.ptr,
+                l.b_bias.ptr,
+                l.c_bias.ptr,
+                l.d.ptr,
+                opt(l.out_norm.as_ref()),
+                l.out_proj.ptr,
+                opt(m.map(|m| &m.norm)),
+                opt(m.map(|m| &m.fc1)),
+                opt(m.map(|m| &m.fc2)),
+            ]
+        })
+        .collect()
 }
 
 impl GpuWeights {
@@ -129,10 +160,15 @@ impl GpuWeights {
         }
         let embedding = mat(&w.embedding)?;
         let lm_head = w.lm_head.as_ref().map(&mut mat).transpose()?;
+        let layer_table = match w.dtype {
+            DType::F32 => None,
+            _ => Some(gpu.upload(&layer_table(&layers))?),
+        };
         Ok(GpuWeights {
             embedding,
             norm_f: vec(&w.norm_f)?,
             lm_head,
+            layer_table,
             layers,
             bytes: bytes + input_bytes,
         })

@@ -205,6 +205,8 @@ pub struct Work {
     /// final-normed picked rows (act) and their logits (f32)
     pub hfin: DevBuf,
     pub logits: DevBuf,
+    /// the fused decode's two phase counters (kernels/decode_layers.cu), zero between launches
+    pub sync: DevBuf,
 }
 
 impl Work {
@@ -237,6 +239,11 @@ impl Work {
             picked: gpu.alloc::<i32>(c.picked.max(1))?,
             hfin: a(c.picked * d.d_model)?,
             logits: f(c.picked * d.vocab_padded)?,
+            sync: {
+                let b = gpu.alloc::<u64>(2)?;
+                gpu.zero(b.ptr, b.bytes)?;
+                b
+            },
         })
     }
 

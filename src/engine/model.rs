@@ -43,6 +43,10 @@ pub struct GpuOptions {
     pub fast: bool,
     /// Programmatic dependent launch between kernels (Hopper and newer).
     pub pdl: bool,
+    /// 16-bit models, decode batches of up to 16: every layer of a step in one cooperative
+    /// launch (kernels/decode_layers.cu) instead of three or five launches per layer.
+    /// Bit-identical either way; it only changes the speed.
+    pub fused_decode: bool,
 }
 
 impl Default for GpuOptions {
@@ -51,13 +55,14 @@ impl Default for GpuOptions {
             tf32: false,
             fast: false,
             pdl: true,
+            fused_decode: true,
         }
     }
 }
 
 impl GpuOptions {
     /// The defaults, overridden by `MAMBA3_GPU_TF32=1`, `MAMBA3_GPU_FAST=1`,
-    /// `MAMBA3_GPU_PDL=0`.
+    /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`.
     pub fn from_env() -> GpuOptions {
         let flag = |k: &str, d: bool| match std::env::var(k).as_deref() {
             Ok("1") | Ok("true") | Ok("on") => true,
@@ -69,6 +74,7 @@ impl GpuOptions {
             tf32: flag("MAMBA3_GPU_TF32", d.tf32),
             fast: flag("MAMBA3_GPU_FAST", d.fast),
             pdl: flag("MAMBA3_GPU_PDL", d.pdl),
+            fused_decode: flag("MAMBA3_GPU_FUSED_DECODE", d.fused_decode),
         }
     }
 }

@@ -166,115 +166,179 @@ __device__ __forceinline__ void tc_kblock(float (&acc)[2][NT][4], uint4 wg, uint
     }
 }
 
-template <int K, int NT>
-__device__ __forceinline__ void gemv_tc_body(const float* __restrict__ in, const float* __restrict__ nw,
-                                             const w_t* __restrict__ W, float* __restrict__ out, int ldo,
-                                             int nb, int N, int mode, int acc_out) {
+// The shape of a K-wide tensor-core GEMV: 32-wide k blocks, how many each warp reduces,
+// how many of them are loaded ahead (PFW per tile), the staged row stride.
+template <int K> struct Tc {
     static_assert(K % 8 == 0, "16-byte weight loads");
-    constexpr int KB = KP(K) / 32, KBW = (KB + TC_WARPS - 1) / TC_WARPS, LD = LDXS(K), NBP = 8 * NT;
-    extern __shared__ __align__(16) unsigned char tc_smem[];
-    act_t* xhi = reinterpret_cast<act_t*>(tc_smem);
-    act_t* xlo = xhi + NBP * LD;
-    float* red = reinterpret_cast<float*>(xlo + NBP * LD);  // [TC_WARPS][16][NBP]
+    static constexpr int KB = KP(K) / 32;
+    static constexpr int KBW = (KB + TC_WARPS - 1) / TC_WARPS;
+    static constexpr int PFW = KBW < TC_PF ? KBW : TC_PF;
+    static constexpr int LD = LDXS(K);
+    // staged input float4s per thread (thread tid takes k = 4·(tid + 256·i) … + 3)
+    static constexpr int KT = (KP(K) / 4 + TC_WARPS * 32 - 1) / (TC_WARPS * 32);
+};
+
+// Four act_t, stored together.
+struct __align__(8) Act4 {
+    act_t v[4];
+};
+
+// The RMS norm weights of the thread's input elements, loaded ahead (0 without a norm).
+template <int K>
+__device__ __forceinline__ void tc_norm_ahead(float4 (&nwr)[Tc<K>::KT], const float* __restrict__ nw) {
+#pragma unroll
+    for (int i = 0; i < Tc<K>::KT; ++i) {
+        const int k = 4 * (threadIdx.x + TC_WARPS * 32 * i);
+        nwr[i] = nw && k < K ? __ldg(reinterpret_cast<const float4*>(nw + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// This warp's first PFW weight k blocks of the 16-row tile at n0 (rows g, g + 8), loaded
+// ahead: they do not depend on the previous kernel or phase.
+template <int K>
+__device__ __forceinline__ void tc_prefetch(uint4 (&pf)[Tc<K>::PFW][2], const w_t* __restrict__ W, int N,
+                                            int n0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 16;
     const w_t* wr0 = W + (size_t)min(n0 + g, N - 1) * K;
     const w_t* wr1 = W + (size_t)min(n0 + g + 8, N - 1) * K;
-    // This warp's first weight blocks, before waiting for the previous kernel.
-    uint4 wpf[TC_PF < KBW ? TC_PF : KBW][2];
 #pragma unroll
-    for (int i = 0; i < (TC_PF < KBW ? TC_PF : KBW); ++i) {
+    for (int i = 0; i < Tc<K>::PFW; ++i) {
         const int k = (warp + TC_WARPS * i) * 32 + 8 * t;
-        const bool ok = warp + TC_WARPS * i < KB && k < K;
-        wpf[i][0] = ok ? __ldg(reinterpret_cast<const uint4*>(wr0 + k)) : make_uint4(0, 0, 0, 0);
-        wpf[i][1] = ok ? __ldg(reinterpret_cast<const uint4*>(wr1 + k)) : make_uint4(0, 0, 0, 0);
+        const bool ok = warp + TC_WARPS * i < Tc<K>::KB && k < K;
+        pf[i][0] = ok ? __ldg(reinterpret_cast<const uint4*>(wr0 + k)) : make_uint4(0, 0, 0, 0);
+        pf[i][1] = ok ? __ldg(reinterpret_cast<const uint4*>(wr1 + k)) : make_uint4(0, 0, 0, 0);
     }
-    griddep_wait();
-    griddep_launch();
-    // Stage the input rows, all threads together (thread tid takes k = tid + 256·i of
-    // every row, so that every load of a pass is in flight at once). The RMS norm's sums
-    // of squares come first, reduced over the block for all rows at once.
-    __shared__ float s_part[TC_WARPS][NBP], s_scale[NBP];
-    constexpr int KT = (KP(K) + TC_WARPS * 32 - 1) / (TC_WARPS * 32);
+}
+
+// The dynamic shared memory of a tensor-core GEMV: staged hi and lo rows, warp partials.
+template <int K, int NT>
+__device__ __forceinline__ void tc_smem_parts(act_t*& xhi, act_t*& xlo, float*& red) {
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    xhi = reinterpret_cast<act_t*>(tc_smem);
+    xlo = xhi + 8 * NT * Tc<K>::LD;
+    red = reinterpret_cast<float*>(xlo + 8 * NT * Tc<K>::LD);  // [TC_WARPS][16][NBP]
+}
+
+// Stage the input rows (nb of them, zero-padded to NBP = 8·NT and to KP(K)) in shared
+// memory as hi and lo in act_t, four rows at a time: every load of the four rows first
+// (float4s; thread tid takes k = 4·(tid + 256·i) …), then, for the RMS norm, the rows' sums
+// of squares over the block, then the stores. Short code on purpose: it runs once per
+// launch or phase, so its instruction fetches are part of the latency. The input is read
+// through L2 (`__ldcg`): in the fused decode other blocks of the same launch wrote it.
+template <int K, int NT, int mode>
+__device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc<K>::KT], int nb, act_t* xhi,
+                                         act_t* xlo) {
+    constexpr int NBP = 8 * NT, LD = Tc<K>::LD, KT = Tc<K>::KT;
+    __shared__ float s_part[TC_WARPS][NBP];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int in_w = mode == 2 ? 2 * K : K;
-    if (mode == 1) {
-        float ss[NBP];
-#pragma unroll
-        for (int b = 0; b < NBP; ++b) {
-            ss[b] = 0.f;
-#pragma unroll
-            for (int i = 0; i < KT; ++i) {
-                const int k = threadIdx.x + TC_WARPS * 32 * i;
-                if (b < nb && k < K) {
-                    const float v = in[(size_t)b * in_w + k];
-                    ss[b] += v * v;
-                }
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < NBP; ++b) {
-            const float t = warp_sum(ss[b]);
-            if (lane == 0) s_part[warp][b] = t;
-        }
-        __syncthreads();
-        if (threadIdx.x < NBP) {
-            float t = 0.f;
-#pragma unroll
-            for (int w = 0; w < TC_WARPS; ++w) t += s_part[w][threadIdx.x];
-            s_scale[threadIdx.x] = 1.f / sqrtf(t / (float)K + NORM_EPS);
-        }
-        __syncthreads();
+    __syncthreads();  // the previous user of the buffers is done
+    // padding rows past the last group of four
+    const int z0 = (nb + 3) / 4 * 4;
+    for (int e = z0 * LD / 8 + threadIdx.x; e < NBP * LD / 8; e += TC_WARPS * 32) {
+        reinterpret_cast<uint4*>(xhi)[e] = make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(xlo)[e] = make_uint4(0, 0, 0, 0);
     }
-    // Four rows at a time: every load first (into registers), then the stores — shared
-    // stores between them would keep the compiler from issuing the loads together.
 #pragma unroll 1
-    for (int b0 = 0; b0 < NBP; b0 += 4) {
-        float v[4][KT], gt[4][KT];
+    for (int b0 = 0; b0 < nb; b0 += 4) {
+        float4 v[4][KT], gt[4][mode == 2 ? KT : 1];
 #pragma unroll
         for (int b = 0; b < 4; ++b)
 #pragma unroll
             for (int i = 0; i < KT; ++i) {
-                const int k = threadIdx.x + TC_WARPS * 32 * i;
+                const int k = 4 * (threadIdx.x + TC_WARPS * 32 * i);
                 const bool ok = b0 + b < nb && k < K;
-                const float* row = in + (size_t)(b0 + b) * in_w;
-                v[b][i] = ok ? row[k] : 0.f;
-                gt[b][i] = ok && mode == 2 ? row[K + k] : 0.f;
+                const float4* row = reinterpret_cast<const float4*>(in + (size_t)(b0 + b) * in_w + k);
+                v[b][i] = ok ? __ldcg(row) : make_float4(0.f, 0.f, 0.f, 0.f);
+                if (mode == 2) gt[b][mode == 2 ? i : 0] = ok ? __ldcg(row + K / 4) : make_float4(0.f, 0.f, 0.f, 0.f);
             }
+        float scale[4] = {1.f, 1.f, 1.f, 1.f};
+        if (mode == 1) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                float ss = 0.f;
+#pragma unroll
+                for (int i = 0; i < KT; ++i)
+                    ss += v[b][i].x * v[b][i].x + v[b][i].y * v[b][i].y + v[b][i].z * v[b][i].z +
+                          v[b][i].w * v[b][i].w;
+                ss = warp_sum(ss);
+                if (lane == 0) s_part[warp][b0 + b] = ss;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                float t = 0.f;
+#pragma unroll
+                for (int w = 0; w < TC_WARPS; ++w) t += s_part[w][b0 + b];
+                scale[b] = 1.f / sqrtf(t / (float)K + NORM_EPS);
+            }
+        }
 #pragma unroll
         for (int b = 0; b < 4; ++b)
 #pragma unroll
             for (int i = 0; i < KT; ++i) {
-                const int k = threadIdx.x + TC_WARPS * 32 * i;
+                const int k = 4 * (threadIdx.x + TC_WARPS * 32 * i);
                 if (k >= KP(K)) continue;
-                float x = v[b][i];
-                if (mode == 1 && k < K) x = x * s_scale[b0 + b] * nw[k];
-                if (mode == 2) x = x * silu_f(gt[b][i]);
-                const act_t hi = from_f<act_t>(x);
-                xhi[(b0 + b) * LD + k] = hi;
-                xlo[(b0 + b) * LD + k] = from_f<act_t>(x - to_f(hi));
+                float x[4] = {v[b][i].x, v[b][i].y, v[b][i].z, v[b][i].w};
+                if (mode == 1) {
+                    const float w4[4] = {nwr[i].x, nwr[i].y, nwr[i].z, nwr[i].w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) x[j] = x[j] * scale[b] * w4[j];
+                }
+                if (mode == 2) {
+                    const float4 g = gt[b][mode == 2 ? i : 0];
+                    x[0] *= silu_f(g.x);
+                    x[1] *= silu_f(g.y);
+                    x[2] *= silu_f(g.z);
+                    x[3] *= silu_f(g.w);
+                }
+                Act4 hi, lo;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    hi.v[j] = from_f<act_t>(x[j]);
+                    lo.v[j] = from_f<act_t>(x[j] - to_f(hi.v[j]));
+                }
+                *reinterpret_cast<Act4*>(xhi + (b0 + b) * LD + k) = hi;
+                *reinterpret_cast<Act4*>(xlo + (b0 + b) * LD + k) = lo;
             }
     }
     __syncthreads();
+}
+
+// One 16-row tile at n0 against the staged rows: warp w reduces the k blocks w, w + 8, …
+// (the first PFW from `pf`), the warps' partial sums meet in `red` and are added in warp
+// order; out[b·ldo + n] (+)= the sum. With `acc_out`, thread e's old value of element
+// e = 16·b + r is `prev` when `has_prev` (loaded ahead by `tc_prev`), else read here.
+template <int K, int NT>
+__device__ __forceinline__ void tc_tile(const uint4 (&pf)[Tc<K>::PFW][2], const w_t* __restrict__ W, int N,
+                                        int n0, const act_t* xhi, const act_t* xlo, float* red,
+                                        float* out, int ldo, int nb, int acc_out, float prev = 0.f,
+                                        bool has_prev = false) {
+    constexpr int NBP = 8 * NT;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const w_t* wr0 = W + (size_t)min(n0 + g, N - 1) * K;
+    const w_t* wr1 = W + (size_t)min(n0 + g + 8, N - 1) * K;
     float acc[2][NT][4];
 #pragma unroll
     for (int s = 0; s < 2; ++s)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[s][nt][0] = acc[s][nt][1] = acc[s][nt][2] = acc[s][nt][3] = 0.f;
 #pragma unroll
-    for (int i = 0; i < KBW; ++i) {
+    for (int i = 0; i < Tc<K>::KBW; ++i) {
         const int kb = warp + TC_WARPS * i;
-        if (kb >= KB) break;
+        if (kb >= Tc<K>::KB) break;
         uint4 w0, w1;
-        if (i < TC_PF) {
-            w0 = wpf[i < TC_PF ? i : 0][0];
-            w1 = wpf[i < TC_PF ? i : 0][1];
+        if (i < Tc<K>::PFW) {
+            w0 = pf[i < Tc<K>::PFW ? i : 0][0];
+            w1 = pf[i < Tc<K>::PFW ? i : 0][1];
         } else {
             const int k = kb * 32 + 8 * t;
             w0 = k < K ? __ldg(reinterpret_cast<const uint4*>(wr0 + k)) : make_uint4(0, 0, 0, 0);
             w1 = k < K ? __ldg(reinterpret_cast<const uint4*>(wr1 + k)) : make_uint4(0, 0, 0, 0);
         }
-        tc_kblock<NT>(acc, w0, w1, xhi, xlo, LD, kb * 32);
+        tc_kblock<NT>(acc, w0, w1, xhi, xlo, Tc<K>::LD, kb * 32);
     }
+    __syncthreads();  // `red` is free (a previous tile's sums are read)
     // Partial sums of this warp: rows g, g + 8, input rows 2t, 2t + 1 of each tile.
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -293,8 +357,42 @@ __device__ __forceinline__ void gemv_tc_body(const float* __restrict__ in, const
 #pragma unroll
         for (int w = 0; w < TC_WARPS; ++w) s += red[(w * 16 + r) * NBP + b];
         float* o = out + (size_t)b * ldo + n;
-        *o = acc_out ? *o + s : s;
+        *o = acc_out ? (has_prev && e == (int)threadIdx.x ? prev : __ldcg(o)) + s : s;
     }
+}
+
+// The old value of the output element that `tc_tile` gives this thread (see there).
+__device__ __forceinline__ float tc_prev(const float* out, int ldo, int nb, int N, int n0) {
+    const int e = threadIdx.x, b = e / 16, n = n0 + e % 16;
+    return e < 16 * nb && n < N ? __ldcg(out + (size_t)b * ldo + n) : 0.f;
+}
+
+// One tile per block: weights loaded, then the wait for the previous kernel.
+template <int K, int NT, int mode>
+__device__ __forceinline__ void gemv_tc_body(const float* in, const float* __restrict__ nw,
+                                             const w_t* __restrict__ W, float* out, int ldo,
+                                             int nb, int N, int acc_out) {
+    const int n0 = blockIdx.x * 16;
+    uint4 pf[Tc<K>::PFW][2];
+    float4 nwr[Tc<K>::KT];
+    tc_prefetch<K>(pf, W, N, n0);
+    tc_norm_ahead<K>(nwr, mode == 1 ? nw : nullptr);
+    griddep_wait();
+    griddep_launch();
+    act_t *xhi, *xlo;
+    float* red;
+    tc_smem_parts<K, NT>(xhi, xlo, red);
+    tc_stage<K, NT, mode>(in, nwr, nb, xhi, xlo);
+    tc_tile<K, NT>(pf, W, N, n0, xhi, xlo, red, out, ldo, nb, acc_out);
+}
+
+template <int K, int NT>
+__device__ __forceinline__ void gemv_tc_modes(const float* in, const float* __restrict__ nw,
+                                              const w_t* __restrict__ W, float* out, int ldo, int nb,
+                                              int N, int mode, int acc) {
+    if (mode == 0) gemv_tc_body<K, NT, 0>(in, nw, W, out, ldo, nb, N, acc);
+    else if (mode == 1) gemv_tc_body<K, NT, 1>(in, nw, W, out, ldo, nb, N, acc);
+    else gemv_tc_body<K, NT, 2>(in, nw, W, out, ldo, nb, N, acc);
 }
 
 // Shared memory of a tensor-core GEMV launch with input width K (read by the host).
@@ -304,8 +402,8 @@ __device__ __forceinline__ void gemv_tc_body(const float* __restrict__ in, const
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                                \
         name(const float* __restrict__ in, const float* __restrict__ nw, const w_t* __restrict__ W, \
              float* __restrict__ out, int ldo, int nb, int N, int mode, int acc) {             \
-        if (nb <= 8) gemv_tc_body<KW, 1>(in, nw, W, out, ldo, nb, N, mode, acc);               \
-        else gemv_tc_body<KW, 2>(in, nw, W, out, ldo, nb, N, mode, acc);                       \
+        if (nb <= 8) gemv_tc_modes<KW, 1>(in, nw, W, out, ldo, nb, N, mode, acc);              \
+        else gemv_tc_modes<KW, 2>(in, nw, W, out, ldo, nb, N, mode, acc);                      \
     }                                                                                          \
     extern "C" __device__ int name##_smem8 = TC_SMEM(KW, 1);                                   \
     extern "C" __device__ int name##_smem16 = TC_SMEM(KW, 2);

@@ -1,0 +1,284 @@
+//! The GPU decode step (spec §3.3): embedding, every layer, final norm and LM head for a
+//! batch of one-token sequences, each with its own state. Per layer, for batches of up to
+//! `GEMV_MAX_ROWS`: the in_proj GEMV with the RMSNorm fused on its input, `mixer_step`, the
+//! out_proj GEMV adding into the residual (and the MLP's two GEMVs) — or, for 16-bit
+//! models and batches whose heads fit in one block per SM, all layers in one cooperative
+//! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`). Larger
+//! batches run the projections through cuBLASLt. CPU twin: `CpuModel::forward` with one
+//! token per sequence (src/cpu/forward.rs).
+
+use super::context::Gpu;
+use super::forward::Pipe;
+use super::kernels::proj_ld;
+use super::work::Work;
+use crate::error::Result;
+
+/// Decode batches up to this size use the fused-norm GEMV kernels; larger ones cuBLASLt.
+pub const GEMV_MAX_ROWS: usize = 16;
+/// Input rows the f32 GEMV stages in shared memory at a time (`GEMV_BG` in kernels/gemv.cu).
+const GEMV_BG: usize = 4;
+
+impl Pipe<'_> {
+    /// One decode step for `nb` sequences (tokens and state addresses already in `work`);
+    /// logits land in `work.logits` rows `0..nb`.
+    pub fn decode(&self, work: &Work, nb: usize) -> Result<()> {
+        let d = &self.d;
+        self.embed(work, nb)?;
+        if self.decode_fused(work, nb)? {
+            return self.decode_head(work, nb, true);
+        }
+        let gemv = nb <= GEMV_MAX_ROWS;
+        for (l, lw) in self.w.layers.iter().enumerate() {
+            let layer = l as i32;
+            if gemv {
+                self.gemv(
+                    work.res.ptr,
+                    lw.norm.ptr,
+                    lw.in_proj.ptr,
+                    (work.proj.ptr, proj_ld(d)),
+                    nb,
+                    d.d_in_proj,
+                    d.d_model,
+                    1,
+                    false,
+                )?;
+            } else {
+                self.in_proj_gemm(work, l, nb)?;
+            }
+            let (yf, ya) = if gemv {
+                (work.yf.ptr, 0u64)
+            } else {
+                (0u64, work.y.ptr)
+            };
+            self.launch(
+                &self.k.mixer_step,
+                (d.nheads as u32, nb as u32, 1),
+                256,
+                0,
+                &[
+                    &work.proj.ptr,
+                    &lw.b_norm.ptr,
+                    &lw.c_norm.ptr,
+                    &lw.dt_bias.ptr,
+                    &lw.b_bias.ptr,
+                    &lw.c_bias.ptr,
+                    &lw.d.ptr,
+                    &lw.out_norm.as_ref().map_or(0, |b| b.ptr),
+                    &work.states.ptr,
+                    &layer,
+                    &yf,
+                    &ya,
+                ],
+            )?;
+            if gemv {
+                self.gemv(
+                    work.yf.ptr,
+                    0,
+                    lw.out_proj.ptr,
+                    (work.res.ptr, d.d_model),
+                    nb,
+                    d.d_model,
+                    d.d_inner,
+                    0,
+                    true,
+                )?;
+                if let Some(m) = &lw.mlp {
+                    let hid = d.mlp_hidden;
+                    self.gemv(
+                        work.res.ptr,
+                        m.norm.ptr,
+                        m.fc1.ptr,
+                        (work.vg.ptr, 2 * hid),
+                        nb,
+                        2 * hid,
+                        d.d_model,
+                        1,
+                        false,
+                    )?;
+                    self.gemv(
+                        work.vg.ptr,
+                        0,
+                        m.fc2.ptr,
+                        (work.res.ptr, d.d_model),
+                        nb,
+                        d.d_model,
+                        hid,
+                        2,
+                        true,
+                    )?;
+                }
+            } else {
+                self.out_proj_gemm(work, l, nb)?;
+                self.mlp_gemm(work, l, nb)?;
+            }
+            self.look(
+                "decode layer",
+                Some(l),
+                work.res.ptr,
+                nb,
+                d.d_model,
+                d.d_model,
+                true,
+            )?;
+        }
+        self.decode_head(work, nb, gemv)
+    }
+
+    /// Every layer of the step in one cooperative launch (kernels/decode_layers.cu), when
+    /// the options, the model and the batch allow it; false (nothing launched) otherwise.
+    fn decode_fused(&self, work: &Work, nb: usize) -> Result<bool> {
+        let fused = self.k.decode_layers.get(usize::from(nb > 8));
+        let (Some(Some((kern, smem))), Some(table)) = (fused, &self.w.layer_table) else {
+            return Ok(false);
+        };
+        let (smem, grid) = (*smem, self.gpu.sms);
+        // One block per SM: with more (head, sequence) pairs than blocks, some blocks walk
+        // two heads one after the other and the launch per kernel is faster (measured:
+        // docs/benchmarks.md), so the fused step is for batches whose heads fit in one wave.
+        if !self.opts.fused_decode
+            || self.probe
+            || nb > GEMV_MAX_ROWS
+            || self.d.nheads * nb > grid
+            || smem as usize > self.gpu.max_smem
+        {
+            return Ok(false);
+        }
+        let (layers, nb_i) = (self.w.layers.len() as i32, nb as i32);
+        let trace = std::env::var_os("MAMBA3_GPU_TRACE").map(std::path::PathBuf::from);
+        let phases = self.w.layers.len() * if self.d.mlp_hidden > 0 { 5 } else { 3 };
+        let trace_buf = match &trace {
+            Some(_) => Some(self.gpu.alloc::<u64>(phases * grid * 5)?),
+            None => None,
+        };
+        if let Some(t) = &trace_buf {
+            self.gpu.zero(t.ptr, t.bytes)?;
+        }
+        let trace_ptr = trace_buf.as_ref().map_or(0, |t| t.ptr);
+        self.gpu.launch_cooperative(
+            kern,
+            grid as u32,
+            256,
+            smem,
+            &[
+                &table.ptr,
+                &layers,
+                &work.res.ptr,
+                &work.proj.ptr,
+                &work.yf.ptr,
+                &work.vg.ptr,
+                &work.states.ptr,
+                &nb_i,
+                &work.sync.ptr,
+                &trace_ptr,
+            ],
+        )?;
+        if let (Some(path), Some(t)) = (trace, trace_buf) {
+            write_trace(self.gpu, &path, &t, phases, grid)?;
+        }
+        Ok(true)
+    }
+
+    /// The final norm and the LM head of a decode step (GEMV for small batches).
+    fn decode_head(&self, work: &Work, nb: usize, gemv: bool) -> Result<()> {
+        let d = &self.d;
+        let vp = d.vocab_padded;
+        if gemv {
+            self.gemv(
+                work.res.ptr,
+                self.w.norm_f.ptr,
+                self.w.head().ptr,
+                (work.logits.ptr, d.vocab_padded),
+                nb,
+                d.vocab_padded,
+                d.d_model,
+                1,
+                false,
+            )?;
+        } else {
+            self.head_gemm(work, nb, 0)?;
+        }
+        self.look("decode head", None, work.logits.ptr, nb, vp, vp, true)
+    }
+
+    /// `out[b] (+)= transform(in[b]) · Wᵀ` (kernels/gemv.cu: `gemv_tc_*` on tensor cores for
+    /// 16-bit models, else `gemv_*`; by input width `k`).
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        input: u64,
+        nw: u64,
+        w: u64,
+        out: (u64, usize),
+        nb: usize,
+        n: usize,
+        k: usize,
+        mode: i32,
+        acc: bool,
+    ) -> Result<()> {
+        let (out, ldo) = (out.0, out.1 as i32);
+        let d = &self.d;
+        let (nb_i, n_i, acc_i) = (nb as i32, n as i32, i32::from(acc));
+        let which = if k == d.d_model {
+            0
+        } else if k == d.d_inner {
+            1
+        } else {
+            2
+        };
+        // 16-bit models always take the tensor-core GEMV, whatever the batch: a row's result
+        // must not depend on how many rows share the launch (graph buckets pad batches).
+        if let Some((kern, smem)) = &self.k.gemv_tc[which] {
+            let smem = smem[usize::from(nb > 8)];
+            if smem as usize <= self.gpu.max_smem {
+                return self.launch(
+                    kern,
+                    (n.div_ceil(16) as u32, 1, 1),
+                    256,
+                    smem,
+                    &[&input, &nw, &w, &out, &ldo, &nb_i, &n_i, &mode, &acc_i],
+                );
+            }
+        }
+        let kern = if k == d.d_model {
+            &self.k.gemv_dmodel
+        } else if k == d.d_inner {
+            &self.k.gemv_dinner
+        } else {
+            self.k
+                .gemv_hidden
+                .as_ref()
+                .expect("compiled when the model has an MLP")
+        };
+        let smem = (GEMV_BG * k * 4) as u32;
+        self.launch(
+            kern,
+            (n.div_ceil(8) as u32, 1, 1),
+            256,
+            smem,
+            &[&input, &nw, &w, &out, &ldo, &nb_i, &n_i, &mode, &acc_i],
+        )
+    }
+}
+
+/// `MAMBA3_GPU_TRACE=FILE` (a diagnostic of the fused decode): the phase times of the last
+/// eager step, one line per (phase, block): `phase block entered waited arrived mark3
+/// mark4` in ns of the GPU's global timer (the marks: after staging the input and after the
+/// tiles of a GEMV; after loading the in_proj row and after the rotation of the mixer), 0
+/// where a block had no work in the phase.
+fn write_trace(
+    gpu: &Gpu,
+    path: &std::path::Path,
+    t: &super::context::DevBuf,
+    phases: usize,
+    grid: usize,
+) -> Result<()> {
+    gpu.sync()?;
+    let mut v = vec![0u64; phases * grid * 5];
+    gpu.dtoh(t.ptr, &mut v)?;
+    let mut out = String::new();
+    for (i, r) in v.chunks(5).enumerate() {
+        let (p, b) = (i / grid, i % grid);
+        out += &format!("{p} {b} {} {} {} {} {}\n", r[0], r[1], r[2], r[3], r[4]);
+    }
+    std::fs::write(path, out).map_err(|e| crate::error::Error::io(path, e))
+}

@@ -1,0 +1,202 @@
+// Every layer of one decode step in a single launch (16-bit models, batches ≤ 16): per
+// layer the phases of the unfused decode — in_proj GEMV with the RMSNorm on its input
+// (`gemv_tc_*`), `mixer_step`, out_proj GEMV adding into the residual, and the MLP's two
+// GEMVs when there is one — run by the same device functions, in the same order, so the
+// result is bit-identical to the unfused launches. CPU twin: the layer loop of
+// `CpuModel::forward` (src/cpu/forward.rs) with one token per sequence.
+//
+// Why: at batch 1 a layer is three kernels of a few microseconds each, and most of every
+// kernel is waiting — for its launch, for its weights, for the previous kernel. Here the
+// grid is one block per SM for the whole step (a cooperative launch, so that every block
+// is resident) and phases meet at a counter instead of a kernel boundary: a block
+// announces a finished phase with one atomic add, and a block that works in the next phase
+// first loads everything that does not depend on it (its weight tiles, the head's state)
+// and then waits for the count. Blocks with nothing to do in a phase skip it and go on to
+// load for the next one.
+//
+// Counting: `sync[0]` counts the arrivals of the step so far. A phase with W workers
+// (blocks that have tiles or heads in it) adds W; the workers of the next phase wait until
+// the count reaches the sum over all earlier phases — every block computes the same sums.
+// `sync[1]` counts the blocks that are done; the last one resets both for the next launch
+// (at that point no block is waiting on them any more).
+
+#if ACT != 0 && D_MODEL % 8 == 0 && D_INNER % 8 == 0 && (MLP_HIDDEN == 0 || MLP_HIDDEN % 8 == 0)
+// Device addresses of one layer's parameters, as src/cuda/weights.rs lays them out.
+struct LayerW {
+    const float* norm;
+    const w_t* in_proj;
+    MixerW mix;
+    const w_t* out_proj;
+    const float* mlp_norm;
+    const w_t* fc1;
+    const w_t* fc2;
+};
+
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+struct Phases {
+    unsigned long long* count;
+    unsigned long long before;  // arrivals of every earlier phase
+    // when not null: per (phase, block) the times (ns) of entering the phase, of the end of
+    // the wait, of the arrival and of two points in between (MAMBA3_GPU_TRACE, a diagnostic)
+    unsigned long long* trace;
+    int phase;
+    __device__ __forceinline__ void mark(int k) const {
+        if (trace && threadIdx.x == 0) trace[((size_t)phase * gridDim.x + blockIdx.x) * 5 + k] = global_ns();
+    }
+    // Wait until every earlier phase is done (the whole block, after thread 0 sees it).
+    __device__ __forceinline__ void wait() const {
+        if (threadIdx.x == 0)
+            while (load_acquire(count) < before) {
+            }
+        mark(1);
+        __syncthreads();
+    }
+    // This block's part of the phase is written.
+    __device__ __forceinline__ void arrive() const {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            mark(2);
+            __threadfence();
+            atomicAdd(count, 1ull);
+        }
+    }
+    __device__ __forceinline__ void next(int workers) {
+        before += (unsigned long long)workers;
+        ++phase;
+    }
+};
+
+// out (+)= transform(in) · Wᵀ over N rows in 16-row tiles; tile t goes to block t mod G,
+// or to block G − 1 − (t mod G) with `reverse` (so that a small GEMV lands on other blocks
+// than the heavy ones of the GEMV before it).
+template <int K, int NT, int mode>
+__device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const float* nw, const w_t* W,
+                                           float* out, int ldo, int nb, int N, int acc, bool reverse) {
+    // Two tiles' weights are loaded ahead when both fit in TC_PF k blocks per warp.
+    constexpr int PFT = Tc<K>::PFW == Tc<K>::KBW && 2 * Tc<K>::KBW <= TC_PF ? 2 : 1;
+    const int tiles = (N + 15) / 16, G = gridDim.x;
+    const int first = reverse ? G - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    ph.mark(0);
+    if (first < tiles) {
+        uint4 pf[PFT][Tc<K>::PFW][2];
+        float4 nwr[Tc<K>::KT];
+#pragma unroll
+        for (int j = 0; j < PFT; ++j)
+            if (first + j * G < tiles) tc_prefetch<K>(pf[j], W, N, 16 * (first + j * G));
+        tc_norm_ahead<K>(nwr, mode == 1 ? nw : nullptr);
+        // the first tile's old output values: only this block writes them
+        const float prev = acc ? tc_prev(out, ldo, nb, N, 16 * first) : 0.f;
+        ph.wait();
+        act_t *xhi, *xlo;
+        float* red;
+        tc_smem_parts<K, NT>(xhi, xlo, red);
+        tc_stage<K, NT, mode>(in, nwr, nb, xhi, xlo);
+        ph.mark(3);
+#pragma unroll
+        for (int j = 0; j < PFT; ++j)
+            if (first + j * G < tiles)
+                tc_tile<K, NT>(pf[j], W, N, 16 * (first + j * G), xhi, xlo, red, out, ldo, nb, acc, prev,
+                               j == 0);
+        for (int t = first + PFT * G; t < tiles; t += G) {
+            tc_prefetch<K>(pf[0], W, N, 16 * t);
+            tc_tile<K, NT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc);
+        }
+        __syncthreads();
+        ph.mark(4);
+        ph.arrive();
+    }
+    ph.next(min(tiles, G));
+}
+
+// The mixer of every (head, sequence): item i = b·NHEADS + h goes to block i mod G.
+__device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const MixerW& w, const float* proj,
+                                            float* const* __restrict__ states, int layer, int nb,
+                                            float* yf) {
+    const int items = NHEADS * nb, G = gridDim.x;
+    int i = blockIdx.x;
+    ph.mark(0);
+    if (i < items) {
+        StepAhead ah;
+        mixer_ahead(ah, w, states, layer, i % NHEADS, i / NHEADS);
+        ph.wait();
+        for (;;) {
+            mixer_run(sm, ah, w, proj, states, layer, i % NHEADS, i / NHEADS, yf, nullptr,
+                      [&](int k) { ph.mark(k); });
+            i += G;
+            if (i >= items) break;
+            mixer_ahead(ah, w, states, layer, i % NHEADS, i / NHEADS);
+        }
+        ph.arrive();
+    }
+    ph.next(min(items, G));
+}
+
+template <int NT>
+__device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const LayerW* __restrict__ layers,
+                                             int n_layers, float* res, float* proj, float* yf, float* vg,
+                                             float* const* __restrict__ states, int nb) {
+    for (int l = 0; l < n_layers; ++l) {
+        const LayerW w = layers[l];
+        // Let the head's GEMV (launched next, with PDL) start loading its weights.
+        if (l == n_layers - 1) griddep_launch();
+        fused_gemv<D_MODEL, NT, 1>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
+        fused_mixer(ph, sm, w.mix, proj, states, l, nb, yf);
+        fused_gemv<D_INNER, NT, 0>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true);
+#if MLP_HIDDEN > 0
+        fused_gemv<D_MODEL, NT, 1>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0, false);
+        fused_gemv<MLP_HIDDEN, NT, 2>(ph, vg, nullptr, w.fc2, res, D_MODEL, nb, D_MODEL, 1, true);
+#endif
+    }
+}
+
+#define FUSED_MAX(a, b) ((a) > (b) ? (a) : (b))
+#if MLP_HIDDEN > 0
+#define FUSED_SMEM(NT) FUSED_MAX(FUSED_MAX(TC_SMEM(D_MODEL, NT), TC_SMEM(D_INNER, NT)), TC_SMEM(MLP_HIDDEN, NT))
+#else
+#define FUSED_SMEM(NT) FUSED_MAX(TC_SMEM(D_MODEL, NT), TC_SMEM(D_INNER, NT))
+#endif
+
+// res: the embedded rows (nb × D_MODEL f32), left as the last layer's output; proj, yf, vg:
+// the unfused decode's buffers; sync: two zeroed counters owned by this launch's buffers.
+// One entry point per row tile (nb ≤ 8, ≤ 16): registers are allotted per kernel.
+template <int NT>
+__device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ layers, int n_layers, float* res,
+                                                   float* proj, float* yf, float* vg,
+                                                   float* const* __restrict__ states, int nb,
+                                                   unsigned long long* sync, unsigned long long* trace) {
+    __shared__ StepSmem sm;
+    griddep_wait();
+    Phases ph = {sync, 0ull, trace, 0};
+    fused_layers<NT>(ph, sm, layers, n_layers, res, proj, yf, vg, states, nb);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(sync + 1, 1ull) == gridDim.x - 1) {
+            atomicExch(sync, 0ull);
+            atomicExch(sync + 1, 0ull);
+        }
+    }
+}
+
+#define DECODE_LAYERS_ENTRY(name, NT)                                                                \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 1)                                  \
+        name(const LayerW* __restrict__ layers, int n_layers, float* res, float* proj, float* yf,     \
+             float* vg, float* const* __restrict__ states, int nb, unsigned long long* sync,          \
+             unsigned long long* trace) {                                                            \
+        decode_layers_body<NT>(layers, n_layers, res, proj, yf, vg, states, nb, sync, trace);       \
+    }                                                                                                \
+    extern "C" __device__ int name##_smem = FUSED_SMEM(NT);
+DECODE_LAYERS_ENTRY(decode_layers8, 1)
+DECODE_LAYERS_ENTRY(decode_layers16, 2)
+#endif
