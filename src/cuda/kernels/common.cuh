@@ -132,4 +132,3 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 #define HEADS_PER_GROUP (NHEADS / NGROUPS)
 // width of one token's normed B̄ then C̄: [2][G][N]
 #define BC_W (2 * NGROUPS * DSTATE)
-
