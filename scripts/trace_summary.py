@@ -13,6 +13,7 @@ marks = {}
 for p, b, t0, t1, t2, t3, t4 in rows:
     phases.setdefault(p, []).append((b, t0, t1, t2))
     if t2:
+        t4 = t4 or t2  # a GEMV's tiles end at its arrival
         marks.setdefault(p, []).append((t3 - t1, t4 - t3, t2 - t4))
 n = len(phases)
 start = min(t0 for r in phases.values() for _, t0, _, _ in r if t0)

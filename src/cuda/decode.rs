@@ -144,7 +144,7 @@ impl Pipe<'_> {
             return Ok(false);
         }
         let (layers, nb_i) = (self.w.layers.len() as i32, nb as i32);
-        let trace = std::env::var_os("MAMBA3_GPU_TRACE").map(std::path::PathBuf::from);
+        let trace = trace_path();
         let phases = self.w.layers.len() * if self.d.mlp_hidden > 0 { 5 } else { 3 };
         let trace_buf = match &trace {
             Some(_) => Some(self.gpu.alloc::<u64>(phases * grid * 5)?),
@@ -260,11 +260,18 @@ impl Pipe<'_> {
     }
 }
 
+/// `MAMBA3_GPU_TRACE`, read once (not on every step).
+fn trace_path() -> Option<std::path::PathBuf> {
+    static PATH: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| std::env::var_os("MAMBA3_GPU_TRACE").map(Into::into))
+        .clone()
+}
+
 /// `MAMBA3_GPU_TRACE=FILE` (a diagnostic of the fused decode): the phase times of the last
 /// eager step, one line per (phase, block): `phase block entered waited arrived mark3
-/// mark4` in ns of the GPU's global timer (the marks: after staging the input and after the
-/// tiles of a GEMV; after loading the in_proj row and after the rotation of the mixer), 0
-/// where a block had no work in the phase.
+/// mark4` in ns of the GPU's global timer (the marks: after staging the input of a GEMV,
+/// whose tiles end at the arrival; after loading the in_proj row and after the rotation of
+/// the mixer), 0 where a block had no work in the phase or a mark does not apply.
 fn write_trace(
     gpu: &Gpu,
     path: &std::path::Path,

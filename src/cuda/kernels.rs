@@ -415,8 +415,11 @@ impl Kernels {
             )));
         }
         let mlp = cfg.define("MLP_HIDDEN") != Some("0");
+        // A kernel of 16-bit models only, when this shape compiled it.
+        let half_only =
+            |name: &str| cfg.define("ACT") != Some("0") && module.load_function(name).is_ok();
         let tc = |name: &'static str| -> Result<Option<(Kernel, [u32; 2])>> {
-            if cfg.define("ACT") == Some("0") || module.load_function(name).is_err() {
+            if !half_only(name) {
                 return Ok(None);
             }
             let smem = [
@@ -431,7 +434,7 @@ impl Kernels {
             if mlp { tc("gemv_tc_hidden")? } else { None },
         ];
         let fused = |name: &'static str| -> Result<Option<(Kernel, u32)>> {
-            if cfg.define("ACT") == Some("0") || module.load_function(name).is_err() {
+            if !half_only(name) {
                 return Ok(None);
             }
             Ok(Some((get(name)?, global(&format!("{name}_smem"))?)))

@@ -48,7 +48,8 @@ struct Phases {
     unsigned long long* count;
     unsigned long long before;  // arrivals of every earlier phase
     // when not null: per (phase, block) the times (ns) of entering the phase, of the end of
-    // the wait, of the arrival and of two points in between (MAMBA3_GPU_TRACE, a diagnostic)
+    // the wait, of the arrival and of one or two points in between (MAMBA3_GPU_TRACE, a
+    // diagnostic)
     unsigned long long* trace;
     int phase;
     __device__ __forceinline__ void mark(int k) const {
@@ -112,9 +113,7 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
             tc_prefetch<K>(pf[0], W, N, 16 * t);
             tc_tile<K, NT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc);
         }
-        __syncthreads();
-        ph.mark(4);
-        ph.arrive();
+        ph.arrive();  // (its mark 2 is also the end of the tiles)
     }
     ph.next(min(tiles, G));
 }
