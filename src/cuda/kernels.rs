@@ -159,7 +159,26 @@ impl KernelConfig {
                 usize::from(dtype == DType::F32 || !cfg.tie_embeddings),
             ),
         ];
-        Ok(KernelConfig { defines })
+        let mut cfg = KernelConfig { defines };
+        cfg.tuning_from_env();
+        Ok(cfg)
+    }
+
+    /// `MAMBA3_GPU_DEFINES="NAME=VALUE ..."`: kernel constants added or overridden, for
+    /// measuring a tuning variant without a rebuild (part of the cache key like the rest).
+    fn tuning_from_env(&mut self) {
+        let Ok(extra) = std::env::var("MAMBA3_GPU_DEFINES") else {
+            return;
+        };
+        for item in extra.split([' ', ',']).filter(|s| !s.is_empty()) {
+            let Some((k, v)) = item.split_once('=') else {
+                continue;
+            };
+            match self.defines.iter_mut().find(|(n, _)| n == k) {
+                Some((_, old)) => *old = v.to_string(),
+                None => self.defines.push((k.to_string(), v.to_string())),
+            }
+        }
     }
 
     /// The same kernels for an embedding table held in `dtype` (f32, or the model dtype).

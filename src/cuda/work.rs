@@ -30,8 +30,12 @@ pub struct Layout {
 impl Layout {
     /// The layout of sequences of `lens` tokens; `slots` is how many scan blocks the GPU
     /// runs at once (SMs × blocks per SM).
+    /// `MAMBA3_GPU_CHUNKS_PER_SEGMENT=N` replaces the model's choice (for measuring).
     pub fn new(lens: &[usize], d: &Dims, slots: usize, want: LogitsWant) -> Layout {
-        let per_seg = chunks_per_segment(lens, d.chunk_len, d.nheads, slots.max(1));
+        let per_seg = std::env::var("MAMBA3_GPU_CHUNKS_PER_SEGMENT")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or_else(|| chunks_per_segment(lens, d.chunk_len, d.nheads, slots.max(1)));
         Layout::with_segments(lens, d, per_seg, want)
     }
 
@@ -93,17 +97,20 @@ impl Layout {
 
 /// Chunks per segment, by a model of the scan's makespan: phase C runs every segment,
 /// phase A (about half the work per chunk) every segment but a sequence's last, each in
-/// waves of `slots` blocks of (segment, head). More segments mean shorter blocks but more
-/// phase-A work; for a long batch one segment per sequence is best, for one long prompt
-/// about as many segments as there are free slots per head.
+/// waves of `slots` blocks of (segment, head), and every block costs about a third of a
+/// chunk more (its state read and written, its step of phase B). More segments mean
+/// shorter blocks but more phase-A work; for a long batch one segment per sequence is
+/// best, for one long prompt about as many segments as there are free slots per head.
+/// (Calibrated on the H200 at d_state 128: docs/benchmarks.md, "segments".)
 fn chunks_per_segment(lens: &[usize], chunk: usize, heads: usize, slots: usize) -> usize {
+    const BLOCK_COST: f64 = 0.3;
     let chunks: Vec<usize> = lens.iter().map(|n| n.div_ceil(chunk)).collect();
     let longest = chunks.iter().copied().max().unwrap_or(1).max(1);
     let cost = |per: usize| {
         let c_blocks: usize = chunks.iter().map(|c| c.div_ceil(per)).sum::<usize>() * heads;
         let a_blocks = c_blocks - chunks.len() * heads;
         // waves × chunks per block, phase A at half a chunk's cost
-        let per = per.min(longest) as f64;
+        let per = per.min(longest) as f64 + BLOCK_COST;
         (a_blocks.div_ceil(slots) as f64 * 0.5 + c_blocks.div_ceil(slots) as f64) * per
     };
     (1..=longest)
@@ -267,6 +274,9 @@ mod tests {
         // One long prompt: about as many segments per head as there are slots per head.
         let per = chunks_per_segment(&[4096], 64, 24, 264);
         assert!((5..=8).contains(&per), "{per}");
+        // A very long prompt: not one segment per chunk (each block has a cost of its own).
+        let per = chunks_per_segment(&[16384], 64, 24, 132);
+        assert!((8..=32).contains(&per), "{per}");
         // Short sequences: one chunk each, nothing to split.
         assert_eq!(chunks_per_segment(&[10, 3], 64, 24, 264), 1);
     }

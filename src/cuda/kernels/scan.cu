@@ -73,12 +73,17 @@ typedef float op_t;
 #define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4)
 #define SZ_BIAS ALIGN128(2 * NP * 4)
 #define SCAN_SMEM (SZ_Q + SZ_K + SZ_X + SZ_W + SZ_MCS + SZ_SO + SZ_TOKV + SZ_RED + SZ_BIAS)
-// k steps unrolled in the products: all of them with 16-bit operands; a few with f32 ones
-// (whose fragments take twice the registers).
-#if SCAN_MMA == 2
-#define SCAN_KUNROLL 16
-#else
+
+// k steps unrolled in the forward's products: all of them on the tensor cores (ldmatrix
+// fragments); a few with exact f32 FMA.
+#ifndef SCAN_KUNROLL
+#if SCAN_MMA == 0
 #define SCAN_KUNROLL 2
+#elif SCAN_MMA == 1
+#define SCAN_KUNROLL 4
+#else
+#define SCAN_KUNROLL 16
+#endif
 #endif
 // Global loads issued together in the operand builds (registers permitting).
 #if SCAN_MMA == 2
@@ -111,10 +116,15 @@ __device__ __forceinline__ unsigned tf32_bits(float x) {
     return r;
 }
 
-#if SCAN_MMA == 2
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(tf32_bits(x)); }
+
+#if SCAN_MMA != 0
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
+// ldmatrix moves 8×8 matrices of 16-bit elements; on 32-bit (TF32) data the same
+// instruction moves 8×4 matrices, and non-transposed that is the fragment layout of
+// m16n8k8 (a row per lane quad, column = lane mod 4).
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const op_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
@@ -132,6 +142,14 @@ __device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[4], const op_t* p) {
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
 #endif
+#if SCAN_MMA == 1
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
 
 // acc[i] += A[0..16)[k0..k0+KSTEP) · B[k0..k0+KSTEP)[8i..8i+8) for the tiles i < nt.
 // A: element (m, k) at A[m·lda + k] when AK ("k contiguous"), else at A[k·lda + m].
@@ -140,7 +158,9 @@ template <bool AK>
 __device__ __forceinline__ op_t a_at(const op_t* A, int lda, int m, int k) {
     return AK ? A[m * lda + k] : A[k * lda + m];
 }
-template <int T, bool AK, bool BK>
+// ROUNDED: the operands were rounded to TF32 when stored (the forward's put_pair and
+// put_quad do), so SCAN_MMA 1 loads them as they are, k-contiguous ones by ldmatrix.
+template <int T, bool AK, bool BK, bool ROUNDED = false>
 __device__ __forceinline__ void mma_kstep(float (&acc)[T][4], const op_t* A, int lda, const op_t* B,
                                           int ldb, int k0, int nt) {
     const int lane = threadIdx.x & 31;
@@ -164,6 +184,39 @@ __device__ __forceinline__ void mma_kstep(float (&acc)[T][4], const op_t* A, int
         }
     }
 #elif SCAN_MMA == 1
+    if (ROUNDED) {
+        const int mi = lane >> 3, r = lane & 7;
+        unsigned a[4];
+        if (AK) {
+            ldsm_x4(a, A + ((mi & 1) * 8 + r) * lda + k0 + (mi >> 1) * 4);
+        } else {
+            a[0] = __float_as_uint(A[(k0 + t) * lda + g]);
+            a[1] = __float_as_uint(A[(k0 + t) * lda + g + 8]);
+            a[2] = __float_as_uint(A[(k0 + t + 4) * lda + g]);
+            a[3] = __float_as_uint(A[(k0 + t + 4) * lda + g + 8]);
+        }
+#pragma unroll
+        for (int i = 0; i < T; i += 2) {
+            if (i >= nt) break;
+            const bool two = i + 1 < nt;
+            unsigned b[4];
+            if (BK) {  // matrices (i, k lo), (i, k hi), (i+1, k lo), (i+1, k hi)
+                const op_t* at = B + (8 * (i + (mi >> 1)) + r) * ldb + k0 + (mi & 1) * 4;
+                if (two) ldsm_x4(b, at);
+                else ldsm_x2(b, B + (8 * i + r) * ldb + k0 + (mi & 1) * 4);
+            } else {
+                b[0] = __float_as_uint(B[(k0 + t) * ldb + 8 * i + g]);
+                b[1] = __float_as_uint(B[(k0 + t + 4) * ldb + 8 * i + g]);
+                if (two) {
+                    b[2] = __float_as_uint(B[(k0 + t) * ldb + 8 * i + 8 + g]);
+                    b[3] = __float_as_uint(B[(k0 + t + 4) * ldb + 8 * i + 8 + g]);
+                }
+            }
+            mma_tf32(acc[i], a, b[0], b[1]);
+            if (two) mma_tf32(acc[i + 1 < T ? i + 1 : i], a, b[2], b[3]);
+        }
+        return;
+    }
     const unsigned a0 = tf32_bits(a_at<AK>(A, lda, g, k0 + t)), a1 = tf32_bits(a_at<AK>(A, lda, g + 8, k0 + t));
     const unsigned a2 = tf32_bits(a_at<AK>(A, lda, g, k0 + t + 4));
     const unsigned a3 = tf32_bits(a_at<AK>(A, lda, g + 8, k0 + t + 4));
@@ -231,10 +284,12 @@ template <int T> __device__ __forceinline__ void zero_acc(float (&acc)[T][4]) {
     for (int i = 0; i < T; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
-// Store a pair (row r, columns n, n+1) of op_t.
+// Store a pair (row r, columns n, n+1) of op_t (rounded to TF32 in SCAN_MMA 1).
 __device__ __forceinline__ void put_pair(op_t* p, float a, float b) {
 #if SCAN_MMA == 2
     *reinterpret_cast<unsigned*>(p) = pack2(from_f<op_t>(a), from_f<op_t>(b));
+#elif SCAN_MMA == 1
+    *reinterpret_cast<float2*>(p) = make_float2(tf32_round(a), tf32_round(b));
 #else
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
 #endif
@@ -245,6 +300,8 @@ __device__ __forceinline__ void put_quad(op_t* p, float4 v) {
 #if SCAN_MMA == 2
     *reinterpret_cast<uint2*>(p) =
         make_uint2(pack2(from_f<op_t>(v.x), from_f<op_t>(v.y)), pack2(from_f<op_t>(v.z), from_f<op_t>(v.w)));
+#elif SCAN_MMA == 1
+    *reinterpret_cast<float4*>(p) = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
 #else
     *reinterpret_cast<float4*>(p) = v;
 #endif
@@ -263,40 +320,58 @@ __device__ __forceinline__ void rotate4(float4& v, float4 cs) {
 
 // Phases of one chunk (spec §2.4): φ_j = wrap(φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j'), as (cos, sin)
 // pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w sums the tokens
-// [w·TPW, (w+1)·TPW) per angle (lane = angle), the warps' totals are combined through
-// s_ph (SCAN_WARPS × NANGLES), then each warp turns its tokens into (cos, sin). s_dt (the
-// chunk's Δ) must be ready; the caller syncs before reading s_cs.
-__device__ __forceinline__ void chunk_phases(const float* __restrict__ theta, const float* __restrict__ phi_enter,
-                                             const float* s_dt, int start, int len, float* s_cs, float* s_ph) {
+// [w·PH_TPW, (w+1)·PH_TPW) per angle (lane = angle), the warps' totals are combined through
+// s_ph (SCAN_WARPS × NANGLES), then each warp turns its tokens into (cos, sin). `theta` and
+// `phi_enter` are this thread's values as `fetch_chunk` loaded them; s_dt (the chunk's Δ)
+// must be ready; the caller syncs before reading s_cs.
+#define PH_Q ((NANGLES + 31) / 32)
+#define PH_TPW (CHP / SCAN_WARPS)
+__device__ __forceinline__ void chunk_phases(const float (&theta)[PH_Q][PH_TPW], const float (&phi_enter)[PH_Q],
+                                             const float* s_dt, int len, float* s_cs, float* s_ph) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    constexpr int TPW = CHP / SCAN_WARPS;
-    float part[(NANGLES + 31) / 32][TPW];
+    float part[PH_Q][PH_TPW];
 #pragma unroll
-    for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
+    for (int q = 0; q < PH_Q; ++q) {
         const int i = lane + 32 * q;
         float run = 0.f;
 #pragma unroll
-        for (int u = 0; u < TPW; ++u) {
-            const int j = warp * TPW + u;
-            if (i < NANGLES && j < len) run += theta[(size_t)(start + j) * NANGLES + i] * s_dt[j];
+        for (int u = 0; u < PH_TPW; ++u) {
+            const int j = warp * PH_TPW + u;
+            if (i < NANGLES && j < len) run += theta[q][u] * s_dt[j];
             part[q][u] = run;
         }
         if (i < NANGLES) s_ph[warp * NANGLES + i] = run;
     }
     __syncthreads();
 #pragma unroll
-    for (int q = 0; q < (NANGLES + 31) / 32; ++q) {
+    for (int q = 0; q < PH_Q; ++q) {
         const int i = lane + 32 * q;
         if (i >= NANGLES) continue;
-        float base = phi_enter[i];
+        float base = phi_enter[q];
         for (int w = 0; w < warp; ++w) base += s_ph[w * NANGLES + i];
 #pragma unroll
-        for (int u = 0; u < TPW; ++u) {
-            const int j = warp * TPW + u;
+        for (int u = 0; u < PH_TPW; ++u) {
+            const int j = warp * PH_TPW + u;
             float sn = 0.f, cs = 1.f;
             if (j < len) sincos_phase(wrap_angle_f(base + part[q][u]), &sn, &cs);
             s_cs[2 * (j * NANGLES + i)] = cs;
             s_cs[2 * (j * NANGLES + i) + 1] = sn;
+        }
+    }
+}
+
+// This thread's θ and entering phases for chunk_phases, of the chunk at row `start`.
+__device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, const float* __restrict__ phi_enter,
+                                             int start, int len, float (&th)[PH_Q][PH_TPW], float (&phi)[PH_Q]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int q = 0; q < PH_Q; ++q) {
+        const int i = lane + 32 * q;
+        phi[q] = i < NANGLES ? phi_enter[i] : 0.f;
+#pragma unroll
+        for (int u = 0; u < PH_TPW; ++u) {
+            const int j = warp * PH_TPW + u;
+            th[q][u] = i < NANGLES && j < len ? theta[(size_t)(start + j) * NANGLES + i] : 0.f;
         }
     }
 }
@@ -320,6 +395,55 @@ struct ScanArgs {
     float* const* states;   // per sequence
     int layer;
 };
+
+// A chunk's scalar inputs as this thread uses them, loaded together at the chunk's start
+// (a loop that loaded each where it is used waited on them one after another).
+// SCAN_EARLY: B̄/C̄ and x too are loaded at the chunk's start, with the scalars — with f32
+// operands (one block per SM, registers to spare); the 16-bit mode's two blocks per SM
+// have no registers for them and load them in the builds.
+#ifndef SCAN_EARLY
+#define SCAN_EARLY (SCAN_MMA != 2)
+#endif
+#define KQ_IT ((CHP * (NP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
+#define X_IT ((CHP * (PP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
+struct ChunkIn {
+    float lc_end;                // Lc of the chunk's last token
+    float4 tok;                  // {Δ, γ, c, Lc} of row tid (tid < len)
+    float theta[PH_Q][PH_TPW];   // θ of the angles and rows chunk_phases gives this thread
+    float phi[PH_Q];             // the phases entering the chunk, of those angles
+#if SCAN_EARLY
+    float4 k[KQ_IT], q[KQ_IT], x[X_IT];
+#endif
+};
+
+template <bool OUT>
+__device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, int h, ChunkIn& in) {
+    const int start = ck.x, len = ck.y, tid = threadIdx.x;
+    in.lc_end = A.tok[(size_t)(start + len - 1) * NHEADS + h].w;
+    in.tok = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (tid < len) in.tok = A.tok[(size_t)(start + tid) * NHEADS + h];
+    fetch_phases(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.theta, in.phi);
+#if SCAN_EARLY
+    const int g = h / HEADS_PER_GROUP;
+#pragma unroll
+    for (int u = 0; u < KQ_IT; ++u) {
+        const int e = tid + SCAN_THREADS * u, j = e / (NP / 4), n = 4 * (e % (NP / 4));
+        in.k[u] = in.q[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (e < CHP * (NP / 4) && j < len && n < DSTATE) {
+            const float* bc = A.bcn + (size_t)(start + j) * BC_W;
+            in.k[u] = *reinterpret_cast<const float4*>(bc + g * DSTATE + n);
+            if (OUT) in.q[u] = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < X_IT; ++u) {
+        const int e = tid + SCAN_THREADS * u, j = e / (PP / 4), pp = 4 * (e % (PP / 4));
+        in.x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (e < CHP * (PP / 4) && j < len && pp < HEADDIM)
+            in.x[u] = *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp);
+    }
+#endif
+}
 
 template <int PHASE>
 __device__ __forceinline__ void scan_body(const ScanArgs& A) {
@@ -394,15 +518,17 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         const int start = ck.x, len = ck.y;
         const bool seq_end = start + len == ck.z;
         const bool last_chunk = c == sg.x + sg.y - 1;
+        ChunkIn in;
+        fetch_chunk<OUT>(A, c, ck, h, in);
         __syncthreads();  // the previous chunk's readers are done
         // Per-token scalars; padding rows get zero weights and the chunk's end decay. The
         // decay between two tokens, e^{Lc_r − Lc_s}, is formed as e^{Lc_r}·e^{−Lc_s} when
         // e^{−Lc_s} cannot overflow (as the CPU twin does), else per pair.
-        const float lc_end = A.tok[(size_t)(start + len - 1) * NHEADS + h].w;
+        const float lc_end = in.lc_end;
         const bool split = -lc_end < 60.f;
-        for (int j = tid; j < CHP; j += SCAN_THREADS) {
-            float4 v = make_float4(0.f, 0.f, 0.f, lc_end);
-            if (j < len) v = A.tok[(size_t)(start + j) * NHEADS + h];
+        if (tid < CHP) {
+            const int j = tid;
+            const float4 v = j < len ? in.tok : make_float4(0.f, 0.f, 0.f, lc_end);
             s_dt[j] = v.x;
             s_gam[j] = v.y;
             s_sc[j] = v.z;
@@ -412,14 +538,14 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             s_eml[j] = split ? expf(-v.w) * v.z : 0.f;
         }
         __syncthreads();
-        chunk_phases(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, s_dt, start, len, s_cs, s_ph);
+        chunk_phases(in.theta, in.phi, s_dt, len, s_cs, s_ph);
         __syncthreads();
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
         // shared stores of the batch (which the compiler would not move them across).
         {
             constexpr int QUADS = CHP * (NP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
-            constexpr int BATCH = IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
+            constexpr int BATCH = SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
                 float4 kv[BATCH], qv[BATCH];
@@ -427,7 +553,11 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 for (int u = 0; u < BATCH; ++u) {
                     const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
                     kv[u] = qv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-                    if (i0 + u < IT && e < QUADS && j < len && n < DSTATE) {
+#if SCAN_EARLY
+                    kv[u] = in.k[u];
+                    qv[u] = in.q[u];
+#endif
+                    if (!SCAN_EARLY && i0 + u < IT && e < QUADS && j < len && n < DSTATE) {
                         const float* bc = A.bcn + (size_t)(start + j) * BC_W;
                         kv[u] = *reinterpret_cast<const float4*>(bc + g * DSTATE + n);
                         if (OUT) qv[u] = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n);
@@ -459,7 +589,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #if HEADDIM % 4 == 0
         {
             constexpr int QUADS = CHP * (PP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
-            constexpr int BATCH = IT < 4 ? IT : 4;
+            constexpr int BATCH = SCAN_EARLY ? IT : IT < 4 ? IT : 4;
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
                 float4 xv[BATCH];
@@ -467,7 +597,10 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 for (int u = 0; u < BATCH; ++u) {
                     const int e = tid + SCAN_THREADS * (i0 + u), j = e / (PP / 4), pp = 4 * (e % (PP / 4));
                     xv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-                    if (i0 + u < IT && e < QUADS && j < len && pp < HEADDIM)
+#if SCAN_EARLY
+                    xv[u] = in.x[u];
+#endif
+                    if (!SCAN_EARLY && i0 + u < IT && e < QUADS && j < len && pp < HEADDIM)
                         xv[u] = *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF +
                                                                  h * HEADDIM + pp);
                 }
@@ -516,7 +649,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             const op_t* qa = sQ + 16 * m_rb * LDQ;
             const op_t* kb = sK + 8 * m_first * LDK;
 #pragma unroll SCAN_KUNROLL
-            for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileM::T, true, true>(macc, qa, LDQ, kb, LDK, k0, m_nt);
+            for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileM::T, true, true, true>(macc, qa, LDQ, kb, LDK, k0, m_nt);
 #pragma unroll
             for (int i = 0; i < TileM::T; ++i) {
                 if (i >= m_nt) break;
@@ -540,7 +673,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             const op_t* qa = sQ + 16 * y_rb * LDQ;
             const op_t* sbp = sS + 8 * y_first * LDSO;
 #pragma unroll SCAN_KUNROLL
-            for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileY::T, true, true>(yacc, qa, LDQ, sbp, LDSO, k0, y_nt);
+            for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileY::T, true, true, true>(yacc, qa, LDQ, sbp, LDSO, k0, y_nt);
             const float e0 = s_elc[16 * y_rb + fg], e1 = s_elc[16 * y_rb + fg + 8];
 #pragma unroll
             for (int i = 0; i < TileY::T; ++i) {
@@ -573,7 +706,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             const op_t* xb = sX + 8 * y_first;
 #pragma unroll SCAN_KUNROLL
             for (int k0 = 0; k0 < CHP; k0 += KSTEP)
-                if (k0 < 16 * y_rb + 16) mma_kstep<TileY::T, true, false>(yacc, ma, LDM, xb, LDX, k0, y_nt);
+                if (k0 < 16 * y_rb + 16) mma_kstep<TileY::T, true, false, true>(yacc, ma, LDM, xb, LDX, k0, y_nt);
             const float dsk = A.d_skip[h];
             float ss[2] = {0.f, 0.f};
 #pragma unroll
@@ -639,7 +772,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             const op_t* wa = sW + 16 * s_rb;
             const op_t* kb = sK + 8 * s_first;
 #pragma unroll SCAN_KUNROLL
-            for (int k0 = 0; k0 < CHP; k0 += KSTEP) mma_kstep<TileS::T, false, false>(sacc, wa, LDW, kb, LDK, k0, s_nt);
+            for (int k0 = 0; k0 < CHP; k0 += KSTEP) mma_kstep<TileS::T, false, false, true>(sacc, wa, LDW, kb, LDK, k0, s_nt);
             if (OUT && !last_chunk) {
 #pragma unroll
                 for (int i = 0; i < TileS::T; ++i) {
