@@ -96,7 +96,7 @@ impl Layout {
 }
 
 /// Chunks per segment, by a model of the scan's makespan: phase C runs every segment,
-/// phase A (about half the work per chunk) every segment but a sequence's last, each in
+/// phase A (about 0.4 of its work per chunk) every segment but a sequence's last, each in
 /// waves of `slots` blocks of (segment, head), and every block costs about a third of a
 /// chunk more (its state read and written, its step of phase B). More segments mean
 /// shorter blocks but more phase-A work; for a long batch one segment per sequence is
@@ -104,14 +104,15 @@ impl Layout {
 /// (Calibrated on the H200 at d_state 128: docs/benchmarks.md, "segments".)
 fn chunks_per_segment(lens: &[usize], chunk: usize, heads: usize, slots: usize) -> usize {
     const BLOCK_COST: f64 = 0.3;
+    const PHASE_A: f64 = 0.4;
     let chunks: Vec<usize> = lens.iter().map(|n| n.div_ceil(chunk)).collect();
     let longest = chunks.iter().copied().max().unwrap_or(1).max(1);
     let cost = |per: usize| {
         let c_blocks: usize = chunks.iter().map(|c| c.div_ceil(per)).sum::<usize>() * heads;
         let a_blocks = c_blocks - chunks.len() * heads;
-        // waves × chunks per block, phase A at half a chunk's cost
+        // waves × chunks per block
         let per = per.min(longest) as f64 + BLOCK_COST;
-        (a_blocks.div_ceil(slots) as f64 * 0.5 + c_blocks.div_ceil(slots) as f64) * per
+        (a_blocks.div_ceil(slots) as f64 * PHASE_A + c_blocks.div_ceil(slots) as f64) * per
     };
     (1..=longest)
         .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(b.cmp(&a)))
@@ -269,8 +270,11 @@ mod tests {
 
     #[test]
     fn segments_follow_the_free_slots() {
-        // A long batch fills the GPU with one segment per (sequence, head).
+        // A long batch fills the GPU with one segment per (sequence, head)...
         assert_eq!(chunks_per_segment(&[4096; 8], 64, 24, 264), 64);
+        assert_eq!(chunks_per_segment(&[4096; 64], 64, 24, 132), 64);
+        // ...unless that leaves most SMs idle in a last partial wave.
+        assert_eq!(chunks_per_segment(&[4096; 8], 64, 24, 132), 32);
         // One long prompt: about as many segments per head as there are slots per head.
         let per = chunks_per_segment(&[4096], 64, 24, 264);
         assert!((5..=8).contains(&per), "{per}");
