@@ -14,9 +14,9 @@
 //!
 //! Every kernel has a CPU twin of the same name in `crate::cpu` (`embed` → the embedding
 //! loop of `CpuModel::forward`, `rms_norm_rows` → `rms_norm`, `prefill_pre` → `token_pre`,
-//! `scan_*` → `scan_head`, `mixer_step` → `mixer_step`, `gemv` → `matmul_t`, `decode_layers*` → the layer loop of
-//! `CpuModel::forward`); the
-//! mathematics is written once, in those twins' module docs and in the spec.
+//! `scan_*` → `scan_head`, `mixer_step` → `mixer_step`, `gemv` → `matmul_t`,
+//! `decode_layers*` → the layer loop of `CpuModel::forward`); the mathematics is written
+//! once, in those twins' module docs and in the spec.
 
 pub mod context;
 pub mod decode;

@@ -10,6 +10,7 @@ use super::context::{DevBuf, Gpu};
 use crate::cpu::LogitsWant;
 use crate::error::Result;
 use crate::model::Dims;
+use std::sync::OnceLock;
 
 /// The tables of one pass, as uploaded (int4 rows; see the kernels' docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,10 +33,14 @@ impl Layout {
     /// runs at once (SMs × blocks per SM).
     /// `MAMBA3_GPU_CHUNKS_PER_SEGMENT=N` replaces the model's choice (for measuring).
     pub fn new(lens: &[usize], d: &Dims, slots: usize, want: LogitsWant) -> Layout {
-        let per_seg = std::env::var("MAMBA3_GPU_CHUNKS_PER_SEGMENT")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or_else(|| chunks_per_segment(lens, d.chunk_len, d.nheads, slots.max(1)));
+        static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+        let forced = FORCED.get_or_init(|| {
+            std::env::var("MAMBA3_GPU_CHUNKS_PER_SEGMENT")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+        });
+        let per_seg =
+            forced.unwrap_or_else(|| chunks_per_segment(lens, d.chunk_len, d.nheads, slots.max(1)));
         Layout::with_segments(lens, d, per_seg, want)
     }
 

@@ -182,32 +182,39 @@ struct ChunkIn {
 #endif
 };
 
+// Quad `e` (four consecutive n) of a chunk's B̄ (and C̄) rows, and quad `e` (four
+// consecutive p) of its x rows: zeros past its tokens, the padding and the quads.
 template <bool OUT>
-__device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, int h, ChunkIn& in) {
+__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int e, float4& k,
+                                             float4& q) {
+    const int j = e / (NP / 4), n = 4 * (e % (NP / 4));
+    k = q = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < CHP * (NP / 4) && j < len && n < DSTATE) {
+        const float* bc = A.bcn + (size_t)(start + j) * BC_W;
+        k = *reinterpret_cast<const float4*>(bc + g * DSTATE + n);
+        if (OUT) q = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n);
+    }
+}
+__device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int len, int h, int e) {
+    const int j = e / (PP / 4), pp = 4 * (e % (PP / 4));
+    if (e < CHP * (PP / 4) && j < len && pp < HEADDIM)
+        return *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp);
+    return make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+template <bool OUT>
+__device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, int h, int g, ChunkIn& in) {
     const int start = ck.x, len = ck.y, tid = threadIdx.x;
     in.lc_end = A.tok[(size_t)(start + len - 1) * NHEADS + h].w;
     in.tok = make_float4(0.f, 0.f, 0.f, 0.f);
     if (tid < len) in.tok = A.tok[(size_t)(start + tid) * NHEADS + h];
     fetch_phases(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.theta, in.phi);
 #if SCAN_EARLY
-    const int g = h / HEADS_PER_GROUP;
 #pragma unroll
-    for (int u = 0; u < KQ_IT; ++u) {
-        const int e = tid + SCAN_THREADS * u, j = e / (NP / 4), n = 4 * (e % (NP / 4));
-        in.k[u] = in.q[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (e < CHP * (NP / 4) && j < len && n < DSTATE) {
-            const float* bc = A.bcn + (size_t)(start + j) * BC_W;
-            in.k[u] = *reinterpret_cast<const float4*>(bc + g * DSTATE + n);
-            if (OUT) in.q[u] = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n);
-        }
-    }
+    for (int u = 0; u < KQ_IT; ++u)
+        load_bc_quad<OUT>(A, start, len, g, tid + SCAN_THREADS * u, in.k[u], in.q[u]);
 #pragma unroll
-    for (int u = 0; u < X_IT; ++u) {
-        const int e = tid + SCAN_THREADS * u, j = e / (PP / 4), pp = 4 * (e % (PP / 4));
-        in.x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (e < CHP * (PP / 4) && j < len && pp < HEADDIM)
-            in.x[u] = *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp);
-    }
+    for (int u = 0; u < X_IT; ++u) in.x[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * u);
 #endif
 }
 
@@ -285,7 +292,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         const bool seq_end = start + len == ck.z;
         const bool last_chunk = c == sg.x + sg.y - 1;
         ChunkIn in;
-        fetch_chunk<OUT>(A, c, ck, h, in);
+        fetch_chunk<OUT>(A, c, ck, h, g, in);
         __syncthreads();  // the previous chunk's readers are done
         // Per-token scalars; padding rows get zero weights and the chunk's end decay. The
         // decay between two tokens, e^{Lc_r − Lc_s}, is formed as e^{Lc_r}·e^{−Lc_s} when
@@ -317,17 +324,12 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 float4 kv[BATCH], qv[BATCH];
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
-                    kv[u] = qv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
 #if SCAN_EARLY
-                    kv[u] = in.k[u];
-                    qv[u] = in.q[u];
+                    kv[u] = in.k[i0 + u];
+                    qv[u] = in.q[i0 + u];
+#else
+                    load_bc_quad<OUT>(A, start, len, g, tid + SCAN_THREADS * (i0 + u), kv[u], qv[u]);
 #endif
-                    if (!SCAN_EARLY && i0 + u < IT && e < QUADS && j < len && n < DSTATE) {
-                        const float* bc = A.bcn + (size_t)(start + j) * BC_W;
-                        kv[u] = *reinterpret_cast<const float4*>(bc + g * DSTATE + n);
-                        if (OUT) qv[u] = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n);
-                    }
                 }
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
@@ -361,14 +363,11 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 float4 xv[BATCH];
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (PP / 4), pp = 4 * (e % (PP / 4));
-                    xv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
 #if SCAN_EARLY
-                    xv[u] = in.x[u];
+                    xv[u] = in.x[i0 + u];
+#else
+                    xv[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * (i0 + u));
 #endif
-                    if (!SCAN_EARLY && i0 + u < IT && e < QUADS && j < len && pp < HEADDIM)
-                        xv[u] = *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF +
-                                                                 h * HEADDIM + pp);
                 }
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {

@@ -29,6 +29,9 @@
 #error "the training scan backward takes f32 operands: SCAN_MMA 0 or 1"
 #endif
 
+// k steps unrolled in the products: a few (f32 fragments, and the kernel is at 243 registers).
+#define BWD_KUNROLL 2
+
 typedef Tiling<CHP, NP> TileQ;  // dQ̃, dK̃, X·dS'
 
 #define BW_SZ_X ALIGN128(CHP * LDX * 4)
@@ -201,10 +204,10 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
             float aacc[TileM::T][4], gacc[TileM::T][4];
             zero_acc(aacc);
             zero_acc(gacc);
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
             for (int k0 = 0; k0 < NP; k0 += KSTEP)
                 mma_kstep<TileM::T, true, true>(aacc, sQ + 16 * rb * LDQ, LDQ, sK + 8 * first * LDK, LDK, k0, nt);
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
             for (int k0 = 0; k0 < PP; k0 += KSTEP)
                 mma_kstep<TileM::T, true, true>(gacc, sDY + 16 * rb * LDX, LDX, sX + 8 * first * LDX, LDX, k0, nt);
             float rowp[2] = {0.f, 0.f};
@@ -274,11 +277,11 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
             float xacc[TileY::T][4], uacc[TileY::T][4];
             zero_acc(xacc);
             zero_acc(uacc);
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
             for (int k0 = 0; k0 < CHP; k0 += KSTEP)
                 if (k0 + KSTEP > 16 * rb)  // Σᵀ is zero left of the diagonal
                     mma_kstep<TileY::T, false, false>(xacc, sSig + 16 * rb, LDM, sDY + 8 * first, LDX, k0, nt);
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
             for (int k0 = 0; k0 < NP; k0 += KSTEP)
                 mma_kstep<TileY::T, true, true>(uacc, sK + 16 * rb * LDK, LDK, sDS + 8 * first * LDSO, LDSO, k0, nt);
 #pragma unroll
@@ -302,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
         const int q_rb = TileQ::rb(warp), q_first = TileQ::first(warp), q_nt = TileQ::count(warp);
         float qacc[TileQ::T][4];
         zero_acc(qacc);
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
         for (int k0 = 0; k0 < CHP; k0 += KSTEP)
             if (k0 < 16 * q_rb + 16)  // GW is zero right of the diagonal
                 mma_kstep<TileQ::T, true, false>(qacc, sGW + 16 * q_rb * LDM, LDM, sK + 8 * q_first, LDK, k0, q_nt);
@@ -313,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
             {
                 float vacc[TileQ::T][4];
                 zero_acc(vacc);
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
                 for (int k0 = 0; k0 < PP; k0 += KSTEP)
                     mma_kstep<TileQ::T, true, false>(vacc, sX + 16 * q_rb * LDX, LDX, sDS + 8 * q_first, LDSO, k0, q_nt);
                 float rowu[2] = {0.f, 0.f};
@@ -334,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
                     if (ft == 0) s_rowp[(16 * q_rb + fg + 8 * hf) * SCAN_WARPS + warp % TileQ::WPR] = v;
                 }
             }
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
             for (int k0 = 0; k0 < CHP; k0 += KSTEP)
                 if (k0 + KSTEP > 16 * q_rb)  // GWᵀ is zero left of the diagonal
                     mma_kstep<TileQ::T, false, false>(kacc, sGW + 16 * q_rb, LDM, sQ + 8 * q_first, LDQ, k0, q_nt);
@@ -379,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
         __syncthreads();
 
         // ---- 4b. dQ̃ += dYe·S; dq = R(φ)ᵀ·dq̃ and the query's part of dφ
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
         for (int k0 = 0; k0 < PP; k0 += KSTEP)
             mma_kstep<TileQ::T, true, false>(qacc, sDYE + 16 * q_rb * LDX, LDX, sS + 8 * q_first, LDSO, k0, q_nt);
 #pragma unroll
@@ -407,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
             const int rb = TileY::rb(warp), first = TileY::first(warp), nt = TileY::count(warp);
             float iacc[TileY::T][4];
             zero_acc(iacc);
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
             for (int k0 = 0; k0 < NP; k0 += KSTEP)
                 mma_kstep<TileY::T, true, true>(iacc, sQ + 16 * rb * LDQ, LDQ, sS + 8 * first * LDSO, LDSO, k0, nt);
             float rowi[2] = {0.f, 0.f};
@@ -446,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
             for (int i = 0; i < TileS::T; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) sacc[i][e] *= el;
-#pragma unroll 2
+#pragma unroll BWD_KUNROLL
             for (int k0 = 0; k0 < CHP; k0 += KSTEP)
                 mma_kstep<TileS::T, false, false>(sacc, sDYE + 16 * s_rb, LDX, sQ + 8 * s_first, LDQ, k0, s_nt);
         }
