@@ -159,3 +159,34 @@ fn every_kernel_compiles_under_nvrtc() {
     let n = jobs.len();
     println!("{n} kernel programs compiled");
 }
+
+/// Shapes the kernels cannot take are refused when the kernels are configured, with the
+/// reason, instead of failing on the device (no NVRTC needed).
+#[test]
+fn shapes_the_kernels_cannot_take_are_refused() {
+    let c = gpu::config;
+    let cases = [
+        // d_state 12 with rope 0.5: 3 rotary angles (odd)
+        (c(64, 1, 12, 16, 1, 0.5, false, 0, 16), "3 angles"),
+        // 3 heads × 2 angles: the ssm block of the state would start 8 bytes off
+        (c(48, 1, 8, 32, 1, 0.5, false, 0, 16), "3 heads"),
+        // d_state 6: not a multiple of 4
+        (c(64, 1, 6, 16, 1, 0.5, false, 0, 16), "d_state 6"),
+        // headdim 256: past the scan's tiles
+        (
+            c(256, 1, 16, 256, 1, 0.5, false, 0, 16),
+            "headdim up to 128",
+        ),
+    ];
+    for (cfg, needle) in cases {
+        cfg.validate().unwrap();
+        let err = KernelConfig::new(&cfg, &cfg.dims(), DType::BF16, ScanMath::Half)
+            .err()
+            .unwrap_or_else(|| panic!("accepted a shape the kernels cannot take ({needle})"))
+            .to_string();
+        assert!(err.contains(needle), "{err}");
+    }
+    // the benchmark shape is fine
+    let bench = c(768, 24, 128, 64, 1, 0.5, false, 0, 64);
+    assert!(KernelConfig::new(&bench, &bench.dims(), DType::BF16, ScanMath::Half).is_ok());
+}

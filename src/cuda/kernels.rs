@@ -126,6 +126,18 @@ impl KernelConfig {
                 d.d_state
             )));
         }
+        // Rotation pairs are read as float4s (two angles at a time), and each block of a
+        // layer's state ([angle H·S | ssm | k | v], common.cuh) must start 16-byte aligned.
+        let aligned = d.num_rope_angles.is_multiple_of(2)
+            && (d.nheads * d.num_rope_angles).is_multiple_of(4)
+            && d.d_inner.is_multiple_of(4);
+        if !aligned {
+            return Err(Error::Device(format!(
+                "the GPU kernels need an even number of rotary angles with nheads·angles and \
+                 d_inner multiples of 4; this model has {} angles, {} heads, d_inner {}",
+                d.num_rope_angles, d.nheads, d.d_inner
+            )));
+        }
         let i = |k: &str, v: usize| (k.to_string(), v.to_string());
         let defines = vec![
             i("D_MODEL", d.d_model),
