@@ -470,7 +470,7 @@ impl Pipe<'_> {
                 self.launch(
                     &self.k.scan_states,
                     (nseg as u32, h, 1),
-                    256,
+                    self.k.scan_threads,
                     self.k.scan_smem,
                     &[&args],
                 )?;
@@ -494,7 +494,7 @@ impl Pipe<'_> {
             self.launch(
                 &self.k.scan_outputs,
                 (nseg as u32, h, 1),
-                256,
+                self.k.scan_threads,
                 self.k.scan_smem,
                 &[&args],
             )?;

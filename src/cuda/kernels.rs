@@ -234,11 +234,17 @@ fn f32_literal(v: f32) -> String {
 
 /// The whole program: every source file, in order.
 pub fn program_source(program: Program) -> String {
-    program
+    // (the training program's backward keeps the forward's scan at 8 warps: scan_tiles.cuh)
+    let head = match program {
+        Program::Inference => "",
+        Program::Training => "#define PROGRAM_TRAINING 1\n",
+    };
+    let body: String = program
         .sources()
         .iter()
         .map(|(name, text)| format!("// ---- {name}\n{text}\n"))
-        .collect()
+        .collect();
+    format!("{head}{body}")
 }
 
 /// Where the CUDA headers are, if anywhere.
@@ -407,6 +413,8 @@ pub struct Kernels {
     pub scan_smem: u32,
     /// Scan blocks that fit on one SM at once.
     pub scan_blocks_per_sm: usize,
+    /// Threads of a `scan_states`/`scan_outputs` block (256 unless a tuning variant).
+    pub scan_threads: u32,
     pub pre_smem: u32,
     pub config: KernelConfig,
     /// Whether the cubin came from the disk cache.
@@ -440,6 +448,7 @@ impl Kernels {
         };
         let scan_smem = global("scan_smem_bytes")?;
         let pre_smem = global("prefill_pre_smem_bytes")?;
+        let scan_threads = global("scan_threads")?;
         if scan_smem as usize > gpu.max_smem || pre_smem as usize > gpu.max_smem {
             return Err(Error::Device(format!(
                 "this model's shape needs {scan_smem} bytes of shared memory per scan block; \
@@ -490,6 +499,7 @@ impl Kernels {
             decode_layers,
             scan_smem,
             scan_blocks_per_sm: 1,
+            scan_threads,
             pre_smem,
             config: cfg.clone(),
             from_cache,
@@ -528,7 +538,7 @@ impl Kernels {
         k.scan_blocks_per_sm = k
             .scan_outputs
             .func
-            .occupancy_max_active_blocks_per_multiprocessor(256, scan_smem as usize, None)
+            .occupancy_max_active_blocks_per_multiprocessor(scan_threads, scan_smem as usize, None)
             .map_err(|e| dev_err("asking the scan's occupancy", e))?
             .max(1) as usize;
         Ok(k)

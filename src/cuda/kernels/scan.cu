@@ -70,6 +70,7 @@
 
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int scan_smem_bytes = SCAN_SMEM;
+extern "C" __device__ int scan_threads = SCAN_THREADS;
 extern "C" __device__ int prefill_pre_smem_bytes = PRE_SMEM_FLOATS * 4;
 
 __device__ __forceinline__ float4 add4(float4 a, float4 b) {
@@ -569,11 +570,12 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_state
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_outputs(ScanArgs a) { scan_body<1>(a); }
 
 // Phase B: state passing across segments, seeded with the folded carried state.
-// Grid (sequences, H, tiles of 4·SCAN_THREADS state elements). The segments' states and
+// Grid (sequences, H, tiles of 4·PASS_THREADS state elements). The segments' states and
 // decays are read PASS_BATCH at a time, ahead of the walk that needs them.
 // Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
 #define PASS_BATCH 16
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+#define PASS_THREADS 256
+extern "C" __global__ void __launch_bounds__(PASS_THREADS)
     scan_pass(const int4* __restrict__ seqs, const int4* __restrict__ chunks,
               const float4* __restrict__ tok, float* __restrict__ sbuf,
               const float* __restrict__ sdecay, float* const* __restrict__ states, int layer) {
@@ -581,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     griddep_launch();
     const int4 sq = seqs[blockIdx.x];
     const int h = blockIdx.y;
-    const int e = (blockIdx.z * SCAN_THREADS + threadIdx.x) * 4;
+    const int e = (blockIdx.z * PASS_THREADS + threadIdx.x) * 4;
     if (e >= HEADDIM * DSTATE) return;
     const float* st = states[blockIdx.x] + (size_t)layer * ST_LAYER;
     const float4 t0 = tok[(size_t)chunks[sq.x].x * NHEADS + h];

@@ -1,5 +1,5 @@
 // Warp-level matrix products on shared-memory tiles, for the chunked scan (scan.cu) and
-// its backward (scan_bwd.cu): the operand type, the fragment loads, and how the 8 warps of
+// its backward (scan_bwd.cu): the operand type, the fragment loads, and how the warps of
 // a block share an output.
 //
 // SCAN_MMA: 0 exact f32 FMA (the same fragment layout, no tensor cores), 1 TF32 tensor
@@ -7,8 +7,6 @@
 // accumulation in every mode. Tiles are padded to multiples of 16 with zeros, so any
 // chunk length ≤ 128, headdim ≤ 128 and d_state fit.
 
-#define SCAN_THREADS 256
-#define SCAN_WARPS 8
 
 // Row extents are padded to 16, 32, 64 or 128 (whole row blocks per warp), column and
 // reduction extents to a multiple of 16.
@@ -29,6 +27,23 @@ typedef float op_t;
 #define PADA 4
 #define PADB 8
 #endif
+
+// Threads of a scan block (the host reads `scan_threads`). 512 for the forward with f32
+// operands when its tiles (Q̃, K̃, X, wX, M, S: the sizes of scan.cu) allow one block per SM
+// only: 16 warps instead of 8 hide more of the latency the products and builds wait on
+// (B=8 T=4096 on the H200: 46.0 vs 51.4 ms), and each warp's smaller share of the tiles
+// fits 128 registers. Otherwise 256 (the 16-bit mode's two blocks per SM would spill at
+// 64 registers; the training program's backward is written for 8 warps). A tuning variant
+// may set it (MAMBA3_GPU_DEFINES, inference only).
+#ifndef SCAN_THREADS
+#if SCAN_MMA != 2 && !defined(PROGRAM_TRAINING) && \
+    4 * (2 * CHP * (NP + PADA) + 2 * CHP * (PP + PADB) + CHP * (CHP + PADA) + PP * (NP + PADA)) > 110 * 1024
+#define SCAN_THREADS 512
+#else
+#define SCAN_THREADS 256
+#endif
+#endif
+#define SCAN_WARPS (SCAN_THREADS / 32)
 
 // ---- warp-level products ------------------------------------------------------------------
 // Fragment layout of mma.sync m16n8k*: lane = 4g + t. The accumulator of a 16×8 tile holds
@@ -190,8 +205,8 @@ __device__ __forceinline__ void mma_kstep(float (&acc)[T][4], const op_t* A, int
 #endif
 }
 
-// How the 8 warps share an output of ROWS × COLS (multiples of 16 and 8): row blocks of 16
-// rows, each split among WPR warps into runs of T tiles of 8 columns.
+// How the SCAN_WARPS warps share an output of ROWS × COLS (multiples of 16 and 8): row
+// blocks of 16 rows, each split among WPR warps into runs of T tiles of 8 columns.
 template <int ROWS, int COLS> struct Tiling {
     static constexpr int RB = ROWS / 16;
     static_assert(RB >= 1 && RB <= SCAN_WARPS && SCAN_WARPS % RB == 0, "row blocks per warp");

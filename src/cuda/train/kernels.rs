@@ -91,6 +91,14 @@ impl TrainKernels {
             pre_smem: global("prefill_pre_smem_bytes")?,
             bwd_smem: global("scan_bwd_smem_bytes")?,
         };
+        // the training launches (and scan_bwd) take the scan's default block of 256 threads
+        let threads = global("scan_threads")?;
+        if threads != 256 {
+            return Err(Error::Device(format!(
+                "training needs scan blocks of 256 threads; this build has {threads} \
+                 (SCAN_THREADS in MAMBA3_GPU_DEFINES is for inference only)"
+            )));
+        }
         for (kern, bytes) in [
             (&k.scan_states, k.scan_smem),
             (&k.scan_outputs, k.scan_smem),
