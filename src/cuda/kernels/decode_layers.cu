@@ -154,9 +154,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 
 // Thread j of the block asks L2 for its j-th piece of a layer: its tiles of each GEMV (as
 // `fused_gemv` assigns them) and its mixer items' state rows. Issued a layer ahead, so that
-// a phase's loads find its weights in L2: loaded at the start of the phase itself they
-// queued in front of the phase's input, whose wait they became (≈ 1.3 µs of each in_proj
-// at batch 1, the time to stream its 5 MB).
+// the loads each phase makes before its wait hit L2 instead of DRAM. Measured at batch 1
+// (docs/benchmarks.md): the mixer's phase 4.9 → 4.4 µs per layer, the step 1–3 % shorter;
+// the GEMVs' input staging did not move (it is not waiting on the weights).
 struct PrefetchList {
     int j;  // pieces counted so far
     __device__ __forceinline__ void piece(const void* p, unsigned bytes) {
