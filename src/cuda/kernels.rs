@@ -413,7 +413,8 @@ pub struct Kernels {
     pub scan_smem: u32,
     /// Scan blocks that fit on one SM at once.
     pub scan_blocks_per_sm: usize,
-    /// Threads of a `scan_states`/`scan_outputs` block (256 unless a tuning variant).
+    /// Threads of a `scan_states`/`scan_outputs` block, as the module was compiled (256, or
+    /// 512 for large f32-operand tiles: kernels/scan_tiles.cuh).
     pub scan_threads: u32,
     pub pre_smem: u32,
     pub config: KernelConfig,

@@ -82,6 +82,11 @@ struct Phases {
     }
 };
 
+// This block's first tile of a GEMV; its others follow gridDim.x apart.
+__device__ __forceinline__ int first_tile(bool reverse) {
+    return reverse ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+}
+
 // out (+)= transform(in) · Wᵀ over N rows in 16-row tiles; tile t goes to block t mod G,
 // or to block G − 1 − (t mod G) with `reverse` (so that a small GEMV lands on other blocks
 // than the heavy ones of the GEMV before it).
@@ -91,7 +96,7 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
     // Two tiles' weights are loaded ahead when both fit in TC_PF k blocks per warp.
     constexpr int PFT = Tc<K>::PFW == Tc<K>::KBW && 2 * Tc<K>::KBW <= TC_PF ? 2 : 1;
     const int tiles = (N + 15) / 16, G = gridDim.x;
-    const int first = reverse ? G - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int first = first_tile(reverse);
     ph.mark(0);
     if (first < tiles) {
         uint4 pf[PFT][Tc<K>::PFW][2];
@@ -164,7 +169,7 @@ struct PrefetchList {
     }
     template <int K> __device__ __forceinline__ void gemv(const w_t* W, int N, bool reverse) {
         const int G = gridDim.x, tiles = (N + 15) / 16;
-        for (int t = reverse ? G - 1 - (int)blockIdx.x : (int)blockIdx.x; t < tiles; t += G)
+        for (int t = first_tile(reverse); t < tiles; t += G)
             piece(W + (size_t)16 * t * K, (unsigned)((N - 16 * t < 16 ? N - 16 * t : 16) * K * sizeof(w_t)));
     }
 };
