@@ -24,6 +24,17 @@
 #ifndef FUSED_PREFETCH
 #define FUSED_PREFETCH 1
 #endif
+// The thread that polls for the end of a phase: not thread 0, which is still behind the
+// fence of this block's own arrival when the block goes on to the next phase.
+#ifndef FUSED_POLLER
+#define FUSED_POLLER 32
+#endif
+// Layers whose parameter addresses are copied to shared memory at the start: every poll
+// (an acquire) invalidates L1, so a layer's addresses read from global memory at its start
+// are an L2 round trip on the way to its first wait. Later layers read them from global.
+#ifndef FUSED_TABLE
+#define FUSED_TABLE 64
+#endif
 
 // Device addresses of one layer's parameters, as src/cuda/weights.rs lays them out.
 struct LayerW {
@@ -61,11 +72,11 @@ struct Phases {
     }
     // Wait until every earlier phase is done (the whole block, after thread 0 sees it).
     __device__ __forceinline__ void wait() const {
-        if (threadIdx.x == 0)
+        if (threadIdx.x == FUSED_POLLER)
             while (load_acquire(count) < before) {
             }
-        mark(1);
         __syncthreads();
+        mark(1);
     }
     // This block's part of the phase is written.
     __device__ __forceinline__ void arrive() const {
@@ -189,12 +200,14 @@ __device__ __forceinline__ void prefetch_layer(const LayerW& w, float* const* __
 
 template <int NT>
 __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const LayerW* __restrict__ layers,
-                                             int n_layers, float* res, float* proj, float* yf, float* vg,
-                                             float* const* __restrict__ states, int nb) {
-    if (FUSED_PREFETCH) prefetch_layer(layers[0], states, 0, nb);
+                                             const LayerW* tab, int n_layers, float* res, float* proj,
+                                             float* yf, float* vg, float* const* __restrict__ states,
+                                             int nb) {
+    auto layer = [&](int l) { return l < FUSED_TABLE ? tab[l] : layers[l]; };
+    if (FUSED_PREFETCH) prefetch_layer(layer(0), states, 0, nb);
     for (int l = 0; l < n_layers; ++l) {
-        const LayerW w = layers[l];
-        if (FUSED_PREFETCH && l + 1 < n_layers) prefetch_layer(layers[l + 1], states, l + 1, nb);
+        const LayerW w = layer(l);
+        if (FUSED_PREFETCH && l + 1 < n_layers) prefetch_layer(layer(l + 1), states, l + 1, nb);
         // Let the head's GEMV (launched next, with PDL) start loading its weights.
         if (l == n_layers - 1) griddep_launch();
         fused_gemv<D_MODEL, NT, 1>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
@@ -213,6 +226,7 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
 #else
 #define FUSED_SMEM(NT) FUSED_MAX(TC_SMEM(D_MODEL, NT), TC_SMEM(D_INNER, NT))
 #endif
+#define FUSED_TABLE_AT(NT) ((FUSED_SMEM(NT) + 15) / 16 * 16)  // the layer table, after the GEMVs'
 
 // res: the embedded rows (nb × D_MODEL f32), left as the last layer's output; proj, yf, vg:
 // the unfused decode's buffers; sync: two zeroed counters owned by this launch's buffers.
@@ -223,9 +237,16 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
                                                    float* const* __restrict__ states, int nb,
                                                    unsigned long long* sync, unsigned long long* trace) {
     __shared__ StepSmem sm;
+    extern __shared__ __align__(16) unsigned char fused_dyn[];
+    LayerW* tab = reinterpret_cast<LayerW*>(fused_dyn + FUSED_TABLE_AT(NT));
+    static_assert(sizeof(LayerW) % 8 == 0, "the table is copied in 8-byte words");
+    const int words = min(n_layers, FUSED_TABLE) * (int)(sizeof(LayerW) / 8);
+    for (int i = threadIdx.x; i < words; i += blockDim.x)
+        reinterpret_cast<unsigned long long*>(tab)[i] = reinterpret_cast<const unsigned long long*>(layers)[i];
+    __syncthreads();
     griddep_wait();
     Phases ph = {sync, 0ull, trace, 0};
-    fused_layers<NT>(ph, sm, layers, n_layers, res, proj, yf, vg, states, nb);
+    fused_layers<NT>(ph, sm, layers, tab, n_layers, res, proj, yf, vg, states, nb);
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -243,7 +264,7 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
              unsigned long long* trace) {                                                            \
         decode_layers_body<NT>(layers, n_layers, res, proj, yf, vg, states, nb, sync, trace);       \
     }                                                                                                \
-    extern "C" __device__ int name##_smem = FUSED_SMEM(NT);
+    extern "C" __device__ int name##_smem = FUSED_TABLE_AT(NT) + FUSED_TABLE * (int)sizeof(LayerW);
 DECODE_LAYERS_ENTRY(decode_layers8, 1)
 DECODE_LAYERS_ENTRY(decode_layers16, 2)
 #endif

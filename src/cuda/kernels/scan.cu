@@ -26,27 +26,9 @@
 //
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
-// Leading dimensions (elements) of the operand tiles.
-#define LDQ (NP + PADA)   // sQ [CHP][LDQ]: q̃ (A operand)
-#define LDK (NP + PADA)   // sK [CHP][LDK]: k̃ (B operand of Q̃K̃ᵀ and of the state update)
-#define LDX (PP + PADB)   // sX [CHP][LDX]: x
-#define LDW (PP + PADB)   // sW [CHP][LDW]: w ⊙ x (A operand, transposed, of the state update)
-#define LDM (CHP + PADA)  // sM [CHP][LDM]: the weighted M
-#define LDSO (NP + PADA)  // sS [PP][LDSO]: S in the operand type
-
-#define ALIGN128(x) (((x) + 127) / 128 * 128)
-#define SZ_Q ALIGN128(CHP * LDQ * (int)sizeof(op_t))
-#define SZ_K ALIGN128(CHP * LDK * (int)sizeof(op_t))
-#define SZ_X ALIGN128(CHP * LDX * (int)sizeof(op_t))
-#define SZ_W ALIGN128(CHP * LDW * (int)sizeof(op_t))
-#define SZ_M ALIGN128(CHP * LDM * (int)sizeof(op_t))
-#define SZ_CS ALIGN128(2 * CHP * NANGLES * 4)
-#define SZ_MCS (SZ_M > SZ_CS ? SZ_M : SZ_CS)  // cos/sin die before M is written
-#define SZ_SO ALIGN128(PP * LDSO * (int)sizeof(op_t))
 #define SZ_TOKV ALIGN128(7 * CHP * 4)
 #define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4)
-#define SZ_BIAS ALIGN128(2 * NP * 4)
-#define SCAN_SMEM (SZ_Q + SZ_K + SZ_X + SZ_W + SZ_MCS + SZ_SO + SZ_TOKV + SZ_RED + SZ_BIAS)
+#define SCAN_SMEM (SCAN_TILES + SZ_TOKV + SZ_RED + SZ_BIAS)
 
 // k steps unrolled in the forward's products: all of them on the tensor cores (ldmatrix
 // fragments); a few with exact f32 FMA.
@@ -414,8 +396,15 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             zero_acc(macc);
             const op_t* qa = sQ + 16 * m_rb * LDQ;
             const op_t* kb = sK + 8 * m_first * LDK;
+            // When every warp has T tiles, a warp with any causal tile computes all T (a
+            // constant count keeps the guards out of the k loop; the extra tiles lie inside
+            // the tile and are not stored).
+            constexpr bool even = TileM::NT % TileM::WPR == 0;
+            if (m_nt > 0) {
 #pragma unroll SCAN_KUNROLL
-            for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileM::T, true, true, true>(macc, qa, LDQ, kb, LDK, k0, m_nt);
+                for (int k0 = 0; k0 < NP; k0 += KSTEP)
+                    mma_kstep<TileM::T, true, true, true>(macc, qa, LDQ, kb, LDK, k0, even ? TileM::T : m_nt);
+            }
 #pragma unroll
             for (int i = 0; i < TileM::T; ++i) {
                 if (i >= m_nt) break;
@@ -470,9 +459,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 }
             const op_t* ma = sM + 16 * y_rb * LDM;
             const op_t* xb = sX + 8 * y_first;
-#pragma unroll SCAN_KUNROLL
-            for (int k0 = 0; k0 < CHP; k0 += KSTEP)
-                if (k0 < 16 * y_rb + 16) mma_kstep<TileY::T, true, false, true>(yacc, ma, LDM, xb, LDX, k0, y_nt);
+            const int k_end = 16 * y_rb + 16;  // causal: M is zero right of the diagonal block
+#pragma unroll 2
+            for (int k0 = 0; k0 < k_end; k0 += KSTEP) mma_kstep<TileY::T, true, false, true>(yacc, ma, LDM, xb, LDX, k0, y_nt);
             const float dsk = A.d_skip[h];
             float ss[2] = {0.f, 0.f};
 #pragma unroll

@@ -28,16 +28,43 @@ typedef float op_t;
 #define PADB 8
 #endif
 
+#define OP_BYTES (SCAN_MMA == 2 ? 2 : 4)  // sizeof(op_t), where the preprocessor needs it
+
+// Leading dimensions (elements) of the forward's operand tiles (scan.cu), and their sizes.
+#define LDQ (NP + PADA)   // sQ [CHP][LDQ]: q̃ (A operand)
+#define LDK (NP + PADA)   // sK [CHP][LDK]: k̃ (B operand of Q̃K̃ᵀ and of the state update)
+#define LDX (PP + PADB)   // sX [CHP][LDX]: x
+#define LDW (PP + PADB)   // sW [CHP][LDW]: w ⊙ x (A operand, transposed, of the state update)
+#define LDM (CHP + PADA)  // sM [CHP][LDM]: the weighted M
+#define LDSO (NP + PADA)  // sS [PP][LDSO]: S in the operand type
+
+#define ALIGN128(x) (((x) + 127) / 128 * 128)
+#define SZ_Q ALIGN128(CHP * LDQ * OP_BYTES)
+#define SZ_K ALIGN128(CHP * LDK * OP_BYTES)
+#define SZ_X ALIGN128(CHP * LDX * OP_BYTES)
+#define SZ_W ALIGN128(CHP * LDW * OP_BYTES)
+#define SZ_M ALIGN128(CHP * LDM * OP_BYTES)
+#define SZ_CS ALIGN128(2 * CHP * NANGLES * 4)
+#define SZ_MCS (SZ_M > SZ_CS ? SZ_M : SZ_CS)  // cos/sin die before M is written
+#define SZ_SO ALIGN128(PP * LDSO * OP_BYTES)
+#define SZ_BIAS ALIGN128(2 * NP * 4)
+// The operand tiles of the forward. Mind the total (with scan.cu's few KB of scalars): at
+// the benchmark shape with f32 operands the block takes 163.75 KB, just inside the 164 KB
+// shared-memory carve-out that leaves L1 92 KB; 35 KB more (transposed copies of x, wx
+// and k̃ for ldmatrix) moved it to the 228 KB carve-out (L1 28 KB) and cost 11 % at
+// B=8 T=4096 — more than the instructions it saved (docs/benchmarks.md). The loads each
+// chunk issues at its start (SCAN_EARLY, ≈ 80 KB) are staged in L1.
+#define SCAN_TILES (SZ_Q + SZ_K + SZ_X + SZ_W + SZ_MCS + SZ_SO)
+
 // Threads of a scan block (the host reads `scan_threads`). 512 for the forward with f32
-// operands when its tiles (Q̃, K̃, X, wX, M, S: the sizes of scan.cu) allow one block per SM
-// only: 16 warps instead of 8 hide more of the latency the products and builds wait on
-// (B=8 T=4096 on the H200: 46.0 vs 51.4 ms), and each warp's smaller share of the tiles
-// fits 128 registers. Otherwise 256 (the 16-bit mode's two blocks per SM would spill at
-// 64 registers; the training program's backward is written for 8 warps). A tuning variant
-// may set it (MAMBA3_GPU_DEFINES, inference only).
+// operands when its tiles allow one block per SM only: 16 warps instead of 8 hide more of
+// the latency the products and builds wait on (B=8 T=4096 on the H200: 46.0 vs 51.4 ms),
+// and each warp's smaller share of the tiles fits 128 registers. Otherwise 256 (the
+// 16-bit mode's two blocks per SM would spill at 64 registers; the training program's
+// backward is written for 8 warps). A tuning variant may set it (MAMBA3_GPU_DEFINES,
+// inference only).
 #ifndef SCAN_THREADS
-#if SCAN_MMA != 2 && !defined(PROGRAM_TRAINING) && \
-    4 * (2 * CHP * (NP + PADA) + 2 * CHP * (PP + PADB) + CHP * (CHP + PADA) + PP * (NP + PADA)) > 110 * 1024
+#if SCAN_MMA != 2 && !defined(PROGRAM_TRAINING) && SCAN_TILES > 110 * 1024
 #define SCAN_THREADS 512
 #else
 #define SCAN_THREADS 256

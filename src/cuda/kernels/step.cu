@@ -25,14 +25,13 @@ struct MixerW {
     const float *b_norm, *c_norm, *dt_bias, *b_bias, *c_bias, *d_skip, *out_norm;
 };
 
-// The block's working set for one (head, sequence): raw B, C of the head's group, then
-// k̃, q̃; the previous key; x, z, the previous value, y; angles.
+// The block's working set for one (head, sequence): k̃, q̃ and the previous key (read as
+// float4s); x, z, the previous value, y; the warps' partial sums.
 struct StepSmem {
-    float b[DSTATE], c[DSTATE], k[DSTATE], q[DSTATE], kp[DSTATE];
+    __align__(16) float k[DSTATE];
+    __align__(16) float q[DSTATE];
+    __align__(16) float kp[DSTATE];
     float x[HEADDIM], z[HEADDIM], vp[HEADDIM], y[HEADDIM];
-    float ang[NANGLES], phi[NANGLES], cs[2 * NANGLES];
-    float raw[3];   // dd_dt, dd_A, trap
-    float scal[2];  // 1/rms of B, of C
     float red[32];
 };
 
@@ -44,7 +43,8 @@ struct StepSmem {
 // biases; the head's Δ bias and D.
 struct StepAhead {
     float4 h[STEP_PREFETCH ? STEP_RPW * STEP_NPL : 1];
-    float kp[STEP_PER(DSTATE)], vp[STEP_PER(HEADDIM)], phi[STEP_PER(NANGLES)];
+    float kp[STEP_PER(DSTATE)], vp[STEP_PER(HEADDIM)];
+    float phi[STEP_PER(DSTATE)];  // φ of angle n/2 for the thread's columns n < 2·NANGLES
     float bw, cw, bb, cb, dtb, dsk;
 };
 
@@ -83,9 +83,9 @@ __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
         ah.vp[j] = pp < HEADDIM ? st[ST_V + h * HEADDIM + pp] : 0.f;
     }
 #pragma unroll
-    for (int j = 0; j < STEP_PER(NANGLES); ++j) {
-        const int i = tid + STEP_THREADS * j;
-        ah.phi[j] = i < NANGLES ? st[ST_ANGLE + h * NANGLES + i] : 0.f;
+    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
+        const int n = tid + STEP_THREADS * j;
+        ah.phi[j] = n < 2 * NANGLES ? st[ST_ANGLE + h * NANGLES + n / 2] : 0.f;
     }
     ah.dtb = w.dt_bias[h];
     ah.dsk = w.d_skip[h];
@@ -105,15 +105,19 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
     const int g = h / HEADS_PER_GROUP, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* st = states[b] + (size_t)layer * ST_LAYER;
     float* hs = st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
-    // ---- this sequence's in_proj row: every load first, then the stores
+    // ---- this sequence's in_proj row: every load first, then the stores. Thread n takes
+    // column n of B̄, C̄, k̃ and q̃, and the angle n/2 of its rotary pair (both threads of a
+    // pair compute it; the pair meets by a shuffle), so that only two block barriers stand
+    // between the loads and the state update: one for the norms' partial sums, one for k̃, q̃.
     const float* row = proj + (size_t)b * PROJ_LD;
-    float rb[STEP_PER(DSTATE)], rc[STEP_PER(DSTATE)], rx[STEP_PER(HEADDIM)], rz[STEP_PER(HEADDIM)];
-    float ra[STEP_PER(NANGLES)];
+    float rb[STEP_PER(DSTATE)], rc[STEP_PER(DSTATE)], ra[STEP_PER(DSTATE)];
+    float rx[STEP_PER(HEADDIM)], rz[STEP_PER(HEADDIM)];
 #pragma unroll
     for (int j = 0; j < STEP_PER(DSTATE); ++j) {
         const int n = tid + STEP_THREADS * j;
         rb[j] = n < DSTATE ? __ldcg(row + B_OFF + g * DSTATE + n) : 0.f;
         rc[j] = n < DSTATE ? __ldcg(row + C_OFF + g * DSTATE + n) : 0.f;
+        ra[j] = n < 2 * NANGLES ? __ldcg(row + ANG_OFF + n / 2) : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
@@ -121,21 +125,26 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         rx[j] = pp < HEADDIM ? __ldcg(row + X_OFF + h * HEADDIM + pp) : 0.f;
         rz[j] = pp < HEADDIM ? __ldcg(row + Z_OFF + h * HEADDIM + pp) : 0.f;
     }
+    // every thread needs Δ, A and λ: the same three words for all, read by all
+    const float raw_dt = __ldcg(row + DT_OFF + h), raw_a = __ldcg(row + A_OFF + h);
+    const float raw_trap = __ldcg(row + TRAP_OFF + h);
+    float ssb = 0.f, ssc = 0.f;
 #pragma unroll
-    for (int j = 0; j < STEP_PER(NANGLES); ++j) {
-        const int i = tid + STEP_THREADS * j;
-        ra[j] = i < NANGLES ? __ldcg(row + ANG_OFF + i) : 0.f;
+    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
+        ssb += rb[j] * rb[j];
+        ssc += rc[j] * rc[j];
     }
-    const float raw = tid < 3 ? __ldcg(row + (tid == 0 ? DT_OFF : tid == 1 ? A_OFF : TRAP_OFF) + h) : 0.f;
+    ssb = warp_sum(ssb);
+    ssc = warp_sum(ssc);
     __syncthreads();  // the previous user of `sm` is done
+    if (lane == 0) {
+        sm.red[warp] = ssb;
+        sm.red[STEP_WARPS + warp] = ssc;
+    }
 #pragma unroll
     for (int j = 0; j < STEP_PER(DSTATE); ++j) {
         const int n = tid + STEP_THREADS * j;
-        if (n < DSTATE) {
-            sm.b[n] = rb[j];
-            sm.c[n] = rc[j];
-            sm.kp[n] = ah.kp[j];
-        }
+        if (n < DSTATE) sm.kp[n] = ah.kp[j];
     }
 #pragma unroll
     for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
@@ -144,59 +153,77 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
             sm.x[pp] = rx[j];
             sm.z[pp] = rz[j];
             sm.vp[pp] = ah.vp[j];
+            st[ST_V + h * HEADDIM + pp] = rx[j];  // v_prev of the next step
         }
     }
+    const float dt = softplus_f(raw_dt + ah.dtb);
+    const float a = a_value_f(raw_a) * dt;
+    const float lam = sigmoid_f(raw_trap);
+    const float alpha = expf(a), beta = alpha * dt * (1.f - lam), gamma = lam * dt;
+    // φ ← wrap(φ + π·tanh(θ)·Δ) of the thread's angle, and its (cos, sin)
+    float cs[STEP_PER(DSTATE)], sn[STEP_PER(DSTATE)];
 #pragma unroll
-    for (int j = 0; j < STEP_PER(NANGLES); ++j) {
-        const int i = tid + STEP_THREADS * j;
-        if (i < NANGLES) {
-            sm.ang[i] = ra[j];
-            sm.phi[i] = ah.phi[j];
+    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
+        const int n = tid + STEP_THREADS * j;
+        cs[j] = 1.f;
+        sn[j] = 0.f;
+        if (n < 2 * NANGLES) {
+            const float ph = wrap_angle_f(ah.phi[j] + PI_F * tanhf(ra[j]) * dt);
+            if (n % 2 == 0) st[ST_ANGLE + h * NANGLES + n / 2] = ph;
+            sincos_phase(ph, &sn[j], &cs[j]);
         }
     }
-    if (tid < 3) sm.raw[tid] = raw;
     __syncthreads();
     mark(3);
-
-    const float dt = softplus_f(sm.raw[0] + ah.dtb);
-    const float a = a_value_f(sm.raw[1]) * dt;
-    const float lam = sigmoid_f(sm.raw[2]);
-    const float alpha = expf(a), beta = alpha * dt * (1.f - lam), gamma = lam * dt;
-    if (warp < 2) {  // RMS of B (warp 0) and C (warp 1)
-        const float* src = warp ? sm.c : sm.b;
-        float ss = 0.f;
-        for (int n = lane; n < DSTATE; n += 32) ss += src[n] * src[n];
-        ss = warp_sum(ss);
-        if (lane == 0) sm.scal[warp] = 1.f / sqrtf(ss / (float)DSTATE + NORM_EPS);
+    float tb = 0.f, tc = 0.f;
+#pragma unroll
+    for (int w = 0; w < STEP_WARPS; ++w) {
+        tb += sm.red[w];
+        tc += sm.red[STEP_WARPS + w];
     }
-    for (int i = tid; i < NANGLES; i += STEP_THREADS) {
-        const float ph = wrap_angle_f(sm.phi[i] + PI_F * tanhf(sm.ang[i]) * dt);
-        st[ST_ANGLE + h * NANGLES + i] = ph;
-        sincos_phase(ph, &sm.cs[NANGLES + i], &sm.cs[i]);
-    }
-    __syncthreads();
-    // k̃, q̃: normed, biased, rotated pairwise (thread n holds the constants of n).
-    for (int n = tid; n < DSTATE; n += STEP_THREADS) {
-        const float bwn = n == tid ? ah.bw : w.b_norm[n], cwn = n == tid ? ah.cw : w.c_norm[n];
-        const float bbn = n == tid ? ah.bb : w.b_bias[h * DSTATE + n];
-        const float cbn = n == tid ? ah.cb : w.c_bias[h * DSTATE + n];
-        sm.k[n] = sm.b[n] * sm.scal[0] * bwn + bbn;
-        sm.q[n] = sm.c[n] * sm.scal[1] * cwn + cbn;
-    }
-    __syncthreads();
-    for (int i = tid; i < NANGLES; i += STEP_THREADS) {
-        const int n = 2 * i;
-        const float c = sm.cs[i], s = sm.cs[NANGLES + i];
-        float u = sm.k[n], v = sm.k[n + 1];
-        sm.k[n] = u * c - v * s;
-        sm.k[n + 1] = u * s + v * c;
-        u = sm.q[n], v = sm.q[n + 1];
-        sm.q[n] = u * c - v * s;
-        sm.q[n + 1] = u * s + v * c;
+    const float scal_b = 1.f / sqrtf(tb / (float)DSTATE + NORM_EPS);
+    const float scal_c = 1.f / sqrtf(tc / (float)DSTATE + NORM_EPS);
+    // k̃, q̃: normed, biased, rotated pairwise (thread n holds the constants of n); the
+    // final k state is this step's k̃.
+#pragma unroll
+    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
+        const int n = tid + STEP_THREADS * j;
+        const bool own = n == tid && n < DSTATE;
+        const int nc = n < DSTATE ? n : 0;
+        const float bwn = own ? ah.bw : w.b_norm[nc], cwn = own ? ah.cw : w.c_norm[nc];
+        const float bbn = own ? ah.bb : w.b_bias[h * DSTATE + nc];
+        const float cbn = own ? ah.cb : w.c_bias[h * DSTATE + nc];
+        const float k = rb[j] * scal_b * bwn + bbn, q = rc[j] * scal_c * cwn + cbn;
+        const float kx = __shfl_xor_sync(0xffffffffu, k, 1), qx = __shfl_xor_sync(0xffffffffu, q, 1);
+        float kr = k, qr = q;
+        if (n < 2 * NANGLES) {  // the pair (u, v) = (k[n & ~1], k[n | 1]) turns by its angle
+            const float c = cs[j], s_ = sn[j];
+            if (n % 2 == 0) {
+                kr = k * c - kx * s_;
+                qr = q * c - qx * s_;
+            } else {
+                kr = kx * s_ + k * c;
+                qr = qx * s_ + q * c;
+            }
+        }
+        if (n < DSTATE) {
+            sm.k[n] = kr;
+            sm.q[n] = qr;
+            st[ST_K + h * DSTATE + n] = kr;
+        }
     }
     __syncthreads();
     mark(4);
-    // State rows: one warp per row p, float4 across n.
+    // State rows: one warp per row p, float4 across n (the lane's k_prev, k̃, q̃ in registers:
+    // the state stores could alias shared memory for all the compiler knows).
+    float4 kp4[STEP_NPL], k4[STEP_NPL], q4[STEP_NPL];
+#pragma unroll
+    for (int q = 0; q < STEP_NPL; ++q) {
+        const int n = 4 * (lane + 32 * q) < DSTATE ? 4 * (lane + 32 * q) : 0;
+        kp4[q] = *reinterpret_cast<const float4*>(sm.kp + n);
+        k4[q] = *reinterpret_cast<const float4*>(sm.k + n);
+        q4[q] = *reinterpret_cast<const float4*>(sm.q + n);
+    }
 #pragma unroll
     for (int r = 0; r < STEP_RPW; ++r) {
         const int pp = warp + r * STEP_WARPS;
@@ -209,19 +236,17 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
             const int n4 = lane + 32 * q;
             if (n4 >= DSTATE / 4) break;
             float4 v = STEP_PREFETCH ? ah.h[r * STEP_NPL + q] : hr[n4];
-            const int n = 4 * n4;
-            v.x = alpha * v.x + bv * sm.kp[n] + gx * sm.k[n];
-            v.y = alpha * v.y + bv * sm.kp[n + 1] + gx * sm.k[n + 1];
-            v.z = alpha * v.z + bv * sm.kp[n + 2] + gx * sm.k[n + 2];
-            v.w = alpha * v.w + bv * sm.kp[n + 3] + gx * sm.k[n + 3];
+            const float4 kp = kp4[q], k = k4[q], qq = q4[q];
+            v.x = alpha * v.x + bv * kp.x + gx * k.x;
+            v.y = alpha * v.y + bv * kp.y + gx * k.y;
+            v.z = alpha * v.z + bv * kp.z + gx * k.z;
+            v.w = alpha * v.w + bv * kp.w + gx * k.w;
             hr[n4] = v;
-            acc += v.x * sm.q[n] + v.y * sm.q[n + 1] + v.z * sm.q[n + 2] + v.w * sm.q[n + 3];
+            acc += v.x * qq.x + v.y * qq.y + v.z * qq.z + v.w * qq.w;
         }
         acc = warp_sum(acc);
         if (lane == 0) sm.y[pp] = acc + ah.dsk * sm.x[pp];
     }
-    for (int n = tid; n < DSTATE; n += STEP_THREADS) st[ST_K + h * DSTATE + n] = sm.k[n];
-    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) st[ST_V + h * HEADDIM + pp] = sm.x[pp];
     __syncthreads();
 #if OUTNORM
     float ss = 0.f;
