@@ -138,23 +138,51 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
     ph.next(min(tiles, G));
 }
 
-// The mixer of every (head, sequence): item i = b·NHEADS + h goes to block i mod G.
+// Blocks per head in the mixer phase: with few (head, sequence) pairs most SMs would idle
+// while one block per head updates all its state rows, so a head's rows are split between
+// two blocks while they all fit in one wave (not with the output norm, which spans the
+// head). Both read the head's whole in_proj row and form k̃, q̃. Measured at B=1 (docs/
+// benchmarks.md): 285 → 269 µs per step; four blocks per head were no better.
+#ifndef FUSED_MIXER_SPLIT
+#define FUSED_MIXER_SPLIT 1  // log2 of the most blocks per head
+#endif
+// log2 of the blocks per head for a batch of nb
+__device__ __forceinline__ int mixer_split(int nb) {
+    int split = OUTNORM ? 0 : FUSED_MIXER_SPLIT;
+    while (split > 0 && (NHEADS * nb << split) > (int)gridDim.x) --split;
+    return split;
+}
+// Item i: part i mod 2^split of pair i / 2^split = b·NHEADS + h, and its state rows.
+struct MixItem {
+    int h, b, p0, p1;
+    __device__ __forceinline__ MixItem(int i, int split) {
+        const int hb = i >> split, rows = (HEADDIM + (1 << split) - 1) >> split;
+        h = hb % NHEADS;
+        b = hb / NHEADS;
+        p0 = (i & ((1 << split) - 1)) * rows;
+        p1 = min(HEADDIM, p0 + rows);
+    }
+};
+
+// The mixer of every (head, sequence), or of every part of one: item i goes to block i mod G.
 __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const MixerW& w, const float* proj,
                                             float* const* __restrict__ states, int layer, int nb,
                                             float* yf) {
-    const int items = NHEADS * nb, G = gridDim.x;
+    const int split = mixer_split(nb), items = NHEADS * nb << split, G = gridDim.x;
     int i = blockIdx.x;
     ph.mark(0);
     if (i < items) {
         StepAhead ah;
-        mixer_ahead(ah, w, states, layer, i % NHEADS, i / NHEADS);
+        MixItem it(i, split);
+        mixer_ahead(ah, w, states, layer, it.h, it.b, it.p0, it.p1);
         ph.wait();
         for (;;) {
-            mixer_run(sm, ah, w, proj, states, layer, i % NHEADS, i / NHEADS, yf, nullptr,
-                      [&](int k) { ph.mark(k); });
+            mixer_run(sm, ah, w, proj, states, layer, it.h, it.b, yf, nullptr, [&](int k) { ph.mark(k); },
+                      it.p0, it.p1);
             i += G;
             if (i >= items) break;
-            mixer_ahead(ah, w, states, layer, i % NHEADS, i / NHEADS);
+            it = MixItem(i, split);
+            mixer_ahead(ah, w, states, layer, it.h, it.b, it.p0, it.p1);
         }
         ph.arrive();
     }
@@ -188,9 +216,12 @@ __device__ __forceinline__ void prefetch_layer(const LayerW& w, float* const* __
                                                int nb) {
     PrefetchList pl = {0};
     pl.gemv<D_MODEL>(w.in_proj, D_IN_PROJ, false);
-    for (int i = blockIdx.x; i < NHEADS * nb; i += gridDim.x)
-        pl.piece(states[i / NHEADS] + (size_t)layer * ST_LAYER + ST_SSM + (size_t)(i % NHEADS) * HEADDIM * DSTATE,
-                 HEADDIM * DSTATE * 4);
+    const int split = mixer_split(nb);
+    for (int i = blockIdx.x; i < NHEADS * nb << split; i += gridDim.x) {
+        const MixItem it(i, split);
+        pl.piece(states[it.b] + (size_t)layer * ST_LAYER + ST_SSM + ((size_t)it.h * HEADDIM + it.p0) * DSTATE,
+                 (it.p1 - it.p0) * DSTATE * 4);
+    }
     pl.gemv<D_INNER>(w.out_proj, D_MODEL, true);
 #if MLP_HIDDEN > 0
     pl.gemv<D_MODEL>(w.fc1, 2 * MLP_HIDDEN, false);

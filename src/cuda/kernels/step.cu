@@ -50,8 +50,10 @@ struct StepAhead {
 
 // The part of the step that does not depend on the in_proj row: this head's state rows,
 // k_prev, v_prev and φ, its constants.
+// Rows p0 … p1 − 1 of the state (all of them, unless the fused decode splits a head).
 __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
-                                            float* const* __restrict__ states, int layer, int h, int b) {
+                                            float* const* __restrict__ states, int layer, int h, int b,
+                                            int p0 = 0, int p1 = HEADDIM) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* st = states[b] + (size_t)layer * ST_LAYER;
     const float* hs = st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
@@ -60,8 +62,8 @@ __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
         for (int r = 0; r < STEP_RPW; ++r)
 #pragma unroll
             for (int q = 0; q < STEP_NPL; ++q) {
-                const int pp = warp + r * STEP_WARPS, n4 = lane + 32 * q;
-                if (pp < HEADDIM && n4 < DSTATE / 4)
+                const int pp = p0 + warp + r * STEP_WARPS, n4 = lane + 32 * q;
+                if (pp < p1 && n4 < DSTATE / 4)
                     ah.h[r * STEP_NPL + q] = reinterpret_cast<const float4*>(hs + pp * DSTATE)[n4];
             }
     }
@@ -97,11 +99,15 @@ struct NoMark {
 
 // The rest of the step of head h, sequence b, once its in_proj row is in `proj` (read
 // through L2: in the fused decode other blocks of the same launch wrote it). `mark(k)` is
-// called between stages (the fused decode's trace).
+// called between stages (the fused decode's trace). With rows p0 … p1 − 1 of a split head
+// (no output norm then: it spans the head), the block updates those rows and writes their
+// outputs; the block of p0 = 0 also writes the head's angle, k and v states.
 template <class Mark = NoMark>
 __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, const MixerW& w,
                                           const float* proj, float* const* __restrict__ states, int layer,
-                                          int h, int b, float* y_f32, act_t* y_act, Mark mark = {}) {
+                                          int h, int b, float* y_f32, act_t* y_act, Mark mark = {},
+                                          int p0 = 0, int p1 = HEADDIM) {
+    const bool head_states = p0 == 0;
     const int g = h / HEADS_PER_GROUP, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* st = states[b] + (size_t)layer * ST_LAYER;
     float* hs = st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
@@ -153,7 +159,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
             sm.x[pp] = rx[j];
             sm.z[pp] = rz[j];
             sm.vp[pp] = ah.vp[j];
-            st[ST_V + h * HEADDIM + pp] = rx[j];  // v_prev of the next step
+            if (head_states) st[ST_V + h * HEADDIM + pp] = rx[j];  // v_prev of the next step
         }
     }
     const float dt = softplus_f(raw_dt + ah.dtb);
@@ -169,7 +175,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         sn[j] = 0.f;
         if (n < 2 * NANGLES) {
             const float ph = wrap_angle_f(ah.phi[j] + PI_F * tanhf(ra[j]) * dt);
-            if (n % 2 == 0) st[ST_ANGLE + h * NANGLES + n / 2] = ph;
+            if (n % 2 == 0 && head_states) st[ST_ANGLE + h * NANGLES + n / 2] = ph;
             sincos_phase(ph, &sn[j], &cs[j]);
         }
     }
@@ -209,7 +215,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         if (n < DSTATE) {
             sm.k[n] = kr;
             sm.q[n] = qr;
-            st[ST_K + h * DSTATE + n] = kr;
+            if (head_states) st[ST_K + h * DSTATE + n] = kr;
         }
     }
     __syncthreads();
@@ -226,8 +232,8 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
     }
 #pragma unroll
     for (int r = 0; r < STEP_RPW; ++r) {
-        const int pp = warp + r * STEP_WARPS;
-        if (pp >= HEADDIM) break;
+        const int pp = p0 + warp + r * STEP_WARPS;
+        if (pp >= p1) break;
         float4* hr = reinterpret_cast<float4*>(hs + pp * DSTATE);
         const float bv = beta * sm.vp[pp], gx = gamma * sm.x[pp];
         float acc = 0.f;
@@ -250,10 +256,10 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
     __syncthreads();
 #if OUTNORM
     float ss = 0.f;
-    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) ss += sm.y[pp] * sm.y[pp];
+    for (int pp = p0 + tid; pp < p1; pp += STEP_THREADS) ss += sm.y[pp] * sm.y[pp];
     const float inv = 1.f / sqrtf(block_sum(ss, sm.red) / (float)HEADDIM + NORM_EPS);
 #endif
-    for (int pp = tid; pp < HEADDIM; pp += STEP_THREADS) {
+    for (int pp = p0 + tid; pp < p1; pp += STEP_THREADS) {
         float v = sm.y[pp];
 #if OUTNORM
         v = v * inv * w.out_norm[h * HEADDIM + pp];
