@@ -67,16 +67,19 @@ struct Phases {
     // diagnostic)
     unsigned long long* trace;
     int phase;
-    __device__ __forceinline__ void mark(int k) const {
-        if (trace && threadIdx.x == 0) trace[((size_t)phase * gridDim.x + blockIdx.x) * 5 + k] = global_ns();
+    __device__ __forceinline__ void mark(int k, int by = 0) const {
+        if (trace && threadIdx.x == by) trace[((size_t)phase * gridDim.x + blockIdx.x) * 5 + k] = global_ns();
     }
-    // Wait until every earlier phase is done (the whole block, after thread 0 sees it).
+    // Wait until every earlier phase is done (the whole block, after the poller sees it).
+    // The poller marks the end of its wait itself: a timer read just after the barrier
+    // can run before the barrier resolves (seen in the traces).
     __device__ __forceinline__ void wait() const {
-        if (threadIdx.x == FUSED_POLLER)
+        if (threadIdx.x == FUSED_POLLER) {
             while (load_acquire(count) < before) {
             }
+            mark(1, FUSED_POLLER);
+        }
         __syncthreads();
-        mark(1);
     }
     // This block's part of the phase is written.
     __device__ __forceinline__ void arrive() const {
