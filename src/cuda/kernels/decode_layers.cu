@@ -145,7 +145,7 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
 // while one block per head updates all its state rows, so a head's rows are split between
 // two blocks while they all fit in one wave (not with the output norm, which spans the
 // head). Both read the head's whole in_proj row and form k̃, q̃. Measured at B=1 (docs/
-// benchmarks.md): 285 → 269 µs per step; four blocks per head were no better.
+// benchmarks.md): ≈ 287 → 271 µs per step; four blocks per head were no better.
 #ifndef FUSED_MIXER_SPLIT
 #define FUSED_MIXER_SPLIT 1  // log2 of the most blocks per head
 #endif
