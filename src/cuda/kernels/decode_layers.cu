@@ -167,10 +167,24 @@ struct MixItem {
     }
 };
 
+// The head states of this block's first mixer item of a layer, loaded before the block
+// arrives at the in_proj phase: with a split head, the block of rows 0 … writes them in the
+// mixer phase, which the other block's arrival then precedes. (A later item of a block
+// comes only without the split: its head is this block's alone.)
+__device__ __forceinline__ void first_mixer_head(StepHead& hd, float* const* __restrict__ states, int layer,
+                                                 int nb) {
+    const int split = mixer_split(nb);
+    if ((int)blockIdx.x < NHEADS * nb << split) {
+        const MixItem it(blockIdx.x, split);
+        mixer_head(hd, states, layer, it.h, it.b);
+    }
+}
+
 // The mixer of every (head, sequence), or of every part of one: item i goes to block i mod G.
+// `hd`: the first item's head states (first_mixer_head).
 __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const MixerW& w, const float* proj,
-                                            float* const* __restrict__ states, int layer, int nb,
-                                            float* yf) {
+                                            float* const* __restrict__ states, int layer, int nb, float* yf,
+                                            StepHead& hd) {
     const int split = mixer_split(nb), items = NHEADS * nb << split, G = gridDim.x;
     int i = blockIdx.x;
     ph.mark(0);
@@ -180,11 +194,12 @@ __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const Mixe
         mixer_ahead(ah, w, states, layer, it.h, it.b, it.p0, it.p1);
         ph.wait();
         for (;;) {
-            mixer_run(sm, ah, w, proj, states, layer, it.h, it.b, yf, nullptr, [&](int k) { ph.mark(k); },
+            mixer_run(sm, ah, hd, w, proj, states, layer, it.h, it.b, yf, nullptr, [&](int k) { ph.mark(k); },
                       it.p0, it.p1);
             i += G;
             if (i >= items) break;
             it = MixItem(i, split);
+            mixer_head(hd, states, layer, it.h, it.b);
             mixer_ahead(ah, w, states, layer, it.h, it.b, it.p0, it.p1);
         }
         ph.arrive();
@@ -244,8 +259,10 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
         if (FUSED_PREFETCH && l + 1 < n_layers) prefetch_layer(layer(l + 1), states, l + 1, nb);
         // Let the head's GEMV (launched next, with PDL) start loading its weights.
         if (l == n_layers - 1) griddep_launch();
+        StepHead hd;
+        first_mixer_head(hd, states, l, nb);
         fused_gemv<D_MODEL, NT, 1>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
-        fused_mixer(ph, sm, w.mix, proj, states, l, nb, yf);
+        fused_mixer(ph, sm, w.mix, proj, states, l, nb, yf, hd);
         fused_gemv<D_INNER, NT, 0>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true);
 #if MLP_HIDDEN > 0
         fused_gemv<D_MODEL, NT, 1>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0, false);

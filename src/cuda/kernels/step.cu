@@ -39,18 +39,38 @@ struct StepSmem {
 #define STEP_PER(n) (((n) + STEP_THREADS - 1) / STEP_THREADS)
 
 // What is loaded before the wait, in registers (so that nothing waits for it before the
-// wait): the state rows; the thread's k_prev, v_prev and φ elements; its norm weights and
-// biases; the head's Δ bias and D.
+// wait): the state rows; the thread's norm weights and biases; the head's Δ bias and D.
 struct StepAhead {
     float4 h[STEP_PREFETCH ? STEP_RPW * STEP_NPL : 1];
-    float kp[STEP_PER(DSTATE)], vp[STEP_PER(HEADDIM)];
-    float phi[STEP_PER(DSTATE)];  // φ of angle n/2 for the thread's columns n < 2·NANGLES
     float bw, cw, bb, cb, dtb, dsk;
 };
+// The head's small states as this thread uses them: k_prev, v_prev, and φ of angle n/2 for
+// its columns n < 2·NANGLES. Apart, because when the fused decode splits a head between
+// blocks one of them writes these while the other may still be about to read them: the
+// other loads them before its previous phase's arrival (kernels/decode_layers.cu).
+struct StepHead {
+    float kp[STEP_PER(DSTATE)], vp[STEP_PER(HEADDIM)], phi[STEP_PER(DSTATE)];
+};
 
-// The part of the step that does not depend on the in_proj row: this head's state rows,
-// k_prev, v_prev and φ, its constants.
-// Rows p0 … p1 − 1 of the state (all of them, unless the fused decode splits a head).
+__device__ __forceinline__ void mixer_head(StepHead& hd, float* const* __restrict__ states, int layer, int h,
+                                           int b) {
+    const int tid = threadIdx.x;
+    const float* st = states[b] + (size_t)layer * ST_LAYER;
+#pragma unroll
+    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
+        const int n = tid + STEP_THREADS * j;
+        hd.kp[j] = n < DSTATE ? st[ST_K + h * DSTATE + n] : 0.f;
+        hd.phi[j] = n < 2 * NANGLES ? st[ST_ANGLE + h * NANGLES + n / 2] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
+        const int pp = tid + STEP_THREADS * j;
+        hd.vp[j] = pp < HEADDIM ? st[ST_V + h * HEADDIM + pp] : 0.f;
+    }
+}
+
+// The rest of what does not depend on the in_proj row: this head's state rows p0 … p1 − 1
+// (all of them, unless the fused decode splits a head), its constants.
 __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
                                             float* const* __restrict__ states, int layer, int h, int b,
                                             int p0 = 0, int p1 = HEADDIM) {
@@ -74,21 +94,6 @@ __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
         ah.bb = w.b_bias[h * DSTATE + tid];
         ah.cb = w.c_bias[h * DSTATE + tid];
     }
-#pragma unroll
-    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
-        const int n = tid + STEP_THREADS * j;
-        ah.kp[j] = n < DSTATE ? st[ST_K + h * DSTATE + n] : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
-        const int pp = tid + STEP_THREADS * j;
-        ah.vp[j] = pp < HEADDIM ? st[ST_V + h * HEADDIM + pp] : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
-        const int n = tid + STEP_THREADS * j;
-        ah.phi[j] = n < 2 * NANGLES ? st[ST_ANGLE + h * NANGLES + n / 2] : 0.f;
-    }
     ah.dtb = w.dt_bias[h];
     ah.dsk = w.d_skip[h];
 }
@@ -103,7 +108,7 @@ struct NoMark {
 // (no output norm then: it spans the head), the block updates those rows and writes their
 // outputs; the block of p0 = 0 also writes the head's angle, k and v states.
 template <class Mark = NoMark>
-__device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, const MixerW& w,
+__device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, const StepHead& hd, const MixerW& w,
                                           const float* proj, float* const* __restrict__ states, int layer,
                                           int h, int b, float* y_f32, act_t* y_act, Mark mark = {},
                                           int p0 = 0, int p1 = HEADDIM) {
@@ -150,7 +155,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
 #pragma unroll
     for (int j = 0; j < STEP_PER(DSTATE); ++j) {
         const int n = tid + STEP_THREADS * j;
-        if (n < DSTATE) sm.kp[n] = ah.kp[j];
+        if (n < DSTATE) sm.kp[n] = hd.kp[j];
     }
 #pragma unroll
     for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
@@ -158,7 +163,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         if (pp < HEADDIM) {
             sm.x[pp] = rx[j];
             sm.z[pp] = rz[j];
-            sm.vp[pp] = ah.vp[j];
+            sm.vp[pp] = hd.vp[j];
             if (head_states) st[ST_V + h * HEADDIM + pp] = rx[j];  // v_prev of the next step
         }
     }
@@ -174,7 +179,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         cs[j] = 1.f;
         sn[j] = 0.f;
         if (n < 2 * NANGLES) {
-            const float ph = wrap_angle_f(ah.phi[j] + PI_F * tanhf(ra[j]) * dt);
+            const float ph = wrap_angle_f(hd.phi[j] + PI_F * tanhf(ra[j]) * dt);
             if (n % 2 == 0 && head_states) st[ST_ANGLE + h * NANGLES + n / 2] = ph;
             sincos_phase(ph, &sn[j], &cs[j]);
         }
@@ -282,8 +287,10 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
     __shared__ StepSmem sm;
     const MixerW w = {b_norm, c_norm, dt_bias, b_bias, c_bias, d_skip, out_norm};
     StepAhead ah;
+    StepHead hd;
+    mixer_head(hd, states, layer, blockIdx.x, blockIdx.y);
     mixer_ahead(ah, w, states, layer, blockIdx.x, blockIdx.y);
     griddep_wait();
     griddep_launch();
-    mixer_run(sm, ah, w, proj, states, layer, blockIdx.x, blockIdx.y, y_f32, y_act);
+    mixer_run(sm, ah, hd, w, proj, states, layer, blockIdx.x, blockIdx.y, y_f32, y_act);
 }
