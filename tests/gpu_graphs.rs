@@ -31,10 +31,15 @@ fn hosts(states: &[State]) -> Vec<Vec<mamba3::cpu::LayerState<f32>>> {
 
 /// Three decode steps from `states`, eager or through the graphs.
 fn decode3(m: &Model, states: &mut [State], graph: bool) -> Vec<f32> {
+    decode3_rows(m, states, graph, 0)
+}
+
+/// [`decode3`] of the rows `first …` of a larger batch (their tokens are those rows').
+fn decode3_rows(m: &Model, states: &mut [State], graph: bool, first: usize) -> Vec<f32> {
     let mut out = Vec::new();
     let v = m.dims().vocab_size;
     for step in 0..3 {
-        let toks: Vec<u32> = (0..states.len())
+        let toks: Vec<u32> = (first..first + states.len())
             .map(|b| ((b * 31 + step * 7) % v) as u32)
             .collect();
         let mut st: Vec<&mut State> = states.iter_mut().collect();
@@ -242,6 +247,66 @@ fn fused_decode_is_bit_identical_to_the_unfused_launches() {
                 d.d_model
             );
         }
+        m.set_gpu_options(o).unwrap();
+    }
+}
+
+/// A large decode batch cut into lanes (rows on streams of their own): each lane's rows
+/// are bit-identical to the decode of those rows alone, and the whole agrees with one lane
+/// (whose projections take another route at this batch: cuBLASLt, the 16-bit y).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decode_lanes_are_the_decode_of_their_rows_alone() {
+    let batch = 24;
+    for dtype in [DType::BF16, DType::F32] {
+        let m = model(dtype);
+        let o = m.gpu_options().unwrap().unwrap();
+        let base = primed(&m, batch);
+        let run = |lanes: usize, states: &mut [State], first: usize| {
+            m.set_gpu_options(GpuOptions {
+                decode_lanes: lanes,
+                ..o
+            })
+            .unwrap();
+            decode3_rows(&m, states, false, first)
+        };
+        let mut one_st = base.clone();
+        let one = run(1, &mut one_st, 0);
+        let per_row = one.len() / 3 / batch;
+        for lanes in 2..=4 {
+            let mut st = base.clone();
+            let all = run(lanes, &mut st, 0);
+            for lane in 0..lanes {
+                let (r0, r1) = (batch * lane / lanes, batch * (lane + 1) / lanes);
+                let mut part = base[r0..r1].to_vec();
+                let alone = run(lanes, &mut part, r0);
+                for step in 0..3 {
+                    let at = |b: usize| (step * batch + b) * per_row;
+                    let rows = &all[at(r0)..at(r1)];
+                    let n = (r1 - r0) * per_row;
+                    let rows_alone = &alone[step * n..(step + 1) * n];
+                    assert!(
+                        rows == rows_alone,
+                        "{dtype:?} {lanes} lanes, lane {lane} step {step}: logits differ"
+                    );
+                }
+                assert!(
+                    hosts(&st[r0..r1]) == hosts(&part),
+                    "{dtype:?} {lanes} lanes, lane {lane}: states differ"
+                );
+            }
+            let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+            let e = rel_l2(&f(&all), &f(&one));
+            let bound = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            println!("{dtype:?} batch {batch}, {lanes} lanes against one: rel L2 {e:.3e}");
+            assert!(e < bound, "{dtype:?} {lanes} lanes: {e:e}");
+        }
+        assert!(m
+            .set_gpu_options(GpuOptions {
+                decode_lanes: 5,
+                ..o
+            })
+            .is_err());
         m.set_gpu_options(o).unwrap();
     }
 }

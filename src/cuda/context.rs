@@ -4,7 +4,9 @@
 //! raw device allocations (`DevBuf`) and kernels are launched through `cuLaunchKernelEx`,
 //! with programmatic dependent launch when enabled (each kernel calls
 //! `griddepcontrol.wait` before it touches what the previous one wrote, see
-//! kernels/common.cuh).
+//! kernels/common.cuh). The one exception: a large decode batch may run as independent
+//! lanes of rows on side streams (`fork_lanes` … `join_lanes`, src/cuda/decode.rs), which
+//! start after and end before the main stream's work around them.
 
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
@@ -16,9 +18,14 @@ pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("{what}: {e:?}"))
 }
 
+/// The most lanes a decode step may run on (the main stream and three side streams).
+pub const MAX_LANES: usize = 4;
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// Side streams for lanes 1 … MAX_LANES − 1 (lane 0 is `stream`).
+    side: Vec<Arc<CudaStream>>,
     pub name: String,
     pub ordinal: usize,
     /// Compute capability.
@@ -44,6 +51,10 @@ impl Gpu {
         let stream = ctx
             .new_stream()
             .map_err(|e| dev_err("creating a stream", e))?;
+        let side = (1..MAX_LANES)
+            .map(|_| ctx.new_stream())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| dev_err("creating a side stream", e))?;
         let attr = |a| {
             ctx.attribute(a)
                 .map_err(|e| dev_err("reading a device attribute", e))
@@ -63,6 +74,7 @@ impl Gpu {
             ordinal,
             ctx,
             stream,
+            side,
             state_pool: Default::default(),
         })
     }
@@ -75,6 +87,39 @@ impl Gpu {
 
     pub fn cu_stream(&self) -> sys::CUstream {
         self.stream.cu_stream()
+    }
+
+    /// The stream of lane `lane` (0: the main stream).
+    pub fn lane_stream(&self, lane: usize) -> sys::CUstream {
+        match lane {
+            0 => self.cu_stream(),
+            l => self.side[l - 1].cu_stream(),
+        }
+    }
+
+    /// Lanes 1 … n − 1 start after everything queued on the main stream so far.
+    pub fn fork_lanes(&self, n: usize) -> Result<()> {
+        if n > 1 {
+            let ev = self
+                .stream
+                .record_event(None)
+                .map_err(|e| dev_err("recording a fork event", e))?;
+            for s in &self.side[..n - 1] {
+                s.wait(&ev)
+                    .map_err(|e| dev_err("a side stream waiting at the fork", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The main stream goes on after everything queued on lanes 1 … n − 1.
+    pub fn join_lanes(&self, n: usize) -> Result<()> {
+        for s in &self.side[..n.saturating_sub(1)] {
+            self.stream
+                .join(s)
+                .map_err(|e| dev_err("joining a side stream", e))?;
+        }
+        Ok(())
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -146,6 +191,21 @@ impl Gpu {
         pdl: bool,
         args: &[&dyn KArg],
     ) -> Result<()> {
+        self.launch_on(0, k, grid, block, smem, pdl, args)
+    }
+
+    /// [`Gpu::launch`] on the stream of lane `lane`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_on(
+        &self,
+        lane: usize,
+        k: &Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        args: &[&dyn KArg],
+    ) -> Result<()> {
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
@@ -154,7 +214,7 @@ impl Gpu {
         } else {
             &mut []
         };
-        self.launch_with(k, grid, block, smem, attrs, args)
+        self.launch_with(lane, k, grid, block, smem, attrs, args)
     }
 
     /// Launch `k` as a cooperative grid: every block resident at once (the driver refuses
@@ -171,6 +231,7 @@ impl Gpu {
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attr.value.cooperative = 1;
         self.launch_with(
+            0,
             k,
             (grid, 1, 1),
             block,
@@ -180,8 +241,10 @@ impl Gpu {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn launch_with(
         &self,
+        lane: usize,
         k: &Kernel,
         grid: (u32, u32, u32),
         block: u32,
@@ -201,7 +264,7 @@ impl Gpu {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: smem,
-            hStream: self.cu_stream(),
+            hStream: self.lane_stream(lane),
             attrs: attrs.as_mut_ptr(),
             numAttrs: attrs.len() as u32,
         };

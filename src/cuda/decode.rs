@@ -4,11 +4,14 @@
 //! out_proj GEMV adding into the residual (and the MLP's two GEMVs) — or, for 16-bit
 //! models and batches whose heads fit in one block per SM, all layers in one cooperative
 //! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`). Larger
-//! batches run the projections through cuBLASLt. CPU twin: `CpuModel::forward` with one
-//! token per sequence (src/cpu/forward.rs).
+//! batches run the projections through cuBLASLt, cut into lanes of rows on streams of
+//! their own (`GpuOptions::decode_lanes`): a lane's GEMMs, latency-bound at these sizes,
+//! then overlap another lane's `mixer_step`, which is bound by the state traffic. CPU twin:
+//! `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
-use super::context::Gpu;
+use super::context::{Gpu, MAX_LANES};
 use super::forward::Pipe;
+use super::gemm::ElemType;
 use super::kernels::proj_ld;
 use super::work::Work;
 use crate::error::Result;
@@ -22,20 +25,41 @@ impl Pipe<'_> {
     /// One decode step for `nb` sequences (tokens and state addresses already in `work`);
     /// logits land in `work.logits` rows `0..nb`.
     pub fn decode(&self, work: &Work, nb: usize) -> Result<()> {
-        let d = &self.d;
         self.embed(work, nb)?;
         if self.decode_fused(work, nb)? {
-            return self.decode_head(work, nb, true);
+            return self.decode_head(work, 0, nb);
         }
+        // Lanes: the rows cut into contiguous runs, each through every layer and the head on
+        // its own stream (they share nothing but the weights).
+        let lanes = decode_lanes(self.opts.decode_lanes, nb, self.probe);
+        self.gpu.fork_lanes(lanes)?;
+        for lane in 0..lanes {
+            let (r0, r1) = (nb * lane / lanes, nb * (lane + 1) / lanes);
+            let pipe = Pipe { lane, ..*self };
+            pipe.decode_layers(work, r0, r1 - r0)?;
+            pipe.decode_head(work, r0, r1 - r0)?;
+        }
+        self.gpu.join_lanes(lanes)
+    }
+
+    /// Every layer, one launch per kernel, for rows `r0 … r0 + nb` of the batch.
+    fn decode_layers(&self, work: &Work, r0: usize, nb: usize) -> Result<()> {
+        let d = &self.d;
         let gemv = nb <= GEMV_MAX_ROWS;
+        let res = work.res.at::<f32>(r0 * d.d_model);
+        let proj = work.proj.at::<f32>(r0 * proj_ld(d));
+        let states = work.states.at::<u64>(r0);
+        let yf = work.yf.at::<f32>(r0 * d.d_inner);
+        let y = work.y.ptr + (r0 * d.d_inner * ElemType::of(self.dtype).size()) as u64;
+        let vg = work.vg.at::<f32>(r0 * 2 * d.mlp_hidden);
         for (l, lw) in self.w.layers.iter().enumerate() {
             let layer = l as i32;
             if gemv {
                 self.gemv(
-                    work.res.ptr,
+                    res,
                     lw.norm.ptr,
                     lw.in_proj.ptr,
-                    (work.proj.ptr, proj_ld(d)),
+                    (proj, proj_ld(d)),
                     nb,
                     d.d_in_proj,
                     d.d_model,
@@ -43,20 +67,16 @@ impl Pipe<'_> {
                     false,
                 )?;
             } else {
-                self.in_proj_gemm(work, l, nb)?;
+                self.in_proj_gemm(work, l, r0, nb)?;
             }
-            let (yf, ya) = if gemv {
-                (work.yf.ptr, 0u64)
-            } else {
-                (0u64, work.y.ptr)
-            };
+            let (yf, ya) = if gemv { (yf, 0u64) } else { (0u64, y) };
             self.launch(
                 &self.k.mixer_step,
                 (d.nheads as u32, nb as u32, 1),
                 256,
                 0,
                 &[
-                    &work.proj.ptr,
+                    &proj,
                     &lw.b_norm.ptr,
                     &lw.c_norm.ptr,
                     &lw.dt_bias.ptr,
@@ -64,7 +84,7 @@ impl Pipe<'_> {
                     &lw.c_bias.ptr,
                     &lw.d.ptr,
                     &lw.out_norm.as_ref().map_or(0, |b| b.ptr),
-                    &work.states.ptr,
+                    &states,
                     &layer,
                     &yf,
                     &ya,
@@ -72,10 +92,10 @@ impl Pipe<'_> {
             )?;
             if gemv {
                 self.gemv(
-                    work.yf.ptr,
+                    yf,
                     0,
                     lw.out_proj.ptr,
-                    (work.res.ptr, d.d_model),
+                    (res, d.d_model),
                     nb,
                     d.d_model,
                     d.d_inner,
@@ -85,10 +105,10 @@ impl Pipe<'_> {
                 if let Some(m) = &lw.mlp {
                     let hid = d.mlp_hidden;
                     self.gemv(
-                        work.res.ptr,
+                        res,
                         m.norm.ptr,
                         m.fc1.ptr,
-                        (work.vg.ptr, 2 * hid),
+                        (vg, 2 * hid),
                         nb,
                         2 * hid,
                         d.d_model,
@@ -96,10 +116,10 @@ impl Pipe<'_> {
                         false,
                     )?;
                     self.gemv(
-                        work.vg.ptr,
+                        vg,
                         0,
                         m.fc2.ptr,
-                        (work.res.ptr, d.d_model),
+                        (res, d.d_model),
                         nb,
                         d.d_model,
                         hid,
@@ -108,20 +128,20 @@ impl Pipe<'_> {
                     )?;
                 }
             } else {
-                self.out_proj_gemm(work, l, nb)?;
-                self.mlp_gemm(work, l, nb)?;
+                self.out_proj_gemm(work, l, r0, nb)?;
+                self.mlp_gemm(work, l, r0, nb)?;
             }
             self.look(
                 "decode layer",
                 Some(l),
-                work.res.ptr,
+                res,
                 nb,
                 d.d_model,
                 d.d_model,
                 true,
             )?;
         }
-        self.decode_head(work, nb, gemv)
+        Ok(())
     }
 
     /// Every layer of the step in one cooperative launch (kernels/decode_layers.cu), when
@@ -178,26 +198,28 @@ impl Pipe<'_> {
         Ok(true)
     }
 
-    /// The final norm and the LM head of a decode step (GEMV for small batches).
-    fn decode_head(&self, work: &Work, nb: usize, gemv: bool) -> Result<()> {
+    /// The final norm and the LM head of rows `r0 … r0 + nb` of a decode step (GEMV for
+    /// small batches).
+    fn decode_head(&self, work: &Work, r0: usize, nb: usize) -> Result<()> {
         let d = &self.d;
         let vp = d.vocab_padded;
-        if gemv {
+        let logits = work.logits.at::<f32>(r0 * vp);
+        if nb <= GEMV_MAX_ROWS {
             self.gemv(
-                work.res.ptr,
+                work.res.at::<f32>(r0 * d.d_model),
                 self.w.norm_f.ptr,
                 self.w.head().ptr,
-                (work.logits.ptr, d.vocab_padded),
+                (logits, vp),
                 nb,
-                d.vocab_padded,
+                vp,
                 d.d_model,
                 1,
                 false,
             )?;
         } else {
-            self.head_gemm(work, nb, 0)?;
+            self.head_gemm(work, r0, nb, 0)?;
         }
-        self.look("decode head", None, work.logits.ptr, nb, vp, vp, true)
+        self.look("decode head", None, logits, nb, vp, vp, true)
     }
 
     /// `out[b] (+)= transform(in[b]) · Wᵀ` (kernels/gemv.cu: `gemv_tc_*` on tensor cores for
@@ -257,6 +279,38 @@ impl Pipe<'_> {
             smem,
             &[&input, &nw, &w, &out, &ldo, &nb_i, &n_i, &mode, &acc_i],
         )
+    }
+}
+
+/// Lanes of a decode batch of `nb` that runs one launch per kernel: `option` when it is
+/// not 0 (at most one per row), else by the batch, as measured on the H200 at d_model 768
+/// (docs/benchmarks.md): lanes of at most 8 rows up to 32 (at least two; a lane of 9 – 16
+/// rows takes the GEMV at its slowest), two above. `probe` waits on the main stream only,
+/// so it takes one.
+fn decode_lanes(option: usize, nb: usize, probe: bool) -> usize {
+    let lanes = match (option, nb) {
+        _ if probe => 1,
+        (0, 0..=32) => nb.div_ceil(8).max(2),
+        (0, _) => 2,
+        (n, _) => n,
+    };
+    lanes.clamp(1, MAX_LANES).min(nb.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_lanes;
+
+    #[test]
+    fn lanes_by_batch() {
+        let auto: Vec<usize> = [1, 2, 6, 8, 9, 16, 17, 24, 32, 33, 64, 128]
+            .iter()
+            .map(|&nb| decode_lanes(0, nb, false))
+            .collect();
+        assert_eq!(auto, [1, 2, 2, 2, 2, 2, 3, 3, 4, 2, 2, 2]);
+        assert_eq!(decode_lanes(3, 64, false), 3);
+        assert_eq!(decode_lanes(4, 2, false), 2);
+        assert_eq!(decode_lanes(0, 64, true), 1);
     }
 }
 

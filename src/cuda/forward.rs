@@ -63,6 +63,7 @@ impl KArg for ScanArgs {
 }
 
 /// Everything one forward pass reads besides its `Work`.
+#[derive(Clone, Copy)]
 pub struct Pipe<'a> {
     pub gpu: &'a Gpu,
     pub k: &'a Kernels,
@@ -73,6 +74,8 @@ pub struct Pipe<'a> {
     pub opts: CudaOptions,
     /// check every step's output for non-finite values (`MAMBA3_GPU_DEBUG=1`)
     pub probe: bool,
+    /// the stream this pipe launches on (0: the main one; see `Gpu::fork_lanes`)
+    pub lane: usize,
 }
 
 impl Pipe<'_> {
@@ -188,7 +191,7 @@ impl Pipe<'_> {
             accumulate: acc,
             tf32: self.opts.tf32,
         };
-        self.lt.gemm(self.gpu, &spec, a, w, d)
+        self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
     /// A GEMM whose operands are of type `ab` (f32 output, no accumulation).
@@ -218,7 +221,7 @@ impl Pipe<'_> {
             accumulate: false,
             tf32: self.opts.tf32,
         };
-        self.lt.gemm(self.gpu, &spec, a, w, d)
+        self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
     pub(super) fn launch(
@@ -229,7 +232,8 @@ impl Pipe<'_> {
         smem: u32,
         args: &[&dyn KArg],
     ) -> Result<()> {
-        self.gpu.launch(k, grid, block, smem, self.opts.pdl, args)
+        self.gpu
+            .launch_on(self.lane, k, grid, block, smem, self.opts.pdl, args)
     }
 
     /// `out[r] = rmsnorm(x[idx[r] or r]) ⊙ w` for `rows` rows, as GEMM input written as
@@ -255,12 +259,16 @@ impl Pipe<'_> {
         )
     }
 
-    /// The in_proj GEMM from the residual rows: norm (into the route's input) + cuBLASLt.
-    pub(super) fn in_proj_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+    /// The in_proj GEMM of rows `r0 … r0 + rows` of the residual: norm (into the route's
+    /// input) + cuBLASLt.
+    pub(super) fn in_proj_gemm(&self, work: &Work, l: usize, r0: usize, rows: usize) -> Result<()> {
         let (d, lw) = (&self.d, &self.w.layers[l]);
         let (w, ab, k, mode) = self.in_proj_route(l);
-        self.norm_rows(work.res.ptr, lw.norm.ptr, work.xin.ptr, rows, 0, mode)?;
-        let xin = if ab == ElemType::F16 && self.dtype == DType::BF16 {
+        let res = work.res.at::<f32>(r0 * d.d_model);
+        let xin = work.xin.ptr + (r0 * k * ab.size()) as u64;
+        let proj = work.proj.at::<f32>(r0 * proj_ld(d));
+        self.norm_rows(res, lw.norm.ptr, xin, rows, 0, mode)?;
+        let xin_dtype = if ab == ElemType::F16 && self.dtype == DType::BF16 {
             DType::F16
         } else {
             self.dtype
@@ -268,56 +276,37 @@ impl Pipe<'_> {
         self.look_typed(
             "rms_norm_rows (in_proj input)",
             l,
-            work.xin.ptr,
-            rows,
-            k,
             xin,
-        )?;
-        self.gemm_typed(
             rows,
-            d.d_in_proj,
             k,
-            ab,
-            work.xin.ptr,
-            w,
-            work.proj.ptr,
-            proj_ld(d),
-        )
+            xin_dtype,
+        )?;
+        self.gemm_typed(rows, d.d_in_proj, k, ab, xin, w, proj, proj_ld(d))
     }
 
-    /// The out_proj GEMM of layer `l`, adding the gated mixer output into the residual.
-    pub(super) fn out_proj_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+    /// The out_proj GEMM of layer `l` for rows `r0 … r0 + rows`, adding the gated mixer
+    /// output into the residual.
+    pub(super) fn out_proj_gemm(&self, work: &Work, l: usize, r0: usize, rows: usize) -> Result<()> {
         let d = &self.d;
         let w = self.w.layers[l].out_proj.ptr;
-        self.gemm(
-            rows,
-            d.d_model,
-            d.d_inner,
-            work.y.ptr,
-            w,
-            work.res.ptr,
-            true,
-            true,
-        )
+        let y = work.y.ptr + (r0 * d.d_inner * self.act().size()) as u64;
+        let res = work.res.at::<f32>(r0 * d.d_model);
+        self.gemm(rows, d.d_model, d.d_inner, y, w, res, true, true)
     }
 
-    /// The MLP of layer `l` through cuBLASLt (prefill and large decode batches).
-    pub(super) fn mlp_gemm(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+    /// The MLP of layer `l` through cuBLASLt (prefill and large decode batches), for rows
+    /// `r0 … r0 + rows`.
+    pub(super) fn mlp_gemm(&self, work: &Work, l: usize, r0: usize, rows: usize) -> Result<()> {
         let (d, Some(m)) = (&self.d, &self.w.layers[l].mlp) else {
             return Ok(());
         };
         let hid = d.mlp_hidden;
-        self.norm_rows(work.res.ptr, m.norm.ptr, work.xin.ptr, rows, 0, NORM_ACT)?;
-        self.gemm(
-            rows,
-            2 * hid,
-            d.d_model,
-            work.xin.ptr,
-            m.fc1.ptr,
-            work.vg.ptr,
-            true,
-            false,
-        )?;
+        let res = work.res.at::<f32>(r0 * d.d_model);
+        let xin = work.xin.ptr + (r0 * d.d_model * self.act().size()) as u64;
+        let vg = work.vg.at::<f32>(r0 * 2 * hid);
+        let act = work.act.ptr + (r0 * hid * self.act().size()) as u64;
+        self.norm_rows(res, m.norm.ptr, xin, rows, 0, NORM_ACT)?;
+        self.gemm(rows, 2 * hid, d.d_model, xin, m.fc1.ptr, vg, true, false)?;
         let sw = self
             .k
             .swiglu_rows
@@ -325,43 +314,25 @@ impl Pipe<'_> {
             .expect("compiled when the model has an MLP");
         let rows_i = rows as i32;
         let blocks = (rows * hid).div_ceil(256).min(65535) as u32;
-        self.launch(
-            sw,
-            (blocks, 1, 1),
-            256,
-            0,
-            &[&work.vg.ptr, &work.act.ptr, &rows_i],
-        )?;
-        self.gemm(
-            rows,
-            d.d_model,
-            hid,
-            work.act.ptr,
-            m.fc2.ptr,
-            work.res.ptr,
-            true,
-            true,
-        )
+        self.launch(sw, (blocks, 1, 1), 256, 0, &[&vg, &act, &rows_i])?;
+        self.gemm(rows, d.d_model, hid, act, m.fc2.ptr, res, true, true)
     }
 
-    /// Final norm of the picked rows and the head: logits `[picked, vocab_padded]`.
-    pub(super) fn head_gemm(&self, work: &Work, picked: usize, idx: u64) -> Result<()> {
+    /// Final norm of the picked rows and the head: logits `[picked, vocab_padded]`, of the
+    /// residual's rows from `r0` on (by `idx` when not 0) into the logits' rows from `r0` on.
+    pub(super) fn head_gemm(&self, work: &Work, r0: usize, picked: usize, idx: u64) -> Result<()> {
         let d = &self.d;
-        self.norm_rows(
-            work.res.ptr,
-            self.w.norm_f.ptr,
-            work.hfin.ptr,
-            picked,
-            idx,
-            NORM_ACT,
-        )?;
+        let hfin = work.hfin.ptr + (r0 * d.d_model * self.act().size()) as u64;
+        let logits = work.logits.at::<f32>(r0 * d.vocab_padded);
+        let res = work.res.at::<f32>(r0 * d.d_model);
+        self.norm_rows(res, self.w.norm_f.ptr, hfin, picked, idx, NORM_ACT)?;
         self.gemm(
             picked,
             d.vocab_padded,
             d.d_model,
-            work.hfin.ptr,
+            hfin,
             self.w.head().ptr,
-            work.logits.ptr,
+            logits,
             true,
             false,
         )
@@ -385,7 +356,7 @@ impl Pipe<'_> {
         )?;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let layer = l as i32;
-            self.in_proj_gemm(work, l, rows)?;
+            self.in_proj_gemm(work, l, 0, rows)?;
             self.look(
                 "in_proj",
                 Some(l),
@@ -507,7 +478,7 @@ impl Pipe<'_> {
                 d.d_inner,
                 false,
             )?;
-            self.out_proj_gemm(work, l, rows)?;
+            self.out_proj_gemm(work, l, 0, rows)?;
             self.look(
                 "out_proj",
                 Some(l),
@@ -517,7 +488,7 @@ impl Pipe<'_> {
                 d.d_model,
                 true,
             )?;
-            self.mlp_gemm(work, l, rows)?;
+            self.mlp_gemm(work, l, 0, rows)?;
             if lw.mlp.is_some() {
                 let hw = 2 * d.mlp_hidden;
                 self.look("fc1", Some(l), work.vg.ptr, rows, hw, hw, true)?;
@@ -535,7 +506,7 @@ impl Pipe<'_> {
             }
         }
         let picked = lay.picked.len();
-        self.head_gemm(work, picked, work.picked.ptr)?;
+        self.head_gemm(work, 0, picked, work.picked.ptr)?;
         self.look(
             "final norm",
             None,

@@ -96,6 +96,9 @@ struct Plan {
 pub struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: DevBuf,
+    /// Workspaces of the side lanes (a decode step's rows on side streams run their GEMMs
+    /// concurrently), allocated on their first use.
+    lane_workspaces: Mutex<Vec<DevBuf>>,
     plans: Mutex<HashMap<GemmSpec, Plan>>,
 }
 
@@ -123,6 +126,7 @@ impl Lt {
         Ok(Lt {
             handle,
             workspace: gpu.alloc::<u8>(WORKSPACE_BYTES)?,
+            lane_workspaces: Mutex::new(Vec::new()),
             plans: Mutex::new(HashMap::new()),
         })
     }
@@ -221,9 +225,34 @@ impl Lt {
 
     /// `D (+)= op(A, W)` on the GPU's stream. Device addresses; `spec` gives the shape.
     pub fn gemm(&self, gpu: &Gpu, s: &GemmSpec, a: u64, w: u64, d: u64) -> Result<()> {
+        self.gemm_on(gpu, 0, s, a, w, d)
+    }
+
+    /// [`Lt::gemm`] on the stream of lane `lane`, with that lane's workspace.
+    pub fn gemm_on(
+        &self,
+        gpu: &Gpu,
+        lane: usize,
+        s: &GemmSpec,
+        a: u64,
+        w: u64,
+        d: u64,
+    ) -> Result<()> {
         if s.rows == 0 || s.n == 0 {
             return Ok(());
         }
+        let workspace = if lane == 0 {
+            self.workspace.ptr
+        } else {
+            let mut ws = self
+                .lane_workspaces
+                .lock()
+                .map_err(|_| Error::Device("cuBLASLt workspaces poisoned".into()))?;
+            while ws.len() < lane {
+                ws.push(gpu.alloc::<u8>(WORKSPACE_BYTES)?);
+            }
+            ws[lane - 1].ptr
+        };
         let mut plans = self
             .plans
             .lock()
@@ -251,9 +280,9 @@ impl Lt {
                 d as *mut c_void,
                 p.layouts[2],
                 &p.algo,
-                self.workspace.ptr as *mut c_void,
+                workspace as *mut c_void,
                 WORKSPACE_BYTES,
-                gpu.cu_stream() as sys::cudaStream_t,
+                gpu.lane_stream(lane) as sys::cudaStream_t,
             )
         }
         .map_err(|e| blas_err(&format!("GEMM {}×{}×{}", s.rows, s.n, s.k), e))

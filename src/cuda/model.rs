@@ -83,6 +83,13 @@ impl CudaModel {
     /// Change the numeric options (kernels for new ones are compiled on first use).
     /// Graphs captured under other options refuse to replay.
     pub fn set_options(&self, o: GpuOptions) -> Result<()> {
+        let lanes = super::context::MAX_LANES;
+        if o.decode_lanes > lanes {
+            return Err(Error::Input(format!(
+                "GPU option decode_lanes: expected 0 (by the batch) to {lanes}, found {}",
+                o.decode_lanes
+            )));
+        }
         let mut inner = self.lock()?;
         self.kernels(&mut inner, o)?;
         inner.opts = o;
@@ -132,6 +139,7 @@ impl CudaModel {
             dtype: self.weights.dtype,
             opts,
             probe: super::probe::enabled(),
+            lane: 0,
         }
     }
 

@@ -47,6 +47,12 @@ pub struct GpuOptions {
     /// launch (kernels/decode_layers.cu) instead of three or five launches per layer.
     /// Bit-identical either way; it only changes the speed.
     pub fused_decode: bool,
+    /// Decode batches that run one launch per kernel (larger than the fused step takes):
+    /// the rows are cut into this many lanes (1 … 4; 0 chooses by the batch size), each
+    /// running every layer and the head on a stream of its own, so that one lane's
+    /// latency-bound projections overlap another's work. Each lane computes what the
+    /// decode of its rows alone would.
+    pub decode_lanes: usize,
 }
 
 impl Default for GpuOptions {
@@ -56,13 +62,14 @@ impl Default for GpuOptions {
             fast: false,
             pdl: true,
             fused_decode: true,
+            decode_lanes: 0,
         }
     }
 }
 
 impl GpuOptions {
     /// The defaults, overridden by `MAMBA3_GPU_TF32=1`, `MAMBA3_GPU_FAST=1`,
-    /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`.
+    /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`, `MAMBA3_GPU_DECODE_LANES=N`.
     pub fn from_env() -> GpuOptions {
         let flag = |k: &str, d: bool| match std::env::var(k).as_deref() {
             Ok("1") | Ok("true") | Ok("on") => true,
@@ -75,6 +82,10 @@ impl GpuOptions {
             fast: flag("MAMBA3_GPU_FAST", d.fast),
             pdl: flag("MAMBA3_GPU_PDL", d.pdl),
             fused_decode: flag("MAMBA3_GPU_FUSED_DECODE", d.fused_decode),
+            decode_lanes: std::env::var("MAMBA3_GPU_DECODE_LANES")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .map_or(d.decode_lanes, |n| n.min(4)),
         }
     }
 }

@@ -172,8 +172,7 @@ struct MixItem {
 // mixer phase, which the other block's arrival then precedes. (A later item of a block
 // comes only without the split: its head is this block's alone.)
 __device__ __forceinline__ void first_mixer_head(StepHead& hd, float* const* __restrict__ states, int layer,
-                                                 int nb) {
-    const int split = mixer_split(nb);
+                                                 int nb, int split) {
     if ((int)blockIdx.x < NHEADS * nb << split) {
         const MixItem it(blockIdx.x, split);
         mixer_head(hd, states, layer, it.h, it.b);
@@ -181,11 +180,11 @@ __device__ __forceinline__ void first_mixer_head(StepHead& hd, float* const* __r
 }
 
 // The mixer of every (head, sequence), or of every part of one: item i goes to block i mod G.
-// `hd`: the first item's head states (first_mixer_head).
+// `hd`: the first item's head states (first_mixer_head); `split` as mixer_split gives it.
 __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const MixerW& w, const float* proj,
-                                            float* const* __restrict__ states, int layer, int nb, float* yf,
-                                            StepHead& hd) {
-    const int split = mixer_split(nb), items = NHEADS * nb << split, G = gridDim.x;
+                                            float* const* __restrict__ states, int layer, int nb, int split,
+                                            float* yf, StepHead& hd) {
+    const int items = NHEADS * nb << split, G = gridDim.x;
     int i = blockIdx.x;
     ph.mark(0);
     if (i < items) {
@@ -231,10 +230,9 @@ struct PrefetchList {
     }
 };
 __device__ __forceinline__ void prefetch_layer(const LayerW& w, float* const* __restrict__ states, int layer,
-                                               int nb) {
+                                               int nb, int split) {
     PrefetchList pl = {0};
     pl.gemv<D_MODEL>(w.in_proj, D_IN_PROJ, false);
-    const int split = mixer_split(nb);
     for (int i = blockIdx.x; i < NHEADS * nb << split; i += gridDim.x) {
         const MixItem it(i, split);
         pl.piece(states[it.b] + (size_t)layer * ST_LAYER + ST_SSM + ((size_t)it.h * HEADDIM + it.p0) * DSTATE,
@@ -253,16 +251,17 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
                                              float* yf, float* vg, float* const* __restrict__ states,
                                              int nb) {
     auto layer = [&](int l) { return l < FUSED_TABLE ? tab[l] : layers[l]; };
-    if (FUSED_PREFETCH) prefetch_layer(layer(0), states, 0, nb);
+    const int split = mixer_split(nb);
+    if (FUSED_PREFETCH) prefetch_layer(layer(0), states, 0, nb, split);
     for (int l = 0; l < n_layers; ++l) {
         const LayerW w = layer(l);
-        if (FUSED_PREFETCH && l + 1 < n_layers) prefetch_layer(layer(l + 1), states, l + 1, nb);
+        if (FUSED_PREFETCH && l + 1 < n_layers) prefetch_layer(layer(l + 1), states, l + 1, nb, split);
         // Let the head's GEMV (launched next, with PDL) start loading its weights.
         if (l == n_layers - 1) griddep_launch();
         StepHead hd;
-        first_mixer_head(hd, states, l, nb);
+        first_mixer_head(hd, states, l, nb, split);
         fused_gemv<D_MODEL, NT, 1>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
-        fused_mixer(ph, sm, w.mix, proj, states, l, nb, yf, hd);
+        fused_mixer(ph, sm, w.mix, proj, states, l, nb, split, yf, hd);
         fused_gemv<D_INNER, NT, 0>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true);
 #if MLP_HIDDEN > 0
         fused_gemv<D_MODEL, NT, 1>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0, false);
