@@ -131,15 +131,7 @@ impl Pipe<'_> {
                 self.out_proj_gemm(work, l, r0, nb)?;
                 self.mlp_gemm(work, l, r0, nb)?;
             }
-            self.look(
-                "decode layer",
-                Some(l),
-                res,
-                nb,
-                d.d_model,
-                d.d_model,
-                true,
-            )?;
+            self.look("decode layer", Some(l), res, nb, d.d_model, d.d_model, true)?;
         }
         Ok(())
     }
@@ -284,34 +276,18 @@ impl Pipe<'_> {
 
 /// Lanes of a decode batch of `nb` that runs one launch per kernel: `option` when it is
 /// not 0 (at most one per row), else by the batch, as measured on the H200 at d_model 768
-/// (docs/benchmarks.md): lanes of at most 8 rows up to 32 (at least two; a lane of 9 – 16
-/// rows takes the GEMV at its slowest), two above. `probe` waits on the main stream only,
-/// so it takes one.
+/// (docs/benchmarks.md): one up to 5 rows (lanes of one or two rows lose), lanes of at most
+/// 8 rows up to 32 (at least two; a lane of 9 – 16 rows takes the GEMV at its slowest), two
+/// above. `probe` waits on the main stream only, so it takes one.
 fn decode_lanes(option: usize, nb: usize, probe: bool) -> usize {
     let lanes = match (option, nb) {
         _ if probe => 1,
-        (0, 0..=32) => nb.div_ceil(8).max(2),
+        (0, 0..=5) => 1,
+        (0, 6..=32) => nb.div_ceil(8).max(2),
         (0, _) => 2,
         (n, _) => n,
     };
     lanes.clamp(1, MAX_LANES).min(nb.max(1))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::decode_lanes;
-
-    #[test]
-    fn lanes_by_batch() {
-        let auto: Vec<usize> = [1, 2, 6, 8, 9, 16, 17, 24, 32, 33, 64, 128]
-            .iter()
-            .map(|&nb| decode_lanes(0, nb, false))
-            .collect();
-        assert_eq!(auto, [1, 2, 2, 2, 2, 2, 3, 3, 4, 2, 2, 2]);
-        assert_eq!(decode_lanes(3, 64, false), 3);
-        assert_eq!(decode_lanes(4, 2, false), 2);
-        assert_eq!(decode_lanes(0, 64, true), 1);
-    }
 }
 
 /// `MAMBA3_GPU_TRACE`, read once (not on every step).
@@ -342,4 +318,21 @@ fn write_trace(
         out += &format!("{p} {b} {} {} {} {} {}\n", r[0], r[1], r[2], r[3], r[4]);
     }
     std::fs::write(path, out).map_err(|e| crate::error::Error::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_lanes;
+
+    #[test]
+    fn lanes_by_batch() {
+        let auto: Vec<usize> = [1, 2, 5, 6, 8, 9, 16, 17, 24, 32, 33, 64, 128]
+            .iter()
+            .map(|&nb| decode_lanes(0, nb, false))
+            .collect();
+        assert_eq!(auto, [1, 1, 1, 2, 2, 2, 2, 3, 3, 4, 2, 2, 2]);
+        assert_eq!(decode_lanes(3, 64, false), 3);
+        assert_eq!(decode_lanes(4, 2, false), 2);
+        assert_eq!(decode_lanes(0, 64, true), 1);
+    }
 }

@@ -273,20 +273,19 @@ impl Pipe<'_> {
         } else {
             self.dtype
         };
-        self.look_typed(
-            "rms_norm_rows (in_proj input)",
-            l,
-            xin,
-            rows,
-            k,
-            xin_dtype,
-        )?;
+        self.look_typed("rms_norm_rows (in_proj input)", l, xin, rows, k, xin_dtype)?;
         self.gemm_typed(rows, d.d_in_proj, k, ab, xin, w, proj, proj_ld(d))
     }
 
     /// The out_proj GEMM of layer `l` for rows `r0 … r0 + rows`, adding the gated mixer
     /// output into the residual.
-    pub(super) fn out_proj_gemm(&self, work: &Work, l: usize, r0: usize, rows: usize) -> Result<()> {
+    pub(super) fn out_proj_gemm(
+        &self,
+        work: &Work,
+        l: usize,
+        r0: usize,
+        rows: usize,
+    ) -> Result<()> {
         let d = &self.d;
         let w = self.w.layers[l].out_proj.ptr;
         let y = work.y.ptr + (r0 * d.d_inner * self.act().size()) as u64;
