@@ -58,8 +58,9 @@ fn decode3_rows(m: &Model, states: &mut [State], graph: bool, first: usize) -> V
 fn decode_graph_replay_is_bit_identical_to_eager() {
     for dtype in [DType::BF16, DType::F32] {
         let m = model(dtype);
-        // bucket 4 exactly, bucket 4 padded (3 rows), and a large batch (cuBLASLt path)
-        for (bucket, batch) in [(4usize, 4usize), (4, 3), (24, 24)] {
+        // bucket 4 exactly, bucket 4 padded (3 rows), bucket 16 padded (12 rows: two lanes
+        // of GEMVs in f32), large batches (cuBLASLt; 40 rows: two lanes)
+        for (bucket, batch) in [(4usize, 4usize), (4, 3), (16, 12), (24, 24), (40, 40)] {
             m.capture_decode_graph(bucket).unwrap();
             let base = primed(&m, batch);
             let mut eager = base.clone();
@@ -251,16 +252,19 @@ fn fused_decode_is_bit_identical_to_the_unfused_launches() {
     }
 }
 
-/// A large decode batch cut into lanes (rows on streams of their own): each lane's rows
-/// are bit-identical to the decode of those rows alone, and the whole agrees with one lane
-/// (whose projections take another route at this batch: cuBLASLt, the 16-bit y).
+/// A large decode batch cut into lanes (rows on streams of their own): each lane leaves
+/// the states the decode of its rows alone leaves (bit-identical), and the logits agree
+/// with those of one lane and of the rows alone (whose projections or head may take
+/// another route at their batch size: cuBLASLt, the 16-bit y).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn decode_lanes_are_the_decode_of_their_rows_alone() {
     let batch = 24;
+    let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
     for dtype in [DType::BF16, DType::F32] {
         let m = model(dtype);
         let o = m.gpu_options().unwrap().unwrap();
+        let bound = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
         let base = primed(&m, batch);
         let run = |lanes: usize, states: &mut [State], first: usize| {
             m.set_gpu_options(GpuOptions {
@@ -280,24 +284,24 @@ fn decode_lanes_are_the_decode_of_their_rows_alone() {
                 let (r0, r1) = (batch * lane / lanes, batch * (lane + 1) / lanes);
                 let mut part = base[r0..r1].to_vec();
                 let alone = run(lanes, &mut part, r0);
-                for step in 0..3 {
-                    let at = |b: usize| (step * batch + b) * per_row;
-                    let rows = &all[at(r0)..at(r1)];
-                    let n = (r1 - r0) * per_row;
-                    let rows_alone = &alone[step * n..(step + 1) * n];
-                    assert!(
-                        rows == rows_alone,
-                        "{dtype:?} {lanes} lanes, lane {lane} step {step}: logits differ"
-                    );
-                }
                 assert!(
                     hosts(&st[r0..r1]) == hosts(&part),
                     "{dtype:?} {lanes} lanes, lane {lane}: states differ"
                 );
+                let n = (r1 - r0) * per_row;
+                for step in 0..3 {
+                    let at = |b: usize| (step * batch + b) * per_row;
+                    let e = rel_l2(
+                        &f(&all[at(r0)..at(r1)]),
+                        &f(&alone[step * n..(step + 1) * n]),
+                    );
+                    assert!(
+                        e < bound,
+                        "{dtype:?} {lanes} lanes, lane {lane}: logits {e:e}"
+                    );
+                }
             }
-            let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
             let e = rel_l2(&f(&all), &f(&one));
-            let bound = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
             println!("{dtype:?} batch {batch}, {lanes} lanes against one: rel L2 {e:.3e}");
             assert!(e < bound, "{dtype:?} {lanes} lanes: {e:e}");
         }

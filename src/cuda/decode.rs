@@ -4,10 +4,10 @@
 //! out_proj GEMV adding into the residual (and the MLP's two GEMVs) — or, for 16-bit
 //! models and batches whose heads fit in one block per SM, all layers in one cooperative
 //! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`). Larger
-//! batches run the projections through cuBLASLt, cut into lanes of rows on streams of
-//! their own (`GpuOptions::decode_lanes`): a lane's GEMMs, latency-bound at these sizes,
-//! then overlap another lane's `mixer_step`, which is bound by the state traffic. CPU twin:
-//! `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
+//! batches run the projections through cuBLASLt. A batch that takes the launch per kernel
+//! may be cut into lanes of rows on streams of their own (`GpuOptions::decode_lanes`): one
+//! lane's projections, latency-bound at these sizes, then overlap another lane's work.
+//! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
 use super::context::{Gpu, MAX_LANES};
 use super::forward::Pipe;
@@ -27,19 +27,19 @@ impl Pipe<'_> {
     pub fn decode(&self, work: &Work, nb: usize) -> Result<()> {
         self.embed(work, nb)?;
         if self.decode_fused(work, nb)? {
-            return self.decode_head(work, 0, nb);
+            return self.decode_head(work, nb);
         }
-        // Lanes: the rows cut into contiguous runs, each through every layer and the head on
-        // its own stream (they share nothing but the weights).
+        // Lanes: the rows cut into contiguous runs, each through every layer on its own
+        // stream (they share nothing but the weights). The head runs once for the whole
+        // batch: per lane it would read its weights (the embedding, for a tied head) again.
         let lanes = decode_lanes(self.opts.decode_lanes, nb, self.probe);
         self.gpu.fork_lanes(lanes)?;
         for lane in 0..lanes {
             let (r0, r1) = (nb * lane / lanes, nb * (lane + 1) / lanes);
-            let pipe = Pipe { lane, ..*self };
-            pipe.decode_layers(work, r0, r1 - r0)?;
-            pipe.decode_head(work, r0, r1 - r0)?;
+            Pipe { lane, ..*self }.decode_layers(work, r0, r1 - r0)?;
         }
-        self.gpu.join_lanes(lanes)
+        self.gpu.join_lanes(lanes)?;
+        self.decode_head(work, nb)
     }
 
     /// Every layer, one launch per kernel, for rows `r0 … r0 + nb` of the batch.
@@ -190,18 +190,16 @@ impl Pipe<'_> {
         Ok(true)
     }
 
-    /// The final norm and the LM head of rows `r0 … r0 + nb` of a decode step (GEMV for
-    /// small batches).
-    fn decode_head(&self, work: &Work, r0: usize, nb: usize) -> Result<()> {
+    /// The final norm and the LM head of a decode step (GEMV for small batches).
+    fn decode_head(&self, work: &Work, nb: usize) -> Result<()> {
         let d = &self.d;
         let vp = d.vocab_padded;
-        let logits = work.logits.at::<f32>(r0 * vp);
         if nb <= GEMV_MAX_ROWS {
             self.gemv(
-                work.res.at::<f32>(r0 * d.d_model),
+                work.res.ptr,
                 self.w.norm_f.ptr,
                 self.w.head().ptr,
-                (logits, vp),
+                (work.logits.ptr, vp),
                 nb,
                 vp,
                 d.d_model,
@@ -209,9 +207,9 @@ impl Pipe<'_> {
                 false,
             )?;
         } else {
-            self.head_gemm(work, r0, nb, 0)?;
+            self.head_gemm(work, nb, 0)?;
         }
-        self.look("decode head", None, logits, nb, vp, vp, true)
+        self.look("decode head", None, work.logits.ptr, nb, vp, vp, true)
     }
 
     /// `out[b] (+)= transform(in[b]) · Wᵀ` (kernels/gemv.cu: `gemv_tc_*` on tensor cores for
@@ -276,14 +274,18 @@ impl Pipe<'_> {
 
 /// Lanes of a decode batch of `nb` that runs one launch per kernel: `option` when it is
 /// not 0 (at most one per row), else by the batch, as measured on the H200 at d_model 768
-/// (docs/benchmarks.md): one up to 5 rows (lanes of one or two rows lose), lanes of at most
-/// 8 rows up to 32 (at least two; a lane of 9 – 16 rows takes the GEMV at its slowest), two
-/// above. `probe` waits on the main stream only, so it takes one.
+/// (docs/benchmarks.md): two lanes of at most 8 rows from 6 to 16 rows, one from 17 to 32,
+/// two above. Lanes of one or two rows lose; so do lanes of 9 – 16 rows (the GEMV's slow
+/// two-tile form). Four lanes of 8 gain 3–6 % at 24 – 32 rows in a CUDA graph, but
+/// launched eagerly each lane's launches cost the host as much as the whole step's (the
+/// server decodes batches past its graphs eagerly: 31 rows in four lanes took 1.93–1.98 ms
+/// per step, in one 1.63–1.64), and eager and replayed steps must compute the same. `probe`
+/// waits on the main stream only, so it takes one.
 fn decode_lanes(option: usize, nb: usize, probe: bool) -> usize {
     let lanes = match (option, nb) {
         _ if probe => 1,
-        (0, 0..=5) => 1,
-        (0, 6..=32) => nb.div_ceil(8).max(2),
+        (0, 6..=16) => 2,
+        (0, 0..=32) => 1,
         (0, _) => 2,
         (n, _) => n,
     };
@@ -330,7 +332,7 @@ mod tests {
             .iter()
             .map(|&nb| decode_lanes(0, nb, false))
             .collect();
-        assert_eq!(auto, [1, 1, 1, 2, 2, 2, 2, 3, 3, 4, 2, 2, 2]);
+        assert_eq!(auto, [1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 2, 2, 2]);
         assert_eq!(decode_lanes(3, 64, false), 3);
         assert_eq!(decode_lanes(4, 2, false), 2);
         assert_eq!(decode_lanes(0, 64, true), 1);

@@ -317,21 +317,24 @@ impl Pipe<'_> {
         self.gemm(rows, d.d_model, hid, act, m.fc2.ptr, res, true, true)
     }
 
-    /// Final norm of the picked rows and the head: logits `[picked, vocab_padded]`, of the
-    /// residual's rows from `r0` on (by `idx` when not 0) into the logits' rows from `r0` on.
-    pub(super) fn head_gemm(&self, work: &Work, r0: usize, picked: usize, idx: u64) -> Result<()> {
+    /// Final norm of the picked rows and the head: logits `[picked, vocab_padded]`.
+    pub(super) fn head_gemm(&self, work: &Work, picked: usize, idx: u64) -> Result<()> {
         let d = &self.d;
-        let hfin = work.hfin.ptr + (r0 * d.d_model * self.act().size()) as u64;
-        let logits = work.logits.at::<f32>(r0 * d.vocab_padded);
-        let res = work.res.at::<f32>(r0 * d.d_model);
-        self.norm_rows(res, self.w.norm_f.ptr, hfin, picked, idx, NORM_ACT)?;
+        self.norm_rows(
+            work.res.ptr,
+            self.w.norm_f.ptr,
+            work.hfin.ptr,
+            picked,
+            idx,
+            NORM_ACT,
+        )?;
         self.gemm(
             picked,
             d.vocab_padded,
             d.d_model,
-            hfin,
+            work.hfin.ptr,
             self.w.head().ptr,
-            logits,
+            work.logits.ptr,
             true,
             false,
         )
@@ -505,7 +508,7 @@ impl Pipe<'_> {
             }
         }
         let picked = lay.picked.len();
-        self.head_gemm(work, 0, picked, work.picked.ptr)?;
+        self.head_gemm(work, picked, work.picked.ptr)?;
         self.look(
             "final norm",
             None,

@@ -49,9 +49,9 @@ pub struct GpuOptions {
     pub fused_decode: bool,
     /// Decode batches that run one launch per kernel (larger than the fused step takes):
     /// the rows are cut into this many lanes (1 … 4; 0 chooses by the batch size), each
-    /// running every layer and the head on a stream of its own, so that one lane's
-    /// latency-bound projections overlap another's work. Each lane computes what the
-    /// decode of its rows alone would.
+    /// running every layer on a stream of its own, so that one lane's latency-bound
+    /// projections overlap another's work (the head then runs once for the batch). Each
+    /// lane leaves the states the decode of its rows alone would.
     pub decode_lanes: usize,
 }
 
