@@ -134,7 +134,7 @@ fn start_engine(
                     return;
                 }
             };
-            // On a GPU, each decode step of up to 16 sequences replays a CUDA graph of the
+            // On a GPU, each decode step of up to 64 sequences replays a CUDA graph of the
             // next bucket (captured here, before the server reports ready); rows of such a
             // batch are computed on their own, so the padding changes no result.
             if loaded.model.device() != Device::Cpu {
@@ -145,7 +145,7 @@ fn start_engine(
                 if let Err(e) = loaded.model.reserve_passes(s.prefill_chunk.max(seqs), seqs) {
                     eprintln!("mamba3 serve: work buffers not reserved ({e}); they grow on demand");
                 }
-                for bucket in [1usize, 2, 4, 8, 16] {
+                for bucket in [1usize, 2, 4, 8, 16, 32, 64] {
                     if bucket > cfg.scheduler.max_batch.max(1).next_power_of_two() {
                         break;
                     }
