@@ -11,7 +11,6 @@
 
 use super::context::{Gpu, MAX_LANES};
 use super::forward::Pipe;
-use super::gemm::ElemType;
 use super::kernels::proj_ld;
 use super::work::Work;
 use crate::error::Result;
@@ -50,7 +49,7 @@ impl Pipe<'_> {
         let proj = work.proj.at::<f32>(r0 * proj_ld(d));
         let states = work.states.at::<u64>(r0);
         let yf = work.yf.at::<f32>(r0 * d.d_inner);
-        let y = work.y.ptr + (r0 * d.d_inner * ElemType::of(self.dtype).size()) as u64;
+        let y = self.act_at(&work.y, r0 * d.d_inner);
         let vg = work.vg.at::<f32>(r0 * 2 * d.mlp_hidden);
         for (l, lw) in self.w.layers.iter().enumerate() {
             let layer = l as i32;

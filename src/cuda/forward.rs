@@ -16,7 +16,7 @@
 //! `fast`: see `weights::InProjInput`), and the scan runs on TF32 tensor cores (16-bit ones
 //! with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
-use super::context::{Gpu, KArg};
+use super::context::{DevBuf, Gpu, KArg};
 use super::gemm::{ElemType, GemmOp, GemmSpec, Lt};
 use super::kernels::{proj_ld, Kernels, ScanMath};
 use super::weights::{GpuWeights, InProjInput};
@@ -81,6 +81,11 @@ pub struct Pipe<'a> {
 impl Pipe<'_> {
     fn act(&self) -> ElemType {
         ElemType::of(self.dtype)
+    }
+
+    /// The address `elems` elements into `buf`, a buffer of the activation dtype.
+    pub(super) fn act_at(&self, buf: &DevBuf, elems: usize) -> u64 {
+        buf.ptr + (elems * self.act().size()) as u64
     }
 
     /// With `probe` on: wait, and check `rows × cols` values (rows `ld` apart, f32 or the
@@ -288,7 +293,7 @@ impl Pipe<'_> {
     ) -> Result<()> {
         let d = &self.d;
         let w = self.w.layers[l].out_proj.ptr;
-        let y = work.y.ptr + (r0 * d.d_inner * self.act().size()) as u64;
+        let y = self.act_at(&work.y, r0 * d.d_inner);
         let res = work.res.at::<f32>(r0 * d.d_model);
         self.gemm(rows, d.d_model, d.d_inner, y, w, res, true, true)
     }
@@ -301,9 +306,9 @@ impl Pipe<'_> {
         };
         let hid = d.mlp_hidden;
         let res = work.res.at::<f32>(r0 * d.d_model);
-        let xin = work.xin.ptr + (r0 * d.d_model * self.act().size()) as u64;
+        let xin = self.act_at(&work.xin, r0 * d.d_model);
         let vg = work.vg.at::<f32>(r0 * 2 * hid);
-        let act = work.act.ptr + (r0 * hid * self.act().size()) as u64;
+        let act = self.act_at(&work.act, r0 * hid);
         self.norm_rows(res, m.norm.ptr, xin, rows, 0, NORM_ACT)?;
         self.gemm(rows, 2 * hid, d.d_model, xin, m.fc1.ptr, vg, true, false)?;
         let sw = self
