@@ -6,7 +6,7 @@ mod gpu;
 use gpu::*;
 use mamba3::cpu::{zero_state, Reference};
 use mamba3::engine::{Device, GpuOptions, LogitsWant, Model, State};
-use mamba3::model::{DType, Weights};
+use mamba3::model::{DType, TensorData, Weights};
 
 const CUDA: Device = Device::Cuda(0);
 
@@ -159,6 +159,53 @@ fn goldens_f32_tf32_option() {
         println!("{name} F32+TF32 prefill: {e:.3e}");
         assert!(e < 1e-2, "{name} tf32: {e:e}");
     }
+}
+
+/// A 16-bit model's scan takes f16 operands, which overflow past 65504; the kernel scales
+/// x, w ⊙ x, the weighted M and the copy of S per chunk. Here the in_proj rows of x are
+/// multiplied by 2¹⁶, so x and the state reach far past f16's range: the GPU must still
+/// agree with the CPU engine at bf16 resolution (unscaled f16 operands would give inf).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn f16_scan_takes_activations_past_the_f16_range() {
+    // tensor-core tile shape (chunk 64, N 128, P 64), output norm
+    let cfg = config(128, 2, 128, 64, 1, 0.5, true, 0, 64);
+    let mut w = Weights::synthetic(cfg, DType::BF16, 11).unwrap();
+    let di = w.dims.d_inner;
+    for l in &mut w.layers {
+        let m = &mut l.in_proj;
+        let mut v = m.data.to_f32_vec();
+        for x in &mut v[di * m.cols..2 * di * m.cols] {
+            *x *= 65536.0; // exact in bf16
+        }
+        m.data = TensorData::F32(v).convert(DType::BF16);
+    }
+    let ids = tokens(300, w.dims.vocab_size, 3);
+    let gpu = Model::from_weights(w.clone(), CUDA).unwrap();
+    let cpu = Model::from_weights(w, Device::Cpu).unwrap();
+    let (mut gs, mut cs) = (gpu.new_state(), cpu.new_state());
+    let g = gpu.prefill(&ids, &mut gs, LogitsWant::All).unwrap();
+    let c = cpu.prefill(&ids, &mut cs, LogitsWant::All).unwrap();
+    let e = rel_l2(&f64s(&g.data), &f64s(&c.data));
+    let (gh, ch) = (gs.to_host().unwrap(), cs.to_host().unwrap());
+    let mut worst_state = 0f64;
+    let mut x_max = 0f32;
+    let mut s_max = 0f32;
+    for (gl, cl) in gh.iter().zip(&ch) {
+        worst_state = worst_state.max(rel_l2(&f64s(&gl.ssm), &f64s(&cl.ssm)));
+        x_max = cl.v.iter().fold(x_max, |m, v| m.max(v.abs()));
+        s_max = cl.ssm.iter().fold(s_max, |m, v| m.max(v.abs()));
+    }
+    println!(
+        "x up to {x_max:.3e}, state up to {s_max:.3e}: logits vs the CPU engine {e:.3e}, \
+         ssm states {worst_state:.3e}"
+    );
+    assert!(
+        x_max > 65504.0 && s_max > 65504.0,
+        "the test must leave f16's range"
+    );
+    assert!(e < 2e-2, "logits: {e:e}");
+    assert!(worst_state < 2e-2, "ssm state: {worst_state:e}");
 }
 
 /// (config, packed lengths) pairs covering the shapes the kernels branch on.

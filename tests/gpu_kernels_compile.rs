@@ -91,6 +91,7 @@ fn every_kernel_compiles_under_nvrtc() {
         (DType::F32, ScanMath::Tf32),
         (DType::BF16, ScanMath::Tf32),
         (DType::BF16, ScanMath::Half),
+        (DType::BF16, ScanMath::F16),
         (DType::F16, ScanMath::Half),
     ];
     let mut jobs = Vec::new();

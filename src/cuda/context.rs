@@ -6,7 +6,11 @@
 //! `griddepcontrol.wait` before it touches what the previous one wrote, see
 //! kernels/common.cuh). The one exception: a large decode batch may run as independent
 //! lanes of rows on side streams (`fork_lanes` … `join_lanes`, src/cuda/decode.rs), which
-//! start after and end before the main stream's work around them.
+//! start after and end before the main stream's work around them. The side streams have
+//! the device's greatest priority and a lane's bandwidth-bound kernels are launched at the
+//! least (`launch_background_on`): when one lane's latency-bound projections are queued
+//! while another lane's mixer fills the GPU, the block scheduler gives them the next free
+//! slots instead of finishing the mixer's queue first.
 
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
@@ -18,14 +22,17 @@ pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("{what}: {e:?}"))
 }
 
-/// The most lanes a decode step may run on (the main stream and three side streams).
+/// The most lanes a decode step may run on (one side stream each).
 pub const MAX_LANES: usize = 4;
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    /// Side streams for lanes 1 … MAX_LANES − 1 (lane 0 is `stream`).
+    /// Side streams for lanes 1 … MAX_LANES (lane 0 is `stream`).
     side: Vec<Arc<CudaStream>>,
+    /// The least stream priority, for background kernels of the lanes; None when the
+    /// lanes run at the default priority (`MAMBA3_GPU_LANE_PRIORITY=0`, a diagnostic).
+    background_priority: Option<i32>,
     pub name: String,
     pub ordinal: usize,
     /// Compute capability.
@@ -51,8 +58,11 @@ impl Gpu {
         let stream = ctx
             .new_stream()
             .map_err(|e| dev_err("creating a stream", e))?;
-        let side = (1..MAX_LANES)
-            .map(|_| ctx.new_stream())
+        let (least, greatest) = result::stream::get_priority_range()
+            .map_err(|e| dev_err("reading the stream priority range", e))?;
+        let prioritised = std::env::var("MAMBA3_GPU_LANE_PRIORITY").map_or(true, |v| v != "0");
+        let side = (0..MAX_LANES)
+            .map(|_| ctx.new_stream_with_priority(if prioritised { greatest } else { least }))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| dev_err("creating a side stream", e))?;
         let attr = |a| {
@@ -75,6 +85,7 @@ impl Gpu {
             ctx,
             stream,
             side,
+            background_priority: (prioritised && greatest < least).then_some(least),
             state_pool: Default::default(),
         })
     }
@@ -97,14 +108,14 @@ impl Gpu {
         }
     }
 
-    /// Lanes 1 … n − 1 start after everything queued on the main stream so far.
+    /// Lanes 1 … n start after everything queued on the main stream so far.
     pub fn fork_lanes(&self, n: usize) -> Result<()> {
-        if n > 1 {
+        if n > 0 {
             let ev = self
                 .stream
                 .record_event(None)
                 .map_err(|e| dev_err("recording a fork event", e))?;
-            for s in &self.side[..n - 1] {
+            for s in &self.side[..n] {
                 s.wait(&ev)
                     .map_err(|e| dev_err("a side stream waiting at the fork", e))?;
             }
@@ -112,9 +123,9 @@ impl Gpu {
         Ok(())
     }
 
-    /// The main stream goes on after everything queued on lanes 1 … n − 1.
+    /// The main stream goes on after everything queued on lanes 1 … n.
     pub fn join_lanes(&self, n: usize) -> Result<()> {
-        for s in &self.side[..n.saturating_sub(1)] {
+        for s in &self.side[..n] {
             self.stream
                 .join(s)
                 .map_err(|e| dev_err("joining a side stream", e))?;
@@ -206,15 +217,30 @@ impl Gpu {
         pdl: bool,
         args: &[&dyn KArg],
     ) -> Result<()> {
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let attrs = if pdl {
-            std::slice::from_mut(&mut attr)
+        let mut attrs = launch_attrs(pdl, None);
+        self.launch_with(lane, k, grid, block, smem, &mut attrs, args)
+    }
+
+    /// [`Gpu::launch_on`] at the least priority when `lane` is a side stream (see the
+    /// module doc): for a lane's kernels that are bound by memory traffic, not latency.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_background_on(
+        &self,
+        lane: usize,
+        k: &Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        args: &[&dyn KArg],
+    ) -> Result<()> {
+        let priority = if lane > 0 {
+            self.background_priority
         } else {
-            &mut []
+            None
         };
-        self.launch_with(lane, k, grid, block, smem, attrs, args)
+        let mut attrs = launch_attrs(pdl, priority);
+        self.launch_with(lane, k, grid, block, smem, &mut attrs, args)
     }
 
     /// Launch `k` as a cooperative grid: every block resident at once (the driver refuses
@@ -279,6 +305,24 @@ impl Gpu {
         .result()
         .map_err(|e| dev_err(&format!("launching kernel `{}`", k.name), e))
     }
+}
+
+/// The launch attributes: programmatic dependent launch, a priority.
+fn launch_attrs(pdl: bool, priority: Option<i32>) -> Vec<sys::CUlaunchAttribute> {
+    let mut attrs = Vec::with_capacity(2);
+    if pdl {
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        a.value.programmaticStreamSerializationAllowed = 1;
+        attrs.push(a);
+    }
+    if let Some(p) = priority {
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY;
+        a.value.priority = p;
+        attrs.push(a);
+    }
+    attrs
 }
 
 /// A loaded kernel.

@@ -31,13 +31,22 @@ impl Pipe<'_> {
         // Lanes: the rows cut into contiguous runs, each through every layer on its own
         // stream (they share nothing but the weights). The head runs once for the whole
         // batch: per lane it would read its weights (the embedding, for a tied head) again.
+        // One lane runs on the main stream, several on side streams 1 … lanes.
         let lanes = decode_lanes(self.opts.decode_lanes, nb, self.probe);
-        self.gpu.fork_lanes(lanes)?;
-        for lane in 0..lanes {
-            let (r0, r1) = (nb * lane / lanes, nb * (lane + 1) / lanes);
-            Pipe { lane, ..*self }.decode_layers(work, r0, r1 - r0)?;
+        if lanes == 1 {
+            self.decode_layers(work, 0, nb)?;
+        } else {
+            self.gpu.fork_lanes(lanes)?;
+            for lane in 0..lanes {
+                let (r0, r1) = (nb * lane / lanes, nb * (lane + 1) / lanes);
+                Pipe {
+                    lane: lane + 1,
+                    ..*self
+                }
+                .decode_layers(work, r0, r1 - r0)?;
+            }
+            self.gpu.join_lanes(lanes)?;
         }
-        self.gpu.join_lanes(lanes)?;
         self.decode_head(work, nb)
     }
 
@@ -69,7 +78,9 @@ impl Pipe<'_> {
                 self.in_proj_gemm(work, l, r0, nb)?;
             }
             let (yf, ya) = if gemv { (yf, 0u64) } else { (0u64, y) };
-            self.launch(
+            // Bound by the state traffic: at the least priority, behind the projections of
+            // the other lanes (src/cuda/context.rs).
+            self.launch_background(
                 &self.k.mixer_step,
                 (d.nheads as u32, nb as u32, 1),
                 256,

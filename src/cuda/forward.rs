@@ -13,8 +13,10 @@
 //! f32 in every mode. In bf16/f16 the GEMM operands are 16-bit; the in_proj input is f16
 //! against an f16 copy of the weights (or, for models whose norm weights could overflow
 //! f16, split into hi + lo halves against `[W | W]`, or rounded to the model dtype with
-//! `fast`: see `weights::InProjInput`), and the scan runs on TF32 tensor cores (16-bit ones
-//! with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
+//! `fast`: see `weights::InProjInput`), and the scan runs on f16 tensor cores, whose
+//! mantissa is TF32's, with its data-dependent operands scaled per chunk against f16's
+//! range (kernels/scan.cu; TF32 when the B/C norm weights could overflow f16, the model's
+//! dtype with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
 use super::context::{DevBuf, Gpu, KArg};
 use super::gemm::{ElemType, GemmOp, GemmSpec, Lt};
@@ -53,7 +55,8 @@ pub(crate) struct ScanArgs {
     pub y_pre: u64,
     pub states: u64,
     pub layer: i32,
-    pub _pad: i32,
+    /// a bound on |⟨q̃, k̃⟩| (`GpuLayer::scan_qk`)
+    pub qk: f32,
 }
 
 impl KArg for ScanArgs {
@@ -74,7 +77,8 @@ pub struct Pipe<'a> {
     pub opts: CudaOptions,
     /// check every step's output for non-finite values (`MAMBA3_GPU_DEBUG=1`)
     pub probe: bool,
-    /// the stream this pipe launches on (0: the main one; see `Gpu::fork_lanes`)
+    /// the stream this pipe launches on (0: the main one, 1 … MAX_LANES: the lanes' side
+    /// streams; see `Gpu::fork_lanes`)
     pub lane: usize,
 }
 
@@ -239,6 +243,19 @@ impl Pipe<'_> {
     ) -> Result<()> {
         self.gpu
             .launch_on(self.lane, k, grid, block, smem, self.opts.pdl, args)
+    }
+
+    /// [`Pipe::launch`] at the least priority on a side lane ([`Gpu::launch_background_on`]).
+    pub(super) fn launch_background(
+        &self,
+        k: &super::context::Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[&dyn KArg],
+    ) -> Result<()> {
+        self.gpu
+            .launch_background_on(self.lane, k, grid, block, smem, self.opts.pdl, args)
     }
 
     /// `out[r] = rmsnorm(x[idx[r] or r]) ⊙ w` for `rows` rows, as GEMM input written as
@@ -442,7 +459,7 @@ impl Pipe<'_> {
                 y_pre: 0,
                 states: work.states.ptr,
                 layer,
-                _pad: 0,
+                qk: lw.scan_qk,
             };
             if nseg > nseq {
                 self.launch(

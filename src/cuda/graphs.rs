@@ -100,7 +100,7 @@ impl CudaModel {
         let captured = run(&work);
         let ended = gpu
             .stream
-            .end_capture(CUgraphInstantiate_flags(0))
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
             .map_err(|e| dev_err("ending a graph capture", e));
         captured?;
         let graph =

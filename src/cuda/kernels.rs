@@ -86,6 +86,8 @@ pub enum ScanMath {
     Tf32 = 1,
     /// bf16/f16 tensor cores (the model dtype), f32 accumulate
     Half = 2,
+    /// f16 tensor cores whatever the model dtype (TF32's mantissa in 16 bits), f32 accumulate
+    F16 = 3,
 }
 
 /// Everything a compiled module depends on besides the source.
@@ -109,7 +111,8 @@ impl KernelConfig {
             }
         };
         let scan = match scan {
-            ScanMath::Half if dtype == DType::F32 => ScanMath::Tf32,
+            ScanMath::Half | ScanMath::F16 if dtype == DType::F32 => ScanMath::Tf32,
+            ScanMath::F16 if dtype == DType::F16 => ScanMath::Half,
             s => s,
         };
         // The scan's tiles (kernels/scan.cu) hold at most 128 rows.
@@ -209,6 +212,7 @@ impl KernelConfig {
         match self.define("SCAN_MMA") {
             Some("1") => ScanMath::Tf32,
             Some("2") => ScanMath::Half,
+            Some("3") => ScanMath::F16,
             _ => ScanMath::F32,
         }
     }

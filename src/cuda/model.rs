@@ -101,6 +101,14 @@ impl CudaModel {
             (DType::F32, _, true) => ScanMath::Tf32,
             (DType::F32, _, false) => ScanMath::F32,
             (_, true, _) => ScanMath::Half,
+            // f16 operands: TF32's mantissa at the cost of 16 bits (docs/benchmarks.md);
+            // `MAMBA3_GPU_SCAN_F16=0` keeps TF32, a diagnostic for A/B runs
+            (_, false, _)
+                if self.gw.scan_f16
+                    && std::env::var("MAMBA3_GPU_SCAN_F16").map_or(true, |v| v != "0") =>
+            {
+                ScanMath::F16
+            }
             (_, false, _) => ScanMath::Tf32,
         }
     }

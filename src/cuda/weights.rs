@@ -5,7 +5,7 @@
 use super::context::{DevBuf, Gpu};
 use crate::error::{Error, Result};
 use crate::model::weights::Matrix;
-use crate::model::{DType, Weights};
+use crate::model::{DType, LayerWeights, Weights};
 
 /// How the normed residual enters the in_proj GEMM of a 16-bit model. The input's rounding
 /// costs more accuracy than any other activation's (docs/benchmarks.md), so it is not
@@ -52,6 +52,30 @@ fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
     Ok(Some(out))
 }
 
+/// Whether the scan's q̃ and k̃ (spec §2.5: RMS-normed B, C times their norm weights, plus
+/// the biases, rotated) stay below 2¹⁴ whatever the input, so that a 16-bit model's scan
+/// may take f16 operands (kernels/scan.cu scales the data-dependent ones itself): a normed
+/// entry is at most √d_state·max|w|, and a rotation mixes two entries, ×√2.
+fn scan_operands_fit_f16(w: &Weights) -> bool {
+    let max = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
+    let root_n = (w.dims.d_state as f64).sqrt();
+    w.layers.iter().all(|l| {
+        let b = std::f64::consts::SQRT_2 * (root_n * max(&l.b_norm) + max(&l.b_bias));
+        let c = std::f64::consts::SQRT_2 * (root_n * max(&l.c_norm) + max(&l.c_bias));
+        b < 16384.0 && c < 16384.0
+    })
+}
+
+/// A bound on |⟨q̃, k̃⟩| for a layer's scan: the RMS-normed B (or C) row has 2-norm ≤ √N,
+/// so with its weights and biases |k̃|₂ ≤ √N·(max|w| + max|bias|) (a rotation keeps the
+/// norm), and the product is at most N times both factors.
+fn scan_qk(d_state: usize, l: &LayerWeights) -> f32 {
+    let max = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
+    let b = max(&l.b_norm) + max(&l.b_bias);
+    let c = max(&l.c_norm) + max(&l.c_bias);
+    (d_state as f64 * b * c) as f32
+}
+
 pub struct GpuMlp {
     pub norm: DevBuf,
     pub fc1: DevBuf,
@@ -70,6 +94,8 @@ pub struct GpuLayer {
     pub c_norm: DevBuf,
     pub d: DevBuf,
     pub out_norm: Option<DevBuf>,
+    /// a bound on |⟨q̃, k̃⟩| over the layer's heads (`scan_qk`)
+    pub scan_qk: f32,
     pub out_proj: DevBuf,
     pub mlp: Option<GpuMlp>,
 }
@@ -83,6 +109,8 @@ pub struct GpuWeights {
     /// 16-bit models: every layer's parameter addresses, `LayerW` of
     /// kernels/decode_layers.cu (13 per layer; 0 for what the layer lacks)
     pub layer_table: Option<DevBuf>,
+    /// 16-bit models: the scan may take f16 operands (`scan_operands_fit_f16`)
+    pub scan_f16: bool,
     pub bytes: usize,
 }
 
@@ -147,6 +175,7 @@ impl GpuWeights {
                 c_norm: vec(&l.c_norm)?,
                 d: vec(&l.d)?,
                 out_norm: l.out_norm.as_deref().map(vec).transpose()?,
+                scan_qk: scan_qk(w.dims.d_state, l),
                 out_proj: mat(&l.out_proj)?,
                 mlp: match &l.mlp {
                     Some(m) => Some(GpuMlp {
@@ -170,6 +199,7 @@ impl GpuWeights {
             lm_head,
             layer_table,
             layers,
+            scan_f16: w.dtype != DType::F32 && scan_operands_fit_f16(w),
             bytes: bytes + input_bytes,
         })
     }

@@ -27,7 +27,7 @@
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
 #define SZ_TOKV ALIGN128(7 * CHP * 4)
-#define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4)
+#define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4 + 6 * 4)
 #define SCAN_SMEM (SCAN_TILES + SZ_TOKV + SZ_RED + SZ_BIAS)
 
 // k steps unrolled in the forward's products: all of them on the tensor cores (ldmatrix
@@ -42,7 +42,7 @@
 #endif
 #endif
 // Global loads issued together in the operand builds (registers permitting).
-#if SCAN_MMA == 2
+#if SCAN_MMA >= 2
 #define SCAN_LOAD_BATCH 2
 #else
 #define SCAN_LOAD_BATCH 4
@@ -125,6 +125,56 @@ __device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, co
     }
 }
 
+// f16 operands (SCAN_MMA 3, and 2 in f16 models) keep TF32's mantissa but overflow past
+// 65504. The data-dependent ones are stored scaled by a power of two per chunk: 1 while a
+// bound on the chunk's magnitudes is below 2^14, else what brings it there; the products'
+// results are scaled back, exactly. The bounds, known before the operands are built:
+//   x, w ⊙ x:  max|x| · max(1, max c)                (w_j = e^{Lc_end − Lc_j}·c_j ≤ c_j)
+//   M:         qk · max(c, γ)     (|⟨q̃_r, k̃_s⟩| ≤ qk, from the norm weights and biases;
+//                                  the decay weights are ≤ c_s, the diagonal's γ_r)
+//   S's copy:  its own maximum, taken when the previous chunk updates it.
+// q̃ and k̃ themselves are bounded by the same weights, which the host checks.
+#if SCAN_MMA == 3 || (SCAN_MMA == 2 && ACT == 2)
+#define SCAN_SCALED 1
+#else
+#define SCAN_SCALED 0
+#endif
+// The exponent e ≥ 0 with m·2^−e < 2^14 (m ≥ 0; 0 in unscaled builds).
+__device__ __forceinline__ int f16_shift(float m) {
+#if SCAN_SCALED
+    const int e = ((__float_as_int(m) >> 23) & 0xff) - 127;
+    return e > 13 ? e - 13 : 0;
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ float slot_max(const int* slot) { return __int_as_float(*slot); }
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
+// Fold this thread's magnitude m into the block maximum at `slot` (non-negative floats
+// order as their bits do).
+__device__ __forceinline__ void max_into(int* slot, float m) {
+#if SCAN_SCALED
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) atomicMax(slot, __float_as_int(m));
+#endif
+}
+
+template <int T> __device__ __forceinline__ float abs_max(const float (&acc)[T][4]) {
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(acc[i][e]));
+    return m;
+}
+template <int T> __device__ __forceinline__ void scale_acc(float (&acc)[T][4], float f) {
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] *= f;
+}
+
 struct ScanArgs {
     const float* proj;   // [rows][PROJ_LD]
     const float* bcn;    // [rows][BC_W]
@@ -143,6 +193,7 @@ struct ScanArgs {
     float* y_pre;           // [rows][D_INNER] f32, y before the gate (training), or null
     float* const* states;   // per sequence
     int layer;
+    float qk;  // a bound on |⟨q̃, k̃⟩| (the f16 operands' scale of M, SCAN_SCALED)
 };
 
 // A chunk's scalar inputs as this thread uses them, loaded together at the chunk's start
@@ -151,7 +202,7 @@ struct ScanArgs {
 // operands (one block per SM, registers to spare); the 16-bit mode's two blocks per SM
 // have no registers for them and load them in the builds.
 #ifndef SCAN_EARLY
-#define SCAN_EARLY (SCAN_MMA != 2)
+#define SCAN_EARLY (SCAN_MMA < 2)
 #endif
 #define KQ_IT ((CHP * (NP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
 #define X_IT ((CHP * (PP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
@@ -229,6 +280,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     p += SZ_TOKV;
     float* s_rs = reinterpret_cast<float*>(p);    // [CHP][SCAN_WARPS] row sums of squares
     float* s_ph = s_rs + CHP * SCAN_WARPS;        // [SCAN_WARPS][NANGLES] phase partial sums
+    // block maxima for the scaled operands (SCAN_SCALED), two of each by chunk parity:
+    // [0, 1] |S| entering the chunk, [2, 3] |x|, [4, 5] c and γ
+    int* s_max = reinterpret_cast<int*>(s_ph + 2 * SCAN_WARPS * NANGLES);
     p += SZ_RED;
     float* s_bb = reinterpret_cast<float*>(p);    // this head's B_bias, C_bias
     float* s_cb = s_bb + NP;
@@ -247,6 +301,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         s_bb[n] = n < DSTATE ? A.b_bias[h * DSTATE + n] : 0.f;
         s_cb[n] = n < DSTATE ? A.c_bias[h * DSTATE + n] : 0.f;
     }
+    if (tid < 6) s_max[tid] = 0;
+    __syncthreads();
     // The state of this warp's tiles of S (rows p, columns n), in registers.
     const int s_rb = TileS::rb(warp), s_first = TileS::first(warp), s_nt = TileS::count(warp);
     float sacc[TileS::T][4];
@@ -257,16 +313,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
             sacc[i][e] = (OUT && i < s_nt && pp < HEADDIM && n < DSTATE) ? sb[pp * DSTATE + n] : 0.f;
         }
-    if (OUT) {
-#pragma unroll
-        for (int i = 0; i < TileS::T; ++i) {
-            if (i >= s_nt) break;
-            const int n = 8 * (s_first + i) + 2 * ft;
-            op_t* row = sS + (16 * s_rb + fg) * LDSO + n;
-            put_pair(row, sacc[i][0], sacc[i][1]);
-            put_pair(row + 8 * LDSO, sacc[i][2], sacc[i][3]);
-        }
-    }
+    if (OUT) max_into(&s_max[sg.x & 1], abs_max(sacc));
     float decay_sum = 0.f;
 
     for (int c = sg.x; c < sg.x + sg.y; ++c) {
@@ -276,7 +323,30 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         const bool last_chunk = c == sg.x + sg.y - 1;
         ChunkIn in;
         fetch_chunk<OUT>(A, c, ck, h, g, in);
+#if SCAN_SCALED
+        // x for its maximum, loaded before the barrier (used after it) and again by the
+        // build, from L1
+        float4 xq[X_IT];
+#pragma unroll
+        for (int u = 0; u < X_IT; ++u) xq[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * u);
+#endif
         __syncthreads();  // the previous chunk's readers are done
+        const int par = c & 1;
+        if (OUT) {
+            // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
+            const float down = pow2(-f16_shift(slot_max(&s_max[par])));
+#pragma unroll
+            for (int i = 0; i < TileS::T; ++i) {
+                if (i >= s_nt) break;
+                const int n = 8 * (s_first + i) + 2 * ft;
+                op_t* row = sS + (16 * s_rb + fg) * LDSO + n;
+                put_pair(row, sacc[i][0] * down, sacc[i][1] * down);
+                put_pair(row + 8 * LDSO, sacc[i][2] * down, sacc[i][3] * down);
+            }
+        }
+        // the next chunk's maxima start from zero (their slots were last read above, one
+        // chunk ago, before the barrier)
+        if (tid < 3) s_max[2 * tid + (par ^ 1)] = 0;
         // Per-token scalars; padding rows get zero weights and the chunk's end decay. The
         // decay between two tokens, e^{Lc_r − Lc_s}, is formed as e^{Lc_r}·e^{−Lc_s} when
         // e^{−Lc_s} cannot overflow (as the CPU twin does), else per pair.
@@ -293,7 +363,24 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             s_xw[j] = expf(lc_end - v.w) * v.z;
             s_eml[j] = split ? expf(-v.w) * v.z : 0.f;
         }
+#if SCAN_SCALED
+        {
+            float m = 0.f;
+#pragma unroll
+            for (int u = 0; u < X_IT; ++u)
+                m = fmaxf(m, fmaxf(fmaxf(fabsf(xq[u].x), fabsf(xq[u].y)), fmaxf(fabsf(xq[u].z), fabsf(xq[u].w))));
+            max_into(&s_max[2 + par], m);
+            max_into(&s_max[4 + par], tid < len ? fmaxf(fabsf(in.tok.y), fabsf(in.tok.z)) : 0.f);
+        }
+#endif
         __syncthreads();
+#if SCAN_SCALED
+        const float cg_max = slot_max(&s_max[4 + par]);
+        const int x_shift = f16_shift(slot_max(&s_max[2 + par]) * fmaxf(1.f, cg_max));
+        const int m_shift = f16_shift(A.qk * cg_max);
+#else
+        const int x_shift = 0, m_shift = 0;
+#endif
         chunk_phases(in.theta, in.phi, s_dt, len, s_cs, s_ph);
         __syncthreads();
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
@@ -336,7 +423,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 }
             }
         }
-        // X and w ⊙ X.
+        // X and w ⊙ X, times `down` (SCAN_SCALED).
+        {
+        const float down = pow2(-x_shift);
 #if HEADDIM % 4 == 0
         {
             constexpr int QUADS = CHP * (PP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
@@ -359,8 +448,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     const float4 x = xv[u];
                     if (OUT && j == len - 1 && seq_end && pp < HEADDIM)
                         *reinterpret_cast<float4*>(st + ST_V + h * HEADDIM + pp) = x;
-                    if (OUT) put_quad(sX + j * LDX + pp, x);
-                    const float w = s_xw[j];
+                    if (OUT) put_quad(sX + j * LDX + pp, make_float4(x.x * down, x.y * down, x.z * down, x.w * down));
+                    const float w = s_xw[j] * down;
                     put_quad(sW + j * LDW + pp, make_float4(x.x * w, x.y * w, x.z * w, x.w * w));
                 }
             }
@@ -378,11 +467,13 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     if (pp + 1 < HEADDIM) st[ST_V + h * HEADDIM + pp + 1] = x1;
                 }
             }
-            if (OUT) put_pair(sX + j * LDX + pp, x0, x1);
-            const float w = s_xw[j];
+            if (OUT) put_pair(sX + j * LDX + pp, x0 * down, x1 * down);
+            const float w = s_xw[j] * down;
             put_pair(sW + j * LDW + pp, x0 * w, x1 * w);
         }
 #endif
+        }
+
         __syncthreads();
         if (OUT) {
             // M = Q̃K̃ᵀ on the lower block triangle, weighted, stored as an operand.
@@ -406,30 +497,46 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     mma_kstep<TileM::T, true, true, true>(macc, qa, LDQ, kb, LDK, k0, even ? TileM::T : m_nt);
             }
 #pragma unroll
+            for (int i = 0; i < TileM::T; ++i)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    float w0 = 0.f, w1 = 0.f;
+                    if (i < m_nt) {
+                        const int r = 16 * m_rb + fg + 8 * hf, s = 8 * (m_first + i) + 2 * ft;
+                        const float er = s_elc[r];
+                        const float d0 = split ? er * s_eml[s] : expf(s_lc[r] - s_lc[s]) * s_sc[s];
+                        const float d1 = split ? er * s_eml[s + 1] : expf(s_lc[r] - s_lc[s + 1]) * s_sc[s + 1];
+                        w0 = s < r ? d0 : (s == r ? s_gam[r] : 0.f);
+                        w1 = s + 1 < r ? d1 : (s + 1 == r ? s_gam[r] : 0.f);
+                    }
+                    macc[i][2 * hf] *= w0;
+                    macc[i][2 * hf + 1] *= w1;
+                }
+            // (stored in a loop of its own: weighting and storing in one made the 16-bit
+            // build spill more)
+            const float down = pow2(-m_shift);
+#pragma unroll
             for (int i = 0; i < TileM::T; ++i) {
                 if (i >= m_nt) break;
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int r = 16 * m_rb + fg + 8 * hf, s = 8 * (m_first + i) + 2 * ft;
-                    const float er = s_elc[r];
-                    const float d0 = split ? er * s_eml[s] : expf(s_lc[r] - s_lc[s]) * s_sc[s];
-                    const float d1 = split ? er * s_eml[s + 1] : expf(s_lc[r] - s_lc[s + 1]) * s_sc[s + 1];
-                    const float w0 = s < r ? d0 : (s == r ? s_gam[r] : 0.f);
-                    const float w1 = s + 1 < r ? d1 : (s + 1 == r ? s_gam[r] : 0.f);
-                    put_pair(sM + r * LDM + s, macc[i][2 * hf] * w0, macc[i][2 * hf + 1] * w1);
+                    put_pair(sM + r * LDM + s, macc[i][2 * hf] * down, macc[i][2 * hf + 1] * down);
                 }
             }
         }
         const int y_rb = TileY::rb(warp), y_first = TileY::first(warp), y_nt = TileY::count(warp);
         float yacc[TileY::T][4];
         if (OUT) {
-            // Y = diag(e^{Lc})·Q̃Sᵀ.
+            // Y = diag(e^{Lc})·Q̃Sᵀ, in the units of M·X as stored (S's copy was scaled down
+            // by its own shift).
             zero_acc(yacc);
             const op_t* qa = sQ + 16 * y_rb * LDQ;
             const op_t* sbp = sS + 8 * y_first * LDSO;
 #pragma unroll SCAN_KUNROLL
             for (int k0 = 0; k0 < NP; k0 += KSTEP) mma_kstep<TileY::T, true, true, true>(yacc, qa, LDQ, sbp, LDSO, k0, y_nt);
-            const float e0 = s_elc[16 * y_rb + fg], e1 = s_elc[16 * y_rb + fg + 8];
+            const float f = pow2(f16_shift(slot_max(&s_max[par])) - m_shift - x_shift);
+            const float e0 = s_elc[16 * y_rb + fg] * f, e1 = s_elc[16 * y_rb + fg + 8] * f;
 #pragma unroll
             for (int i = 0; i < TileY::T; ++i) {
                 yacc[i][0] *= e0;
@@ -462,6 +569,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             const int k_end = 16 * y_rb + 16;  // causal: M is zero right of the diagonal block
 #pragma unroll 2
             for (int k0 = 0; k0 < k_end; k0 += KSTEP) mma_kstep<TileY::T, true, false, true>(yacc, ma, LDM, xb, LDX, k0, y_nt);
+#if SCAN_SCALED
+            scale_acc(yacc, pow2(m_shift + x_shift));
+#endif
             const float dsk = A.d_skip[h];
             float ss[2] = {0.f, 0.f};
 #pragma unroll
@@ -519,25 +629,16 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         }
         // S ← e^{Lc_end}·S + (wX)ᵀK̃ (the last chunk of a middle segment needs none).
         if (!(OUT && last_chunk && !last_seg)) {
-            const float el = expf(lc_end);
-#pragma unroll
-            for (int i = 0; i < TileS::T; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[i][e] *= el;
+            scale_acc(sacc, expf(lc_end) * pow2(-x_shift));  // w ⊙ x was stored scaled down
             const op_t* wa = sW + 16 * s_rb;
             const op_t* kb = sK + 8 * s_first;
 #pragma unroll SCAN_KUNROLL
             for (int k0 = 0; k0 < CHP; k0 += KSTEP) mma_kstep<TileS::T, false, false, true>(sacc, wa, LDW, kb, LDK, k0, s_nt);
-            if (OUT && !last_chunk) {
-#pragma unroll
-                for (int i = 0; i < TileS::T; ++i) {
-                    if (i >= s_nt) break;
-                    const int n = 8 * (s_first + i) + 2 * ft;
-                    op_t* row = sS + (16 * s_rb + fg) * LDSO + n;
-                    put_pair(row, sacc[i][0], sacc[i][1]);
-                    put_pair(row + 8 * LDSO, sacc[i][2], sacc[i][3]);
-                }
-            }
+#if SCAN_SCALED
+            scale_acc(sacc, pow2(x_shift));
+#endif
+            // the next chunk stores it as an operand, scaled by this maximum
+            if (OUT && !last_chunk) max_into(&s_max[par ^ 1], abs_max(sacc));
         }
         decay_sum += lc_end;
     }

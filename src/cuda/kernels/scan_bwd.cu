@@ -25,7 +25,7 @@
 // Products on the forward's warp tiles (mma_kstep in scan.cu) with f32 operands: exact FMA
 // (SCAN_MMA 0) or TF32 tensor cores (SCAN_MMA 1).
 
-#if SCAN_MMA == 2
+#if SCAN_MMA >= 2
 #error "the training scan backward takes f32 operands: SCAN_MMA 0 or 1"
 #endif
 

@@ -3,7 +3,8 @@
 // a block share an output.
 //
 // SCAN_MMA: 0 exact f32 FMA (the same fragment layout, no tensor cores), 1 TF32 tensor
-// cores (m16n8k8), 2 bf16/f16 tensor cores (m16n8k16, operands rounded to act_t); f32
+// cores (m16n8k8), 2 bf16/f16 tensor cores (m16n8k16, operands rounded to act_t), 3 f16
+// tensor cores whatever act_t (the mantissa of TF32 at the cost and size of 16 bits); f32
 // accumulation in every mode. Tiles are padded to multiples of 16 with zeros, so any
 // chunk length ≤ 128, headdim ≤ 128 and d_state fit.
 
@@ -16,8 +17,12 @@
 #define PP PADROWS(HEADDIM)
 #define NP PAD16(DSTATE)
 
-#if SCAN_MMA == 2
+#if SCAN_MMA >= 2
+#if SCAN_MMA == 3
+typedef __half op_t;
+#else
 typedef act_t op_t;
+#endif
 #define KSTEP 16
 #define PADA 8  // row pads (elements) against bank conflicts of the fragment loads
 #define PADB 8
@@ -28,7 +33,7 @@ typedef float op_t;
 #define PADB 8
 #endif
 
-#define OP_BYTES (SCAN_MMA == 2 ? 2 : 4)  // sizeof(op_t), where the preprocessor needs it
+#define OP_BYTES (SCAN_MMA >= 2 ? 2 : 4)  // sizeof(op_t), where the preprocessor needs it
 
 // Leading dimensions (elements) of the forward's operand tiles (scan.cu), and their sizes.
 #define LDQ (NP + PADA)   // sQ [CHP][LDQ]: q̃ (A operand)
@@ -64,7 +69,7 @@ typedef float op_t;
 // backward is written for 8 warps). A tuning variant may set it (MAMBA3_GPU_DEFINES,
 // inference only).
 #ifndef SCAN_THREADS
-#if SCAN_MMA != 2 && !defined(PROGRAM_TRAINING) && SCAN_TILES > 110 * 1024
+#if SCAN_MMA < 2 && !defined(PROGRAM_TRAINING) && SCAN_TILES > 110 * 1024
 #define SCAN_THREADS 512
 #else
 #define SCAN_THREADS 256
@@ -78,7 +83,7 @@ typedef float op_t;
 // B is KSTEP×8.
 
 __device__ __forceinline__ unsigned pack2(op_t lo, op_t hi);
-#if SCAN_MMA == 2
+#if SCAN_MMA >= 2
 __device__ __forceinline__ unsigned pack2(op_t lo, op_t hi) {
     unsigned short l = *reinterpret_cast<unsigned short*>(&lo), h = *reinterpret_cast<unsigned short*>(&hi);
     return (unsigned)l | ((unsigned)h << 16);
@@ -116,6 +121,19 @@ __device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[4], const op_t* p) {
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
 #endif
+#if SCAN_MMA == 3
+// m16n8k16 on f16 operands (common.cuh's mma16816 takes act_t's type).
+__device__ __forceinline__ void mma_op(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#elif SCAN_MMA == 2
+__device__ __forceinline__ void mma_op(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma16816(c, a, b0, b1);
+}
+#endif
 #if SCAN_MMA == 1
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(
@@ -138,7 +156,7 @@ template <int T, bool AK, bool BK, bool ROUNDED = false>
 __device__ __forceinline__ void mma_kstep(float (&acc)[T][4], const op_t* A, int lda, const op_t* B,
                                           int ldb, int k0, int nt) {
     const int lane = threadIdx.x & 31;
-#if SCAN_MMA != 2
+#if SCAN_MMA < 2
     const int g = lane >> 2, t = lane & 3;
 #endif
 #if SCAN_MMA == 0
@@ -226,8 +244,8 @@ __device__ __forceinline__ void mma_kstep(float (&acc)[T][4], const op_t* A, int
             if (BK) ldsm_x2(b, B + (8 * i + r) * ldb + k0 + kh);
             else ldsm_x2_t(b, B + (k0 + kh + r) * ldb + 8 * i);
         }
-        mma16816(acc[i], a, b[0], b[1]);
-        if (i + 1 < nt) mma16816(acc[i + 1 < T ? i + 1 : i], a, b[2], b[3]);
+        mma_op(acc[i], a, b[0], b[1]);
+        if (i + 1 < nt) mma_op(acc[i + 1 < T ? i + 1 : i], a, b[2], b[3]);
     }
 #endif
 }
@@ -260,7 +278,7 @@ template <int T> __device__ __forceinline__ void zero_acc(float (&acc)[T][4]) {
 
 // Store a pair (row r, columns n, n+1) of op_t (rounded to TF32 in SCAN_MMA 1).
 __device__ __forceinline__ void put_pair(op_t* p, float a, float b) {
-#if SCAN_MMA == 2
+#if SCAN_MMA >= 2
     *reinterpret_cast<unsigned*>(p) = pack2(from_f<op_t>(a), from_f<op_t>(b));
 #elif SCAN_MMA == 1
     *reinterpret_cast<float2*>(p) = make_float2(tf32_round(a), tf32_round(b));
@@ -271,7 +289,7 @@ __device__ __forceinline__ void put_pair(op_t* p, float a, float b) {
 
 // Four consecutive op_t (8 or 16 bytes, aligned).
 __device__ __forceinline__ void put_quad(op_t* p, float4 v) {
-#if SCAN_MMA == 2
+#if SCAN_MMA >= 2
     *reinterpret_cast<uint2*>(p) =
         make_uint2(pack2(from_f<op_t>(v.x), from_f<op_t>(v.y)), pack2(from_f<op_t>(v.z), from_f<op_t>(v.w)));
 #elif SCAN_MMA == 1

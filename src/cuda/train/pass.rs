@@ -254,7 +254,7 @@ impl CudaTrainer {
                 y_pre: la.y_pre.ptr,
                 states: a.state_ptrs.ptr,
                 layer,
-                _pad: 0,
+                qk: 0.0, // the TF32 scan does not scale its operands
             };
             if nseg > nseq {
                 self.launch(
