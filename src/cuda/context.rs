@@ -8,7 +8,7 @@
 //! lanes of rows on side streams (`fork_lanes` … `join_lanes`, src/cuda/decode.rs), which
 //! start after and end before the main stream's work around them. The side streams have
 //! the device's greatest priority and a lane's bandwidth-bound kernels are launched at the
-//! least (`launch_background_on`): when one lane's latency-bound projections are queued
+//! least (`launch_on`'s `background`): when one lane's latency-bound projections are queued
 //! while another lane's mixer fills the GPU, the block scheduler gives them the next free
 //! slots instead of finishing the mixer's queue first.
 
@@ -202,14 +202,17 @@ impl Gpu {
         pdl: bool,
         args: &[&dyn KArg],
     ) -> Result<()> {
-        self.launch_on(0, k, grid, block, smem, pdl, args)
+        self.launch_on(0, false, k, grid, block, smem, pdl, args)
     }
 
-    /// [`Gpu::launch`] on the stream of lane `lane`.
+    /// [`Gpu::launch`] on the stream of lane `lane`; `background` launches it at the least
+    /// priority when that is a side stream (see the module doc): for a lane's kernels that
+    /// are bound by memory traffic, not latency.
     #[allow(clippy::too_many_arguments)]
     pub fn launch_on(
         &self,
         lane: usize,
+        background: bool,
         k: &Kernel,
         grid: (u32, u32, u32),
         block: u32,
@@ -217,27 +220,9 @@ impl Gpu {
         pdl: bool,
         args: &[&dyn KArg],
     ) -> Result<()> {
-        let mut attrs = launch_attrs(pdl, None);
-        self.launch_with(lane, k, grid, block, smem, &mut attrs, args)
-    }
-
-    /// [`Gpu::launch_on`] at the least priority when `lane` is a side stream (see the
-    /// module doc): for a lane's kernels that are bound by memory traffic, not latency.
-    #[allow(clippy::too_many_arguments)]
-    pub fn launch_background_on(
-        &self,
-        lane: usize,
-        k: &Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        pdl: bool,
-        args: &[&dyn KArg],
-    ) -> Result<()> {
-        let priority = if lane > 0 {
-            self.background_priority
-        } else {
-            None
+        let priority = match (lane, background) {
+            (1.., true) => self.background_priority,
+            _ => None,
         };
         let mut attrs = launch_attrs(pdl, priority);
         self.launch_with(lane, k, grid, block, smem, &mut attrs, args)

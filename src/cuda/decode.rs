@@ -80,7 +80,11 @@ impl Pipe<'_> {
             let (yf, ya) = if gemv { (yf, 0u64) } else { (0u64, y) };
             // Bound by the state traffic: at the least priority, behind the projections of
             // the other lanes (src/cuda/context.rs).
-            self.launch_background(
+            Pipe {
+                background: true,
+                ..*self
+            }
+            .launch(
                 &self.k.mixer_step,
                 (d.nheads as u32, nb as u32, 1),
                 256,

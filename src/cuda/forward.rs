@@ -80,6 +80,8 @@ pub struct Pipe<'a> {
     /// the stream this pipe launches on (0: the main one, 1 … MAX_LANES: the lanes' side
     /// streams; see `Gpu::fork_lanes`)
     pub lane: usize,
+    /// launch at the least priority on a side lane (`Gpu::launch_on`)
+    pub background: bool,
 }
 
 impl Pipe<'_> {
@@ -241,21 +243,16 @@ impl Pipe<'_> {
         smem: u32,
         args: &[&dyn KArg],
     ) -> Result<()> {
-        self.gpu
-            .launch_on(self.lane, k, grid, block, smem, self.opts.pdl, args)
-    }
-
-    /// [`Pipe::launch`] at the least priority on a side lane ([`Gpu::launch_background_on`]).
-    pub(super) fn launch_background(
-        &self,
-        k: &super::context::Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: &[&dyn KArg],
-    ) -> Result<()> {
-        self.gpu
-            .launch_background_on(self.lane, k, grid, block, smem, self.opts.pdl, args)
+        self.gpu.launch_on(
+            self.lane,
+            self.background,
+            k,
+            grid,
+            block,
+            smem,
+            self.opts.pdl,
+            args,
+        )
     }
 
     /// `out[r] = rmsnorm(x[idx[r] or r]) ⊙ w` for `rows` rows, as GEMM input written as

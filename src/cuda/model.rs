@@ -148,6 +148,7 @@ impl CudaModel {
             opts,
             probe: super::probe::enabled(),
             lane: 0,
+            background: false,
         }
     }
 
