@@ -20,6 +20,11 @@ pub enum InProjInput {
     Split(DevBuf),
 }
 
+/// The largest |v| (0 for an empty vector).
+fn max_abs(v: &[f32]) -> f64 {
+    v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()))
+}
+
 /// Largest normed value allowed on the f16 path (half of f16's maximum, for margin).
 const F16_SAFE: f64 = 32752.0;
 
@@ -30,7 +35,7 @@ fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
     }
     let bound = (w.dims.d_model as f64).sqrt();
     let fits = w.layers.iter().all(|l| {
-        let wmax = l.norm.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
+        let wmax = max_abs(&l.norm);
         let inmax = l.in_proj.data.max_abs();
         bound * wmax < F16_SAFE && inmax < F16_SAFE
     });
@@ -57,11 +62,10 @@ fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
 /// may take f16 operands (kernels/scan.cu scales the data-dependent ones itself): a normed
 /// entry is at most √d_state·max|w|, and a rotation mixes two entries, ×√2.
 fn scan_operands_fit_f16(w: &Weights) -> bool {
-    let max = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
     let root_n = (w.dims.d_state as f64).sqrt();
     w.layers.iter().all(|l| {
-        let b = std::f64::consts::SQRT_2 * (root_n * max(&l.b_norm) + max(&l.b_bias));
-        let c = std::f64::consts::SQRT_2 * (root_n * max(&l.c_norm) + max(&l.c_bias));
+        let b = std::f64::consts::SQRT_2 * (root_n * max_abs(&l.b_norm) + max_abs(&l.b_bias));
+        let c = std::f64::consts::SQRT_2 * (root_n * max_abs(&l.c_norm) + max_abs(&l.c_bias));
         b < 16384.0 && c < 16384.0
     })
 }
@@ -70,9 +74,8 @@ fn scan_operands_fit_f16(w: &Weights) -> bool {
 /// so with its weights and biases |k̃|₂ ≤ √N·(max|w| + max|bias|) (a rotation keeps the
 /// norm), and the product is at most N times both factors.
 fn scan_qk(d_state: usize, l: &LayerWeights) -> f32 {
-    let max = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
-    let b = max(&l.b_norm) + max(&l.b_bias);
-    let c = max(&l.c_norm) + max(&l.c_bias);
+    let b = max_abs(&l.b_norm) + max_abs(&l.b_bias);
+    let c = max_abs(&l.c_norm) + max_abs(&l.c_bias);
     (d_state as f64 * b * c) as f32
 }
 

@@ -301,8 +301,10 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         s_bb[n] = n < DSTATE ? A.b_bias[h * DSTATE + n] : 0.f;
         s_cb[n] = n < DSTATE ? A.c_bias[h * DSTATE + n] : 0.f;
     }
+#if SCAN_SCALED
     if (tid < 6) s_max[tid] = 0;
     __syncthreads();
+#endif
     // The state of this warp's tiles of S (rows p, columns n), in registers.
     const int s_rb = TileS::rb(warp), s_first = TileS::first(warp), s_nt = TileS::count(warp);
     float sacc[TileS::T][4];
@@ -344,9 +346,11 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 put_pair(row + 8 * LDSO, sacc[i][2] * down, sacc[i][3] * down);
             }
         }
+#if SCAN_SCALED
         // the next chunk's maxima start from zero (their slots were last read above, one
         // chunk ago, before the barrier)
         if (tid < 3) s_max[2 * tid + (par ^ 1)] = 0;
+#endif
         // Per-token scalars; padding rows get zero weights and the chunk's end decay. The
         // decay between two tokens, e^{Lc_r − Lc_s}, is formed as e^{Lc_r}·e^{−Lc_s} when
         // e^{−Lc_s} cannot overflow (as the CPU twin does), else per pair.
@@ -423,9 +427,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 }
             }
         }
-        // X and w ⊙ X, times `down` (SCAN_SCALED).
-        {
-        const float down = pow2(-x_shift);
+        // X and w ⊙ X, times `x_down` (SCAN_SCALED).
+        const float x_down = pow2(-x_shift);
 #if HEADDIM % 4 == 0
         {
             constexpr int QUADS = CHP * (PP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
@@ -448,8 +451,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     const float4 x = xv[u];
                     if (OUT && j == len - 1 && seq_end && pp < HEADDIM)
                         *reinterpret_cast<float4*>(st + ST_V + h * HEADDIM + pp) = x;
-                    if (OUT) put_quad(sX + j * LDX + pp, make_float4(x.x * down, x.y * down, x.z * down, x.w * down));
-                    const float w = s_xw[j] * down;
+                    if (OUT) put_quad(sX + j * LDX + pp, make_float4(x.x * x_down, x.y * x_down, x.z * x_down, x.w * x_down));
+                    const float w = s_xw[j] * x_down;
                     put_quad(sW + j * LDW + pp, make_float4(x.x * w, x.y * w, x.z * w, x.w * w));
                 }
             }
@@ -467,13 +470,11 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     if (pp + 1 < HEADDIM) st[ST_V + h * HEADDIM + pp + 1] = x1;
                 }
             }
-            if (OUT) put_pair(sX + j * LDX + pp, x0 * down, x1 * down);
-            const float w = s_xw[j] * down;
+            if (OUT) put_pair(sX + j * LDX + pp, x0 * x_down, x1 * x_down);
+            const float w = s_xw[j] * x_down;
             put_pair(sW + j * LDW + pp, x0 * w, x1 * w);
         }
 #endif
-        }
-
         __syncthreads();
         if (OUT) {
             // M = Q̃K̃ᵀ on the lower block triangle, weighted, stored as an operand.
