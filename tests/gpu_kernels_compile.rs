@@ -9,7 +9,9 @@
 //!   which makes it pass with a notice (for machines without the wheels; CI never sets it).
 //!
 //! `MAMBA3_DUMP_CUBIN=DIR` writes every compiled cubin there, for `cuobjdump
-//! --dump-resource-usage` (registers, shared memory, spills) and the SASS.
+//! --dump-resource-usage` (registers, shared memory, spills) and the SASS;
+//! `MAMBA3_COMPILE_ONLY=TEXT` compiles only the programs whose name contains TEXT (e.g.
+//! `bench BF16 F16`), for a quick look at one kernel while tuning.
 #![cfg(feature = "cuda")]
 
 mod gpu;
@@ -124,6 +126,9 @@ fn every_kernel_compiles_under_nvrtc() {
                 jobs.push((name, Program::Training, kc, "sm_90a"));
             }
         }
+    }
+    if let Ok(only) = std::env::var("MAMBA3_COMPILE_ONLY") {
+        jobs.retain(|(what, ..)| what.contains(only.as_str()));
     }
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())

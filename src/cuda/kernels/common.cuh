@@ -31,6 +31,16 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
     return __float2bfloat16_rn(x);
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+// Two adjacent elements in one store (p aligned to two elements).
+__device__ __forceinline__ void store_pair(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store_pair(__half* p, float a, float b) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
 
 // Programmatic dependent launch (sm_90): a kernel may start while the previous one in the
 // stream finishes; `griddep_wait` blocks until that one's writes are visible. Every kernel
@@ -50,6 +60,9 @@ __device__ __forceinline__ void griddep_launch() {
 __device__ __forceinline__ float softplus_f(float u) { return u > 20.f ? u : log1pf(expf(u)); }
 __device__ __forceinline__ float sigmoid_f(float u) { return 1.f / (1.f + expf(-u)); }
 __device__ __forceinline__ float silu_f(float u) { return u * sigmoid_f(u); }
+// silu by the hardware exp and reciprocal (a few ulp): for the scan's gate, applied to every
+// output element, where the IEEE division's range checks and slow path cost ~8 % of the kernel.
+__device__ __forceinline__ float silu_approx_f(float u) { return __fdividef(u, 1.f + __expf(-u)); }
 __device__ __forceinline__ float heavy_tail_f(float u) { return u >= 0.f ? 1.f + u : 1.f / (1.f - u); }
 // A = min(-f(dd_A), -A_floor)
 __device__ __forceinline__ float a_value_f(float dd_a) {
@@ -71,6 +84,14 @@ __device__ __forceinline__ float wrap_angle_f(float phi) {
 // arguments, with a stack frame, that wrapped phases never take).
 __device__ __forceinline__ void sincos_phase(float phi, float* s, float* c) {
     __sincosf(phi >= PI_F ? phi - TWO_PI_F : phi, s, c);
+}
+// sin and cos of an unwrapped phase (|φ| ≪ 2^20), reduced to [−π, π] by a two-part 2π:
+// where only sin and cos are wanted, not the wrapped value (the wrap divides, with a slow path).
+#define TWO_PI_HI 6.28318548202514648f    // 2π rounded to f32
+#define TWO_PI_LO -1.74845560e-7f            // 2π − TWO_PI_HI
+__device__ __forceinline__ void sincos_unwrapped(float phi, float* s, float* c) {
+    const float k = rintf(phi * (1.f / TWO_PI_F));
+    __sincosf(fmaf(-k, TWO_PI_LO, fmaf(-k, TWO_PI_HI, phi)), s, c);
 }
 
 #if ACT != 0

@@ -26,7 +26,7 @@
 //
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
-#define SZ_TOKV ALIGN128(7 * CHP * 4)
+#define SZ_TOKV ALIGN128(6 * CHP * 4)
 #define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4 + 6 * 4)
 #define SCAN_SMEM (SCAN_TILES + SZ_TOKV + SZ_RED + SZ_BIAS)
 
@@ -42,10 +42,12 @@
 #endif
 #endif
 // Global loads issued together in the operand builds (registers permitting).
+#ifndef SCAN_LOAD_BATCH
 #if SCAN_MMA >= 2
 #define SCAN_LOAD_BATCH 2
 #else
 #define SCAN_LOAD_BATCH 4
+#endif
 #endif
 // Two blocks per SM when they fit (the 16-bit mode at the benchmark shape).
 #define SCAN_MINB (SCAN_SMEM <= 110 * 1024 ? 2 : 1)
@@ -67,52 +69,69 @@ __device__ __forceinline__ void rotate4(float4& v, float4 cs) {
     v.w = c * cs.w + d * cs.z;
 }
 
-// Phases of one chunk (spec §2.4): φ_j = wrap(φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j'), as (cos, sin)
-// pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w sums the tokens
-// [w·PH_TPW, (w+1)·PH_TPW) per angle (lane = angle), the warps' totals are combined through
-// s_ph (SCAN_WARPS × NANGLES), then each warp turns its tokens into (cos, sin). `theta` and
-// `phi_enter` are this thread's values as `fetch_chunk` loaded them; s_dt (the chunk's Δ)
-// must be ready; the caller syncs before reading s_cs.
+// Phases of one chunk (spec §2.4): φ_j = φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j', as (cos, sin)
+// pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w holds the advances
+// θ·Δ of the tokens [w·PH_TPW, (w+1)·PH_TPW), lane the angles lane + 32q (fetch_phases).
+// Two steps around a block barrier: phase_sums turns them into running sums and leaves the
+// warps' totals in s_ph (SCAN_WARPS × NANGLES); phase_table adds the totals of the warps
+// before and the entering phase, and writes (cos, sin). Only sin and cos are wanted, so the
+// phase is reduced, not wrapped (sincos_unwrapped).
 #define PH_Q ((NANGLES + 31) / 32)
 #define PH_TPW (CHP / SCAN_WARPS)
-__device__ __forceinline__ void chunk_phases(const float (&theta)[PH_Q][PH_TPW], const float (&phi_enter)[PH_Q],
-                                             const float* s_dt, int len, float* s_cs, float* s_ph) {
+__device__ __forceinline__ void phase_sums(float (&adv)[PH_Q][PH_TPW], float* s_ph) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float part[PH_Q][PH_TPW];
 #pragma unroll
     for (int q = 0; q < PH_Q; ++q) {
-        const int i = lane + 32 * q;
         float run = 0.f;
 #pragma unroll
-        for (int u = 0; u < PH_TPW; ++u) {
-            const int j = warp * PH_TPW + u;
-            if (i < NANGLES && j < len) run += theta[q][u] * s_dt[j];
-            part[q][u] = run;
-        }
-        if (i < NANGLES) s_ph[warp * NANGLES + i] = run;
+        for (int u = 0; u < PH_TPW; ++u) adv[q][u] = run += adv[q][u];
+        if (lane + 32 * q < NANGLES) s_ph[warp * NANGLES + lane + 32 * q] = run;
     }
-    __syncthreads();
+}
+__device__ __forceinline__ void phase_table(const float (&run)[PH_Q][PH_TPW], const float (&phi_enter)[PH_Q],
+                                            int len, float* s_cs, const float* s_ph) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int q = 0; q < PH_Q; ++q) {
         const int i = lane + 32 * q;
         if (i >= NANGLES) continue;
         float base = phi_enter[q];
-        for (int w = 0; w < warp; ++w) base += s_ph[w * NANGLES + i];
+#pragma unroll
+        for (int w = 0; w < SCAN_WARPS - 1; ++w) {
+            const float t = s_ph[w * NANGLES + i];  // loaded by every warp: no serial chain
+            if (w < warp) base += t;
+        }
 #pragma unroll
         for (int u = 0; u < PH_TPW; ++u) {
             const int j = warp * PH_TPW + u;
             float sn = 0.f, cs = 1.f;
-            if (j < len) sincos_phase(wrap_angle_f(base + part[q][u]), &sn, &cs);
+            if (j < len) sincos_unwrapped(base + run[q][u], &sn, &cs);
             s_cs[2 * (j * NANGLES + i)] = cs;
             s_cs[2 * (j * NANGLES + i) + 1] = sn;
         }
     }
 }
+// Both steps, for a caller with nothing to do between them; the caller syncs before
+// reading s_cs.
+__device__ __forceinline__ void chunk_phases(float (&adv)[PH_Q][PH_TPW], const float (&phi_enter)[PH_Q], int len,
+                                             float* s_cs, float* s_ph) {
+    phase_sums(adv, s_ph);
+    __syncthreads();
+    phase_table(adv, phi_enter, len, s_cs, s_ph);
+}
 
-// This thread's θ and entering phases for chunk_phases, of the chunk at row `start`.
-__device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, const float* __restrict__ phi_enter,
-                                             int start, int len, float (&th)[PH_Q][PH_TPW], float (&phi)[PH_Q]) {
+// This thread's advances θ·Δ and entering phases for the phase steps, of the chunk at row
+// `start` and head h (tok: {Δ, γ, c, Lc} per row and head).
+__device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, const float4* __restrict__ tok, int h,
+                                             const float* __restrict__ phi_enter, int start, int len,
+                                             float (&adv)[PH_Q][PH_TPW], float (&phi)[PH_Q]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float dt[PH_TPW];
+#pragma unroll
+    for (int u = 0; u < PH_TPW; ++u) {
+        const int j = warp * PH_TPW + u;
+        dt[u] = j < len ? reinterpret_cast<const float*>(tok + (size_t)(start + j) * NHEADS + h)[0] : 0.f;
+    }
 #pragma unroll
     for (int q = 0; q < PH_Q; ++q) {
         const int i = lane + 32 * q;
@@ -120,7 +139,7 @@ __device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, co
 #pragma unroll
         for (int u = 0; u < PH_TPW; ++u) {
             const int j = warp * PH_TPW + u;
-            th[q][u] = i < NANGLES && j < len ? theta[(size_t)(start + j) * NANGLES + i] : 0.f;
+            adv[q][u] = i < NANGLES && j < len ? theta[(size_t)(start + j) * NANGLES + i] * dt[u] : 0.f;
         }
     }
 }
@@ -161,12 +180,12 @@ __device__ __forceinline__ void max_into(int* slot, float m) {
 }
 
 template <int T> __device__ __forceinline__ float abs_max(const float (&acc)[T][4]) {
-    float m = 0.f;
+    float m[4] = {0.f, 0.f, 0.f, 0.f};  // four independent chains, not one of 4T
 #pragma unroll
     for (int i = 0; i < T; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(acc[i][e]));
-    return m;
+        for (int e = 0; e < 4; ++e) m[e] = fmaxf(m[e], fabsf(acc[i][e]));
+    return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
 }
 template <int T> __device__ __forceinline__ void scale_acc(float (&acc)[T][4], float f) {
 #pragma unroll
@@ -209,7 +228,7 @@ struct ScanArgs {
 struct ChunkIn {
     float lc_end;                // Lc of the chunk's last token
     float4 tok;                  // {Δ, γ, c, Lc} of row tid (tid < len)
-    float theta[PH_Q][PH_TPW];   // θ of the angles and rows chunk_phases gives this thread
+    float adv[PH_Q][PH_TPW];     // θ·Δ of the angles and rows the phase steps give this thread
     float phi[PH_Q];             // the phases entering the chunk, of those angles
 #if SCAN_EARLY
     float4 k[KQ_IT], q[KQ_IT], x[X_IT];
@@ -236,13 +255,52 @@ __device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int 
     return make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// The output's D skip reads x from its operand copy sX with 16-bit operands (the copy's
+// rounding is below that of the 16-bit output), not from global memory.
+#ifndef SCAN_SKIP_FROM_SX
+#define SCAN_SKIP_FROM_SX (SCAN_MMA >= 2)
+#endif
+
+// This warp's gate inputs for its output tiles (fragment layout): xz[tile][row half][x | z]
+// [column], f32, zero outside the chunk and the head.
+template <int T>
+__device__ __forceinline__ void load_gate_inputs(const ScanArgs& A, int start, int len, int h, int y_rb, int y_first,
+                                                 int y_nt, float (&xz)[T][2][2][2]) {
+    const int lane = threadIdx.x & 31, fg = lane >> 2, ft = lane & 3;
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
+            const float* row = A.proj + (size_t)(start + (r < len ? r : 0)) * PROJ_LD + h * HEADDIM + pp;
+#if HEADDIM % 2 == 0  // the pair (pp, pp + 1) is 8-byte aligned (PROJ_LD and D_INNER are even)
+            const bool ok = i < y_nt && r < len && pp < HEADDIM;
+            const float2 zv = ok ? *reinterpret_cast<const float2*>(row + Z_OFF) : make_float2(0.f, 0.f);
+            xz[i][hf][1][0] = zv.x;
+            xz[i][hf][1][1] = zv.y;
+#if !SCAN_SKIP_FROM_SX
+            const float2 xv = ok ? *reinterpret_cast<const float2*>(row + X_OFF) : make_float2(0.f, 0.f);
+            xz[i][hf][0][0] = xv.x;
+            xz[i][hf][0][1] = xv.y;
+#endif
+#else
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const bool ok = i < y_nt && r < len && pp + u < HEADDIM;
+                if (!SCAN_SKIP_FROM_SX) xz[i][hf][0][u] = ok ? row[X_OFF + u] : 0.f;
+                xz[i][hf][1][u] = ok ? row[Z_OFF + u] : 0.f;
+            }
+#endif
+        }
+}
+
 template <bool OUT>
 __device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, int h, int g, ChunkIn& in) {
     const int start = ck.x, len = ck.y, tid = threadIdx.x;
     in.lc_end = A.tok[(size_t)(start + len - 1) * NHEADS + h].w;
     in.tok = make_float4(0.f, 0.f, 0.f, 0.f);
     if (tid < len) in.tok = A.tok[(size_t)(start + tid) * NHEADS + h];
-    fetch_phases(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.theta, in.phi);
+    fetch_phases(A.theta, A.tok, h, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.adv, in.phi);
 #if SCAN_EARLY
 #pragma unroll
     for (int u = 0; u < KQ_IT; ++u)
@@ -270,8 +328,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     p += SZ_MCS;
     op_t* sS = reinterpret_cast<op_t*>(p);
     p += SZ_SO;
-    float* s_dt = reinterpret_cast<float*>(p);
-    float* s_gam = s_dt + CHP;
+    float* s_gam = reinterpret_cast<float*>(p);
     float* s_sc = s_gam + CHP;  // c_j (zero on padding rows)
     float* s_lc = s_sc + CHP;
     float* s_elc = s_lc + CHP;  // e^{Lc_j}
@@ -359,7 +416,6 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         if (tid < CHP) {
             const int j = tid;
             const float4 v = j < len ? in.tok : make_float4(0.f, 0.f, 0.f, lc_end);
-            s_dt[j] = v.x;
             s_gam[j] = v.y;
             s_sc[j] = v.z;
             s_lc[j] = v.w;
@@ -377,6 +433,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             max_into(&s_max[4 + par], tid < len ? fmaxf(fabsf(in.tok.y), fabsf(in.tok.z)) : 0.f);
         }
 #endif
+        phase_sums(in.adv, s_ph);
         __syncthreads();
 #if SCAN_SCALED
         const float cg_max = slot_max(&s_max[4 + par]);
@@ -385,13 +442,13 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #else
         const int x_shift = 0, m_shift = 0;
 #endif
-        chunk_phases(in.theta, in.phi, s_dt, len, s_cs, s_ph);
-        __syncthreads();
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
         // shared stores of the batch (which the compiler would not move them across).
+        phase_table(in.adv, in.phi, len, s_cs, s_ph);
+        __syncthreads();
         {
-            constexpr int QUADS = CHP * (NP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
+            constexpr int QUADS = CHP * (NP / 4), IT = KQ_IT;
             constexpr int BATCH = SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
@@ -549,31 +606,19 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         __syncthreads();  // sM complete; every reader of sS is done
         if (OUT) {
             // Y += M·X over the causal columns, then the D skip and the gate (spec §2.6).
-            // x (f32, for the skip) and z are loaded first, so that their latency hides
-            // behind the products.
+            // z (and x) are loaded first, so that their latency hides behind the products.
             float xz[TileY::T][2][2][2];  // [tile][row half][x | z][column]
-#pragma unroll
-            for (int i = 0; i < TileY::T; ++i)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int r = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
-                    const float* row = A.proj + (size_t)(start + (r < len ? r : 0)) * PROJ_LD + h * HEADDIM + pp;
-#pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const bool ok = i < y_nt && r < len && pp + u < HEADDIM;
-                        xz[i][hf][0][u] = ok ? row[X_OFF + u] : 0.f;
-                        xz[i][hf][1][u] = ok ? row[Z_OFF + u] : 0.f;
-                    }
-                }
+            load_gate_inputs(A, start, len, h, y_rb, y_first, y_nt, xz);
             const op_t* ma = sM + 16 * y_rb * LDM;
             const op_t* xb = sX + 8 * y_first;
             const int k_end = 16 * y_rb + 16;  // causal: M is zero right of the diagonal block
 #pragma unroll 2
             for (int k0 = 0; k0 < k_end; k0 += KSTEP) mma_kstep<TileY::T, true, false, true>(yacc, ma, LDM, xb, LDX, k0, y_nt);
 #if SCAN_SCALED
-            scale_acc(yacc, pow2(m_shift + x_shift));
+            if (m_shift + x_shift) scale_acc(yacc, pow2(m_shift + x_shift));  // (block-uniform)
 #endif
             const float dsk = A.d_skip[h];
+            const float x_up = pow2(x_shift);  // sX was stored scaled down
             float ss[2] = {0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < TileY::T; ++i) {
@@ -585,7 +630,12 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     for (int u = 0; u < 2; ++u) {
                         // rows past the chunk and padding columns: x = 0, and Y is 0 there
                         float& v = yacc[i][2 * hf + u];
-                        v = r < len ? v + dsk * xz[i][hf][0][u] : 0.f;
+#if SCAN_SKIP_FROM_SX
+                        const float x = to_f(sX[r * LDX + 8 * (y_first + i) + 2 * ft + u]) * x_up;
+#else
+                        const float x = xz[i][hf][0][u];
+#endif
+                        v = r < len ? v + dsk * x : 0.f;
                         ss[hf] += v * v;
                     }
                 }
@@ -614,17 +664,24 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 for (int hf = 0; hf < 2; ++hf) {
                     const int r = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
                     if (r >= len || pp >= HEADDIM) continue;
-                    act_t* yo = A.y + (size_t)(start + r) * D_INNER + h * HEADDIM + pp;
+                    const size_t at = (size_t)(start + r) * D_INNER + h * HEADDIM + pp;
+                    float out[2] = {0.f, 0.f};
 #pragma unroll
                     for (int u = 0; u < 2; ++u) {
                         if (pp + u >= HEADDIM) break;
                         float v = yacc[i][2 * hf + u];
-                        if (A.y_pre) A.y_pre[(size_t)(start + r) * D_INNER + h * HEADDIM + pp + u] = v;
+                        if (A.y_pre) A.y_pre[at + u] = v;
 #if OUTNORM
                         v = v * inv[hf] * A.out_norm[h * HEADDIM + pp + u];
 #endif
-                        yo[u] = from_f<act_t>(v * silu_f(xz[i][hf][1][u]));
+                        out[u] = v * silu_approx_f(xz[i][hf][1][u]);
                     }
+#if HEADDIM % 2 == 0
+                    store_pair(A.y + at, out[0], out[1]);
+#else
+                    A.y[at] = from_f<act_t>(out[0]);
+                    if (pp + 1 < HEADDIM) A.y[at + 1] = from_f<act_t>(out[1]);
+#endif
                 }
             }
         }
@@ -636,7 +693,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #pragma unroll SCAN_KUNROLL
             for (int k0 = 0; k0 < CHP; k0 += KSTEP) mma_kstep<TileS::T, false, false, true>(sacc, wa, LDW, kb, LDK, k0, s_nt);
 #if SCAN_SCALED
-            scale_acc(sacc, pow2(x_shift));
+            if (x_shift) scale_acc(sacc, pow2(x_shift));
 #endif
             // the next chunk stores it as an operand, scaled by this maximum
             if (OUT && !last_chunk) max_into(&s_max[par ^ 1], abs_max(sacc));

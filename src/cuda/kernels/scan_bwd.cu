@@ -37,7 +37,7 @@ typedef Tiling<CHP, NP> TileQ;  // dQ̃, dK̃, X·dS'
 #define BW_SZ_X ALIGN128(CHP * LDX * 4)
 #define BW_SZ_M2 (2 * ALIGN128(CHP * LDM * 4))
 #define BW_SZ_U (BW_SZ_M2 > SZ_SO ? BW_SZ_M2 : SZ_SO)  // Σ and GW, later S
-#define BW_SZ_TOK ALIGN128(10 * CHP * 4)
+#define BW_SZ_TOK ALIGN128(9 * CHP * 4)
 #define BW_SZ_RED ALIGN128((CHP * SCAN_WARPS + 2 * 8 * CHP + SCAN_WARPS * NANGLES + SCAN_WARPS) * 4)
 #define SCAN_BWD_SMEM (2 * SZ_Q + 3 * BW_SZ_X + SZ_SO + BW_SZ_U + SZ_CS + BW_SZ_TOK + BW_SZ_RED + SZ_BIAS)
 extern "C" __device__ int scan_bwd_smem_bytes = SCAN_BWD_SMEM;
@@ -96,8 +96,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
     p += BW_SZ_U;
     float* s_cs = reinterpret_cast<float*>(p);
     p += SZ_CS;
-    float* s_dt = reinterpret_cast<float*>(p);
-    float* s_gam = s_dt + CHP;
+    float* s_gam = reinterpret_cast<float*>(p);
     float* s_sc = s_gam + CHP;
     float* s_lc = s_sc + CHP;
     float* s_xw = s_lc + CHP;    // e^{Lc_end − Lc_j}·c_j
@@ -136,7 +135,6 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
         for (int j = tid; j < CHP; j += SCAN_THREADS) {
             float4 v = make_float4(0.f, 0.f, 0.f, lc_end);
             if (j < len) v = A.tok[(size_t)(start + j) * NHEADS + h];
-            s_dt[j] = v.x;
             s_gam[j] = v.y;
             s_sc[j] = v.z;
             s_lc[j] = v.w;
@@ -157,8 +155,8 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
         __syncthreads();
         {
             float th[PH_Q][PH_TPW], phi[PH_Q];
-            fetch_phases(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, th, phi);
-            chunk_phases(th, phi, s_dt, len, s_cs, s_ph);
+            fetch_phases(A.theta, A.tok, h, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, th, phi);
+            chunk_phases(th, phi, len, s_cs, s_ph);
         }
         __syncthreads();
         // Q̃, K̃ (biased, rotated); X, dY, dYe. Rows past the chunk are zero.
