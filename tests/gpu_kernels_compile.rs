@@ -129,6 +129,10 @@ fn every_kernel_compiles_under_nvrtc() {
     }
     if let Ok(only) = std::env::var("MAMBA3_COMPILE_ONLY") {
         jobs.retain(|(what, ..)| what.contains(only.as_str()));
+        assert!(
+            !jobs.is_empty(),
+            "MAMBA3_COMPILE_ONLY={only:?} matches no kernel program"
+        );
     }
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())

@@ -442,11 +442,11 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #else
         const int x_shift = 0, m_shift = 0;
 #endif
+        phase_table(in.adv, in.phi, len, s_cs, s_ph);
+        __syncthreads();
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
         // shared stores of the batch (which the compiler would not move them across).
-        phase_table(in.adv, in.phi, len, s_cs, s_ph);
-        __syncthreads();
         {
             constexpr int QUADS = CHP * (NP / 4), IT = KQ_IT;
             constexpr int BATCH = SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
@@ -618,7 +618,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             if (m_shift + x_shift) scale_acc(yacc, pow2(m_shift + x_shift));  // (block-uniform)
 #endif
             const float dsk = A.d_skip[h];
+#if SCAN_SKIP_FROM_SX
             const float x_up = pow2(x_shift);  // sX was stored scaled down
+#endif
             float ss[2] = {0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < TileY::T; ++i) {
