@@ -230,6 +230,12 @@ fn random_cases() -> Vec<(mamba3::model::Config, Vec<usize>)> {
         (config(48, 1, 16, 8, 3, 0.5, true, 0, 8), vec![21, 3]),
         // long sequences: several segments per sequence (phases A and B)
         (config(64, 1, 32, 16, 2, 1.0, false, 64, 16), vec![600, 301]),
+        // 40 sequences, 320 (sequence, head) pairs: segments of unequal lengths, launched
+        // longest first (src/cuda/work.rs, `SegPlan`)
+        (
+            config(64, 1, 32, 16, 1, 0.5, false, 0, 16),
+            (0..40).map(|i| 120 + (37 * i) % 150).collect(),
+        ),
     ]
 }
 

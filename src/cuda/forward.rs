@@ -36,6 +36,7 @@ const NORM_F16: i32 = 2;
 
 /// Kernel parameters of `scan_states`/`scan_outputs` (`ScanArgs` in kernels/scan.cu).
 #[repr(C)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct ScanArgs {
     pub proj: u64,
     pub bcn: u64,
@@ -44,6 +45,8 @@ pub(crate) struct ScanArgs {
     pub phi0: u64,
     pub chunks: u64,
     pub segs: u64,
+    /// segments in launch order (`Layout::order`)
+    pub order: u64,
     pub b_bias: u64,
     pub c_bias: u64,
     pub d_skip: u64,
@@ -57,6 +60,53 @@ pub(crate) struct ScanArgs {
     pub layer: i32,
     /// a bound on |⟨q̃, k̃⟩| (`GpuLayer::scan_qk`)
     pub qk: f32,
+    /// the grid's shape (`launches`)
+    pub heads_fastest: i32,
+}
+
+impl ScanArgs {
+    /// The launches of phase A (`scan_states`, every segment but a sequence's last: its
+    /// list follows phase C's in the order table) or C (`scan_outputs`, every segment) of
+    /// a layout of `nseg` segments and `nseq` sequences over `heads`, on a GPU that runs
+    /// `slots` scan blocks at once: the arguments and the grid of each. Blocks that fill
+    /// more than one wave go heads fastest, so that the longest segments start first;
+    /// one wave goes segments fastest, which puts a segment's heads side by side on an SM
+    /// (measured in docs/benchmarks.md, "segments of unequal lengths"). At most 65535
+    /// positions of the order per launch (the grid's y).
+    pub(crate) fn launches(
+        &self,
+        phase_a: bool,
+        (nseg, nseq): (usize, usize),
+        heads: u32,
+        slots: usize,
+    ) -> Vec<(ScanArgs, (u32, u32, u32))> {
+        const MAX_Y: usize = 65535;
+        let (first, n) = if phase_a {
+            (nseg, nseg - nseq)
+        } else {
+            (0, nseg)
+        };
+        let heads_fastest = n * heads as usize > slots;
+        (0..n)
+            .step_by(MAX_Y)
+            .map(|p| {
+                let a = ScanArgs {
+                    order: self.order + 4 * (first + p) as u64,
+                    heads_fastest: i32::from(heads_fastest),
+                    ..*self
+                };
+                let k = (n - p).min(MAX_Y) as u32;
+                (
+                    a,
+                    if heads_fastest {
+                        (heads, k, 1)
+                    } else {
+                        (k, heads, 1)
+                    },
+                )
+            })
+            .collect()
+    }
 }
 
 impl KArg for ScanArgs {
@@ -446,6 +496,7 @@ impl Pipe<'_> {
                 phi0: work.phi0.ptr,
                 chunks: work.chunks.ptr,
                 segs: work.segs.ptr,
+                order: work.order.ptr,
                 b_bias: lw.b_bias.ptr,
                 c_bias: lw.c_bias.ptr,
                 d_skip: lw.d.ptr,
@@ -457,15 +508,12 @@ impl Pipe<'_> {
                 states: work.states.ptr,
                 layer,
                 qk: lw.scan_qk,
+                heads_fastest: 0, // set by `launches`
             };
-            if nseg > nseq {
-                self.launch(
-                    &self.k.scan_states,
-                    (nseg as u32, h, 1),
-                    self.k.scan_threads,
-                    self.k.scan_smem,
-                    &[&args],
-                )?;
+            let slots = self.gpu.sms * self.k.scan_blocks_per_sm;
+            for (a, grid) in args.launches(true, (nseg, nseq), h, slots) {
+                let (threads, smem) = (self.k.scan_threads, self.k.scan_smem);
+                self.launch(&self.k.scan_states, grid, threads, smem, &[&a])?;
             }
             let tiles = (d.headdim * d.d_state).div_ceil(4 * 256) as u32;
             self.launch(
@@ -483,13 +531,10 @@ impl Pipe<'_> {
                     &layer,
                 ],
             )?;
-            self.launch(
-                &self.k.scan_outputs,
-                (nseg as u32, h, 1),
-                self.k.scan_threads,
-                self.k.scan_smem,
-                &[&args],
-            )?;
+            for (a, grid) in args.launches(false, (nseg, nseq), h, slots) {
+                let (threads, smem) = (self.k.scan_threads, self.k.scan_smem);
+                self.launch(&self.k.scan_outputs, grid, threads, smem, &[&a])?;
+            }
             self.look(
                 "scan_outputs",
                 Some(l),
@@ -544,5 +589,46 @@ impl Pipe<'_> {
     /// The scan math this pipeline's kernels were built with.
     pub fn scan_math(&self) -> ScanMath {
         self.k.config.scan_math()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ScanArgs;
+
+    #[test]
+    fn scan_launches_cover_the_order_in_pieces_the_grid_takes() {
+        let args = ScanArgs {
+            order: 1 << 20,
+            ..ScanArgs::default()
+        };
+        let (nseg, nseq) = (70_000, 3);
+        let pieces = |a: bool| -> Vec<(u64, i32, (u32, u32, u32))> {
+            let l = args.launches(a, (nseg, nseq), 24, 264);
+            l.iter()
+                .map(|(a, g)| (a.order, a.heads_fastest, *g))
+                .collect()
+        };
+        let rest = (nseg - 65535) as u32;
+        assert_eq!(
+            pieces(false),
+            [
+                (1 << 20, 1, (24, 65535, 1)),
+                ((1 << 20) + 4 * 65535, 1, (24, rest, 1))
+            ]
+        );
+        let first = (1 << 20) + 4 * nseg as u64;
+        assert_eq!(
+            pieces(true),
+            [
+                (first, 1, (24, 65535, 1)),
+                (first + 4 * 65535, 1, (24, rest - 3, 1))
+            ]
+        );
+        // one segment per sequence: no phase A; one wave: segments fastest
+        assert!(args.launches(true, (5, 5), 24, 264).is_empty());
+        let one = args.launches(false, (11, 1), 24, 264);
+        assert_eq!(one.len(), 1);
+        assert_eq!((one[0].0.heads_fastest, one[0].1), (0, (11, 24, 1)));
     }
 }

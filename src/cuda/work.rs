@@ -3,14 +3,17 @@
 //!
 //! Rows of the packed batch are sequence after sequence, no padding. Each sequence is cut
 //! into chunks of `chunk_len` tokens (its last chunk may be short); consecutive chunks of a
-//! sequence form segments, the unit of parallel work of the scan (kernels/scan.cu). The
-//! segment length is chosen so that segments × heads fills the GPU a few times over.
+//! sequence form segments, the unit of parallel work of the scan (kernels/scan.cu). How a
+//! sequence is cut (`SegPlan`) is chosen by a model of the scan's makespan, and the scan's
+//! blocks are launched longest first (`Layout::order`).
 
 use super::context::{DevBuf, Gpu};
 use crate::cpu::LogitsWant;
 use crate::error::Result;
 use crate::model::Dims;
-use std::sync::OnceLock;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, OnceLock};
 
 /// The tables of one pass, as uploaded (int4 rows; see the kernels' docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,6 +25,9 @@ pub struct Layout {
     pub segs: Vec<[i32; 4]>,
     /// {first chunk, chunks, first segment, segments}
     pub seqs: Vec<[i32; 4]>,
+    /// the scan's launch order: every segment (phase C), then every segment but a
+    /// sequence's last (phase A), each list longest first
+    pub order: Vec<i32>,
     /// rows whose logits are wanted, in output order
     pub picked: Vec<i32>,
     /// (start, len) of each sequence
@@ -31,29 +37,43 @@ pub struct Layout {
 impl Layout {
     /// The layout of sequences of `lens` tokens; `slots` is how many scan blocks the GPU
     /// runs at once (SMs × blocks per SM).
-    /// `MAMBA3_GPU_CHUNKS_PER_SEGMENT=N` replaces the model's choice (for measuring).
+    /// `MAMBA3_GPU_CHUNKS_PER_SEGMENT=P` or `P/T` replaces the model's choice (for
+    /// measuring): segments of P chunks, or a last segment of T and P before it.
     pub fn new(lens: &[usize], d: &Dims, slots: usize, want: LogitsWant) -> Layout {
-        static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+        static FORCED: OnceLock<Option<SegPlan>> = OnceLock::new();
         let forced = FORCED.get_or_init(|| {
-            std::env::var("MAMBA3_GPU_CHUNKS_PER_SEGMENT")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            let v = std::env::var("MAMBA3_GPU_CHUNKS_PER_SEGMENT").ok()?;
+            let (per, tail) = v.split_once('/').unwrap_or((&v, "0"));
+            Some(SegPlan {
+                per: per.trim().parse().ok()?,
+                tail: tail.trim().parse().ok()?,
+            })
         });
-        let per_seg =
-            forced.unwrap_or_else(|| chunks_per_segment(lens, d.chunk_len, d.nheads, slots.max(1)));
-        Layout::with_segments(lens, d, per_seg, want)
+        let plan = forced.unwrap_or_else(|| {
+            let chunks: Vec<usize> = lens.iter().map(|n| n.div_ceil(d.chunk_len)).collect();
+            SegPlan::choose(&chunks, d.nheads, slots.max(1))
+        });
+        Layout::with_plan(lens, d, plan, want)
     }
 
     /// The layout with segments of `per_seg` chunks (training takes 1: the scan then
     /// leaves the state entering every chunk in `sbuf`, which the backward needs).
     pub fn with_segments(lens: &[usize], d: &Dims, per_seg: usize, want: LogitsWant) -> Layout {
+        let plan = SegPlan {
+            per: per_seg,
+            tail: 0,
+        };
+        Layout::with_plan(lens, d, plan, want)
+    }
+
+    fn with_plan(lens: &[usize], d: &Dims, plan: SegPlan, want: LogitsWant) -> Layout {
         let l = d.chunk_len;
-        let per_seg = per_seg.max(1);
         let mut lay = Layout {
             rows: 0,
             chunks: vec![],
             segs: vec![],
             seqs: vec![],
+            order: vec![],
             picked: vec![],
             spans: vec![],
         };
@@ -70,17 +90,16 @@ impl Layout {
                     s as i32,
                 ]);
             }
-            // Split the chunks evenly into ceil(nc / per_seg) segments.
-            let ns = nc.div_ceil(per_seg);
+            let cut = plan.lengths(nc);
             let first_seg = lay.segs.len();
             let mut c0 = 0;
-            for i in 0..ns {
-                let cnt = nc / ns + usize::from(i < nc % ns);
-                let flags = i32::from(i == 0) | (i32::from(i + 1 == ns) << 1);
+            for (i, &cnt) in cut.iter().enumerate() {
+                let flags = i32::from(i == 0) | (i32::from(i + 1 == cut.len()) << 1);
                 lay.segs
                     .push([(first_chunk + c0) as i32, cnt as i32, s as i32, flags]);
                 c0 += cnt;
             }
+            let ns = cut.len();
             lay.seqs
                 .push([first_chunk as i32, nc as i32, first_seg as i32, ns as i32]);
             match want {
@@ -91,6 +110,16 @@ impl Layout {
             lay.spans.push((start, n));
             lay.rows += n;
         }
+        // Longest first (stable), so that short blocks fill the slots the long ones leave.
+        let by_len = |keep: &dyn Fn(&[i32; 4]) -> bool| {
+            let mut v: Vec<i32> = (0..lay.segs.len() as i32)
+                .filter(|&i| keep(&lay.segs[i as usize]))
+                .collect();
+            v.sort_by_key(|&i| Reverse(lay.segs[i as usize][1]));
+            v
+        };
+        let (all, not_last) = (by_len(&|_| true), by_len(&|sg| sg[3] & 2 == 0));
+        lay.order = [all, not_last].concat();
         lay
     }
 
@@ -100,28 +129,167 @@ impl Layout {
     }
 }
 
-/// Chunks per segment, by a model of the scan's makespan: phase C runs every segment,
-/// phase A (about 0.4 of its work per chunk) every segment but a sequence's last, each in
-/// waves of `slots` blocks of (segment, head), and every block costs about a third of a
-/// chunk more (its state read and written, its step of phase B). More segments mean
-/// shorter blocks but more phase-A work; for a long batch one segment per sequence is
-/// best, for one long prompt about as many segments as there are free slots per head.
-/// (Calibrated on the H200 at d_state 128: docs/benchmarks.md, "segments".)
-fn chunks_per_segment(lens: &[usize], chunk: usize, heads: usize, slots: usize) -> usize {
-    const BLOCK_COST: f64 = 0.3;
-    const PHASE_A: f64 = 0.4;
-    let chunks: Vec<usize> = lens.iter().map(|n| n.div_ceil(chunk)).collect();
-    let longest = chunks.iter().copied().max().unwrap_or(1).max(1);
-    let cost = |per: usize| {
-        let c_blocks: usize = chunks.iter().map(|c| c.div_ceil(per)).sum::<usize>() * heads;
-        let a_blocks = c_blocks - chunks.len() * heads;
-        // waves × chunks per block
-        let per = per.min(longest) as f64 + BLOCK_COST;
-        (a_blocks.div_ceil(slots) as f64 * PHASE_A + c_blocks.div_ceil(slots) as f64) * per
-    };
-    (1..=longest)
-        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(b.cmp(&a)))
-        .unwrap_or(1)
+/// How each sequence's chunks are cut into segments: a last segment of `tail` chunks
+/// (none when 0, or when the sequence is no longer), and the chunks before it in segments
+/// of at most `per`, as even as can be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegPlan {
+    pub per: usize,
+    pub tail: usize,
+}
+
+impl SegPlan {
+    /// The segment lengths of a sequence of `nc` chunks.
+    pub fn lengths(self, nc: usize) -> Vec<usize> {
+        let (head, tail) = if self.tail > 0 && nc > self.tail {
+            (nc - self.tail, Some(self.tail))
+        } else {
+            (nc, None)
+        };
+        let ns = head.div_ceil(self.per.max(1));
+        let mut v: Vec<usize> = (0..ns)
+            .map(|i| head / ns + usize::from(i < head % ns))
+            .collect();
+        v.extend(tail);
+        v
+    }
+
+    /// The plan of least modelled makespan. Phase C runs every segment, phase A (about
+    /// 0.4 of its work per chunk) every segment but a sequence's last; each phase's
+    /// (segment, head) blocks go longest first to the first free of `slots`, and every
+    /// block costs about a chunk more (its state read and written, its step of phase B,
+    /// a first chunk with nothing to overlap). More segments mean shorter blocks but more phase-A work: a long batch
+    /// takes one segment per sequence, one long prompt about as many segments as there
+    /// are free slots per head, and a batch whose blocks overfill the slots by a fraction
+    /// a short first segment and a long last one, the short blocks filling the slots the
+    /// long ones leave. (Calibrated on the H200 at d_state 128: docs/benchmarks.md,
+    /// "segments" and "segments of unequal lengths".)
+    pub fn choose(chunks: &[usize], heads: usize, slots: usize) -> SegPlan {
+        // Planning runs on the host before every pass, the GPU idle meanwhile: the plans
+        // of recent batch shapes are kept.
+        type Key = (Vec<(usize, usize)>, usize, usize);
+        static RECENT: Mutex<Option<HashMap<Key, SegPlan>>> = Mutex::new(None);
+        let mut shape: BTreeMap<usize, usize> = BTreeMap::new();
+        for &c in chunks {
+            *shape.entry(c).or_default() += 1;
+        }
+        let key = (shape.into_iter().collect(), heads, slots);
+        if let Some(p) = RECENT
+            .lock()
+            .ok()
+            .and_then(|r| r.as_ref()?.get(&key).copied())
+        {
+            return p;
+        }
+        let plan = SegPlan::search(chunks, heads, slots);
+        if let Ok(mut r) = RECENT.lock() {
+            let m = r.get_or_insert_with(HashMap::new);
+            if m.len() >= 256 {
+                m.clear();
+            }
+            m.insert(key, plan);
+        }
+        plan
+    }
+
+    fn search(chunks: &[usize], heads: usize, slots: usize) -> SegPlan {
+        let longest = chunks.iter().copied().max().unwrap_or(1).max(1);
+        // uniform cuts: one per segment count of the longest sequence
+        let mut cands: Vec<SegPlan> = (1..=longest)
+            .rev()
+            .map(|ns| SegPlan {
+                per: longest.div_ceil(ns),
+                tail: 0,
+            })
+            .collect();
+        for k in 1..16 {
+            let tail = longest * k / 16;
+            let head = longest - tail;
+            if tail == 0 || head == 0 {
+                continue;
+            }
+            for per in [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128] {
+                cands.push(SegPlan {
+                    per: per.min(head),
+                    tail,
+                });
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        cands.retain(|p| seen.insert(*p));
+        let mut best = (
+            f64::INFINITY,
+            SegPlan {
+                per: longest,
+                tail: 0,
+            },
+        );
+        for p in cands {
+            let c = p.makespan(chunks, heads, slots, best.0);
+            if c < best.0 - 1e-9 {
+                best = (c, p);
+            }
+        }
+        best.1
+    }
+
+    /// The modelled time of phases A and C, in chunks of phase C; `give_up` once a lower
+    /// bound passes it.
+    fn makespan(self, chunks: &[usize], heads: usize, slots: usize, give_up: f64) -> f64 {
+        const BLOCK_COST: f64 = 1.0;
+        const PHASE_A: f64 = 0.4;
+        // (cost, blocks): every head of every sequence of a length has the same blocks
+        let mut lens: BTreeMap<usize, usize> = BTreeMap::new();
+        for &nc in chunks {
+            *lens.entry(nc).or_default() += heads;
+        }
+        let (mut a, mut c) = (vec![], vec![]);
+        for (&nc, &n) in &lens {
+            let cut = self.lengths(nc);
+            for (i, &len) in cut.iter().enumerate() {
+                c.push((len as f64 + BLOCK_COST, n));
+                if i + 1 < cut.len() {
+                    a.push((PHASE_A * len as f64 + BLOCK_COST, n));
+                }
+            }
+        }
+        let bound = |v: &[(f64, usize)]| {
+            let (sum, max) = v
+                .iter()
+                .fold((0., 0f64), |(s, m), &(x, n)| (s + x * n as f64, m.max(x)));
+            (sum / slots as f64).max(max)
+        };
+        if bound(&a) + bound(&c) >= give_up {
+            return f64::INFINITY;
+        }
+        list_makespan(a, slots) + list_makespan(c, slots)
+    }
+}
+
+/// When the last of the blocks ends, (cost, how many) taken longest first by whichever of
+/// `slots` frees first.
+fn list_makespan(mut blocks: Vec<(f64, usize)>, slots: usize) -> f64 {
+    blocks.sort_by(|x, y| y.0.total_cmp(&x.0));
+    // the slots by the time they free (fixed point, 1/1024 chunk), with their counts:
+    // equal blocks move whole groups of slots at once
+    let mut free: BTreeMap<u64, usize> = BTreeMap::from([(0, slots)]);
+    let mut end = 0;
+    for (cost, mut left) in blocks {
+        let t = (cost * 1024.0) as u64;
+        while left > 0 {
+            let Some((at, n)) = free.pop_first() else {
+                break;
+            };
+            let k = n.min(left);
+            if n > k {
+                free.insert(at, n - k);
+            }
+            *free.entry(at + t).or_default() += k;
+            end = end.max(at + t);
+            left -= k;
+        }
+    }
+    end as f64 / 1024.0
 }
 
 /// Sizes a `Work` can hold.
@@ -209,6 +377,8 @@ pub struct Work {
     pub csum: DevBuf,
     pub phi0: DevBuf,
     pub segs: DevBuf,
+    /// `Layout::order`
+    pub order: DevBuf,
     pub sbuf: DevBuf,
     pub sdecay: DevBuf,
     pub seqs: DevBuf,
@@ -245,6 +415,7 @@ impl Work {
             csum: f(c.chunks * h * s)?,
             phi0: f(c.chunks * h * s)?,
             segs: gpu.alloc::<[i32; 4]>(c.segs.max(1))?,
+            order: gpu.alloc::<i32>(2 * c.segs.max(1))?,
             sbuf: f(c.segs * h * d.headdim * d.d_state)?,
             sdecay: f(c.segs * h)?,
             seqs: gpu.alloc::<[i32; 4]>(c.seqs.max(1))?,
@@ -264,6 +435,7 @@ impl Work {
     pub fn put_layout(&self, gpu: &Gpu, l: &Layout) -> Result<()> {
         gpu.htod(&l.chunks, self.chunks.ptr)?;
         gpu.htod(&l.segs, self.segs.ptr)?;
+        gpu.htod(&l.order, self.order.ptr)?;
         gpu.htod(&l.seqs, self.seqs.ptr)?;
         gpu.htod(&l.picked, self.picked.ptr)
     }
@@ -271,22 +443,86 @@ impl Work {
 
 #[cfg(test)]
 mod tests {
-    use super::chunks_per_segment;
+    use super::{Layout, SegPlan};
+    use crate::cpu::LogitsWant;
+
+    fn plan(chunks: usize, seqs: usize, slots: usize) -> SegPlan {
+        SegPlan::choose(&vec![chunks; seqs], 24, slots)
+    }
 
     #[test]
-    fn segments_follow_the_free_slots() {
-        // A long batch fills the GPU with one segment per (sequence, head)...
-        assert_eq!(chunks_per_segment(&[4096; 8], 64, 24, 264), 64);
-        assert_eq!(chunks_per_segment(&[4096; 64], 64, 24, 132), 64);
-        // ...unless that leaves most SMs idle in a last partial wave.
-        assert_eq!(chunks_per_segment(&[4096; 8], 64, 24, 132), 32);
+    fn plans_follow_the_free_slots() {
+        let uniform = |per| SegPlan { per, tail: 0 };
+        // A long batch that overfills the slots many times: one segment per sequence.
+        assert_eq!(plan(64, 64, 264), uniform(64));
+        assert_eq!(plan(64, 64, 132), uniform(64));
         // One long prompt: about as many segments per head as there are slots per head.
-        let per = chunks_per_segment(&[4096], 64, 24, 264);
-        assert!((5..=8).contains(&per), "{per}");
-        // A very long prompt: not one segment per chunk (each block has a cost of its own).
-        let per = chunks_per_segment(&[16384], 64, 24, 132);
-        assert!((8..=32).contains(&per), "{per}");
+        let p = plan(64, 1, 264);
+        assert!(p.tail == 0 && (5..=8).contains(&p.per), "{p:?}");
+        let cut = plan(256, 1, 132).lengths(256);
+        assert!((4..=32).contains(&cut.len()), "{cut:?}");
         // Short sequences: one chunk each, nothing to split.
-        assert_eq!(chunks_per_segment(&[10, 3], 64, 24, 264), 1);
+        assert_eq!(plan(1, 2, 264).lengths(1), [1]);
+        // 192 (sequence, head) pairs on 264 slots: a long last segment per pair, and the
+        // short first ones in the slots the long ones leave, beat one segment per pair.
+        let p = plan(64, 8, 264);
+        let cut = p.lengths(64);
+        assert!(cut.len() >= 2 && *cut.last().unwrap() >= 32, "{cut:?}");
+        let (m, one) = (
+            p.makespan(&[64; 8], 24, 264, f64::INFINITY),
+            uniform(64).makespan(&[64; 8], 24, 264, f64::INFINITY),
+        );
+        assert!(m < 0.9 * one, "{m} against {one}");
+    }
+
+    #[test]
+    fn the_mixed_batch_of_the_gpu_tests_takes_a_tail_plan() {
+        // tests/gpu_engine.rs `random_cases`, the last: 40 sequences, chunk 16, 8 heads,
+        // on an H200 (132 SMs, two scan blocks each)
+        let chunks: Vec<usize> = (0..40usize)
+            .map(|i| (120 + (37 * i) % 150).div_ceil(16))
+            .collect();
+        let p = SegPlan::choose(&chunks, 8, 264);
+        assert!(p.tail > 0 && chunks.iter().any(|&c| c > p.tail), "{p:?}");
+    }
+
+    #[test]
+    fn plans_cut_every_chunk_once() {
+        for per in 1..=9 {
+            for tail in 0..=9 {
+                for nc in 1..=30 {
+                    let cut = SegPlan { per, tail }.lengths(nc);
+                    assert_eq!(cut.iter().sum::<usize>(), nc, "{per} {tail} {nc}");
+                    assert!(cut.iter().all(|&c| c > 0));
+                    if tail > 0 && nc > tail {
+                        assert_eq!(*cut.last().unwrap(), tail);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_order_lists_every_segment_longest_first() {
+        let d = crate::model::config::Config::synthetic(64, 1, 16, 16, 2, 1, 32).dims();
+        let lens = [64 * d.chunk_len, 3 * d.chunk_len + 5, 1];
+        let lay = Layout::with_plan(&lens, &d, SegPlan { per: 2, tail: 40 }, LogitsWant::Last);
+        let nseg = lay.segs.len();
+        let (c, a) = lay.order.split_at(nseg);
+        let mut seen: Vec<i32> = c.to_vec();
+        seen.sort();
+        assert_eq!(seen, (0..nseg as i32).collect::<Vec<_>>());
+        let not_last: Vec<i32> = (0..nseg as i32)
+            .filter(|&i| lay.segs[i as usize][3] & 2 == 0)
+            .collect();
+        let mut seen_a = a.to_vec();
+        seen_a.sort();
+        assert_eq!(seen_a, not_last);
+        assert_eq!(a.len(), nseg - lens.len());
+        for list in [c, a] {
+            let l: Vec<i32> = list.iter().map(|&i| lay.segs[i as usize][1]).collect();
+            assert!(l.windows(2).all(|w| w[0] >= w[1]), "{l:?}");
+        }
+        assert_eq!(lay.segs[c[0] as usize][1], 40);
     }
 }

@@ -202,6 +202,7 @@ struct ScanArgs {
     const float* phi0;   // [chunk][H][S]
     const int4* chunks;  // {start, len, seq end, seq}
     const int4* segs;    // {first chunk, chunks, seq, flags}
+    const int* order;    // segments in launch order
     const float* b_bias;
     const float* c_bias;
     const float* d_skip;
@@ -212,7 +213,8 @@ struct ScanArgs {
     float* y_pre;           // [rows][D_INNER] f32, y before the gate (training), or null
     float* const* states;   // per sequence
     int layer;
-    float qk;  // a bound on |⟨q̃, k̃⟩| (the f16 operands' scale of M, SCAN_SCALED)
+    float qk;           // a bound on |⟨q̃, k̃⟩| (the f16 operands' scale of M, SCAN_SCALED)
+    int heads_fastest;  // the grid's shape (below)
 };
 
 // A chunk's scalar inputs as this thread uses them, loaded together at the chunk's start
@@ -346,12 +348,17 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 
     griddep_wait();
     griddep_launch();
-    const int4 sg = A.segs[blockIdx.x];
+    // Grid (H, positions) when the blocks fill more than one wave: heads fastest, so that
+    // the order's longest segments start first. Else (positions, H), which puts a
+    // segment's heads side by side on an SM (their B̄/C̄, θ and scalar rows shared in L1).
+    const bool heads_fastest = A.heads_fastest;
+    const int h = heads_fastest ? blockIdx.x : blockIdx.y, si = A.order[heads_fastest ? blockIdx.y : blockIdx.x];
+    const int4 sg = A.segs[si];
     const bool last_seg = sg.w & 2;
     if (PHASE == 0 && last_seg) return;
-    const int h = blockIdx.y, g = h / HEADS_PER_GROUP, tid = threadIdx.x;
+    const int g = h / HEADS_PER_GROUP, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, fg = lane >> 2, ft = lane & 3;
-    float* sb = A.sbuf + ((size_t)blockIdx.x * NHEADS + h) * HEADDIM * DSTATE;
+    float* sb = A.sbuf + ((size_t)si * NHEADS + h) * HEADDIM * DSTATE;
     float* st = A.states[sg.z] + (size_t)A.layer * ST_LAYER;
 
     for (int n = tid; n < NP; n += SCAN_THREADS) {
@@ -712,7 +719,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
                 if (i < s_nt && pp < HEADDIM && n < DSTATE) dst[pp * DSTATE + n] = sacc[i][e];
             }
-        if (PHASE == 0 && tid == 0) A.sdecay[blockIdx.x * NHEADS + h] = decay_sum;
+        if (PHASE == 0 && tid == 0) A.sdecay[si * NHEADS + h] = decay_sum;
     }
 }
 

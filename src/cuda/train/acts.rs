@@ -58,6 +58,7 @@ pub struct Acts {
     // scan tables and scratch
     pub chunks: DevBuf,
     pub segs: DevBuf,
+    pub order: DevBuf,
     pub seqs: DevBuf,
     pub csum: DevBuf,
     pub sdecay: DevBuf,
@@ -149,6 +150,7 @@ impl Acts {
             losses: f(rows)?,
             chunks: gpu.upload(&layout.chunks)?,
             segs: gpu.upload(&layout.segs)?,
+            order: gpu.upload(&layout.order)?,
             seqs: gpu.upload(&layout.seqs)?,
             csum: f(nch * h * s)?,
             sdecay: f(nch * h)?,

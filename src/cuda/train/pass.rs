@@ -244,6 +244,7 @@ impl CudaTrainer {
                 phi0: la.phi0.ptr,
                 chunks: a.chunks.ptr,
                 segs: a.segs.ptr,
+                order: a.order.ptr,
                 b_bias: lw.b_bias,
                 c_bias: lw.c_bias,
                 d_skip: lw.d,
@@ -254,16 +255,11 @@ impl CudaTrainer {
                 y_pre: la.y_pre.ptr,
                 states: a.state_ptrs.ptr,
                 layer,
-                qk: 0.0, // the TF32 scan does not scale its operands
+                qk: 0.0,          // the TF32 scan does not scale its operands
+                heads_fastest: 0, // set by `launches`
             };
-            if nseg > nseq {
-                self.launch(
-                    &self.k.scan_states,
-                    (nseg as u32, h, 1),
-                    256,
-                    self.k.scan_smem,
-                    &[&args],
-                )?;
+            for (a, grid) in args.launches(true, (nseg, nseq), h, self.gpu.sms) {
+                self.launch(&self.k.scan_states, grid, 256, self.k.scan_smem, &[&a])?;
             }
             let tiles = (d.headdim * d.d_state).div_ceil(4 * 256) as u32;
             self.launch(
@@ -281,13 +277,9 @@ impl CudaTrainer {
                     &layer,
                 ],
             )?;
-            self.launch(
-                &self.k.scan_outputs,
-                (nseg as u32, h, 1),
-                256,
-                self.k.scan_smem,
-                &[&args],
-            )?;
+            for (a, grid) in args.launches(false, (nseg, nseq), h, self.gpu.sms) {
+                self.launch(&self.k.scan_outputs, grid, 256, self.k.scan_smem, &[&a])?;
+            }
             let w_out = gw.layers[l].out_proj;
             self.gemm(
                 GemmOp::Linear,
