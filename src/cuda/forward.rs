@@ -70,9 +70,9 @@ impl ScanArgs {
     /// a layout of `nseg` segments and `nseq` sequences over `heads`, on a GPU that runs
     /// `slots` scan blocks at once: the arguments and the grid of each. Blocks that fill
     /// more than one wave go heads fastest, so that the longest segments start first;
-    /// one wave goes segments fastest, which puts a segment's heads side by side on an SM
-    /// (measured in docs/benchmarks.md, "segments of unequal lengths"). At most 65535
-    /// positions of the order per launch (the grid's y).
+    /// one wave goes segments fastest, as before the order table, which measured faster
+    /// (docs/benchmarks.md, "segments of unequal lengths"). At most 65535 positions of the
+    /// order per launch (the grid's y).
     pub(crate) fn launches(
         &self,
         phase_a: bool,

@@ -158,11 +158,11 @@ impl SegPlan {
     /// 0.4 of its work per chunk) every segment but a sequence's last; each phase's
     /// (segment, head) blocks go longest first to the first free of `slots`, and every
     /// block costs about a chunk more (its state read and written, its step of phase B,
-    /// a first chunk with nothing to overlap). More segments mean shorter blocks but more phase-A work: a long batch
-    /// takes one segment per sequence, one long prompt about as many segments as there
-    /// are free slots per head, and a batch whose blocks overfill the slots by a fraction
-    /// a short first segment and a long last one, the short blocks filling the slots the
-    /// long ones leave. (Calibrated on the H200 at d_state 128: docs/benchmarks.md,
+    /// a first chunk with nothing to overlap). More segments mean shorter blocks but more
+    /// phase-A work: a long batch takes one segment per sequence, one long prompt about
+    /// as many segments as there are free slots per head, and a batch whose blocks
+    /// overfill the slots by a fraction a short first segment and a long last one, the
+    /// short blocks filling the slots the long ones leave. (Calibrated on the H200 at d_state 128: docs/benchmarks.md,
     /// "segments" and "segments of unequal lengths".)
     pub fn choose(chunks: &[usize], heads: usize, slots: usize) -> SegPlan {
         // Planning runs on the host before every pass, the GPU idle meanwhile: the plans
