@@ -510,8 +510,7 @@ impl Pipe<'_> {
                 qk: lw.scan_qk,
                 heads_fastest: 0, // set by `launches`
             };
-            let slots = self.gpu.sms * self.k.scan_blocks_per_sm;
-            for (a, grid) in args.launches(true, (nseg, nseq), h, slots) {
+            for (a, grid) in args.launches(true, (nseg, nseq), h, self.k.scan_slots) {
                 let (threads, smem) = (self.k.scan_threads, self.k.scan_smem);
                 self.launch(&self.k.scan_states, grid, threads, smem, &[&a])?;
             }
@@ -531,7 +530,7 @@ impl Pipe<'_> {
                     &layer,
                 ],
             )?;
-            for (a, grid) in args.launches(false, (nseg, nseq), h, slots) {
+            for (a, grid) in args.launches(false, (nseg, nseq), h, self.k.scan_slots) {
                 let (threads, smem) = (self.k.scan_threads, self.k.scan_smem);
                 self.launch(&self.k.scan_outputs, grid, threads, smem, &[&a])?;
             }

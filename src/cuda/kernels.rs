@@ -415,8 +415,8 @@ pub struct Kernels {
     pub decode_layers: [Option<(Kernel, u32)>; 2],
     /// Dynamic shared memory of the scan blocks and of prefill_pre, in bytes.
     pub scan_smem: u32,
-    /// Scan blocks that fit on one SM at once.
-    pub scan_blocks_per_sm: usize,
+    /// Scan blocks the GPU runs at once: SMs × the blocks that fit on one.
+    pub scan_slots: usize,
     /// Threads of a `scan_states`/`scan_outputs` block, as the module was compiled (256, or
     /// 512 for large f32-operand tiles: kernels/scan_tiles.cuh).
     pub scan_threads: u32,
@@ -503,7 +503,7 @@ impl Kernels {
             mixer_step: get("mixer_step")?,
             decode_layers,
             scan_smem,
-            scan_blocks_per_sm: 1,
+            scan_slots: 1,
             scan_threads,
             pre_smem,
             config: cfg.clone(),
@@ -540,12 +540,13 @@ impl Kernels {
             })?;
         }
         let mut k = k;
-        k.scan_blocks_per_sm = k
+        let per_sm = k
             .scan_outputs
             .func
             .occupancy_max_active_blocks_per_multiprocessor(scan_threads, scan_smem as usize, None)
             .map_err(|e| dev_err("asking the scan's occupancy", e))?
             .max(1) as usize;
+        k.scan_slots = gpu.sms * per_sm;
         Ok(k)
     }
 }

@@ -169,11 +169,12 @@ impl SegPlan {
         // of recent batch shapes are kept.
         type Key = (Vec<(usize, usize)>, usize, usize);
         static RECENT: Mutex<Option<HashMap<Key, SegPlan>>> = Mutex::new(None);
+        // (chunks, sequences of that many): every sequence of a length has the same cut
         let mut shape: BTreeMap<usize, usize> = BTreeMap::new();
         for &c in chunks {
             *shape.entry(c).or_default() += 1;
         }
-        let key = (shape.into_iter().collect(), heads, slots);
+        let key: Key = (shape.into_iter().collect(), heads, slots);
         if let Some(p) = RECENT
             .lock()
             .ok()
@@ -181,7 +182,7 @@ impl SegPlan {
         {
             return p;
         }
-        let plan = SegPlan::search(chunks, heads, slots);
+        let plan = SegPlan::search(&key.0, heads, slots);
         if let Ok(mut r) = RECENT.lock() {
             let m = r.get_or_insert_with(HashMap::new);
             if m.len() >= 256 {
@@ -192,8 +193,9 @@ impl SegPlan {
         plan
     }
 
-    fn search(chunks: &[usize], heads: usize, slots: usize) -> SegPlan {
-        let longest = chunks.iter().copied().max().unwrap_or(1).max(1);
+    /// The search behind `choose`, over a batch `shape` of (chunks, sequences).
+    fn search(shape: &[(usize, usize)], heads: usize, slots: usize) -> SegPlan {
+        let longest = shape.iter().map(|&(c, _)| c).max().unwrap_or(1).max(1);
         // uniform cuts: one per segment count of the longest sequence
         let mut cands: Vec<SegPlan> = (1..=longest)
             .rev()
@@ -225,7 +227,7 @@ impl SegPlan {
             },
         );
         for p in cands {
-            let c = p.makespan(chunks, heads, slots, best.0);
+            let c = p.makespan(shape, heads, slots, best.0);
             if c < best.0 - 1e-9 {
                 best = (c, p);
             }
@@ -233,19 +235,15 @@ impl SegPlan {
         best.1
     }
 
-    /// The modelled time of phases A and C, in chunks of phase C; `give_up` once a lower
-    /// bound passes it.
-    fn makespan(self, chunks: &[usize], heads: usize, slots: usize, give_up: f64) -> f64 {
+    /// The modelled time of phases A and C of a batch `shape` of (chunks, sequences), in
+    /// chunks of phase C; `give_up` once a lower bound passes it.
+    fn makespan(self, shape: &[(usize, usize)], heads: usize, slots: usize, give_up: f64) -> f64 {
         const BLOCK_COST: f64 = 1.0;
         const PHASE_A: f64 = 0.4;
         // (cost, blocks): every head of every sequence of a length has the same blocks
-        let mut lens: BTreeMap<usize, usize> = BTreeMap::new();
-        for &nc in chunks {
-            *lens.entry(nc).or_default() += heads;
-        }
         let (mut a, mut c) = (vec![], vec![]);
-        for (&nc, &n) in &lens {
-            let cut = self.lengths(nc);
+        for &(nc, seqs) in shape {
+            let (cut, n) = (self.lengths(nc), seqs * heads);
             for (i, &len) in cut.iter().enumerate() {
                 c.push((len as f64 + BLOCK_COST, n));
                 if i + 1 < cut.len() {
@@ -469,8 +467,8 @@ mod tests {
         let cut = p.lengths(64);
         assert!(cut.len() >= 2 && *cut.last().unwrap() >= 32, "{cut:?}");
         let (m, one) = (
-            p.makespan(&[64; 8], 24, 264, f64::INFINITY),
-            uniform(64).makespan(&[64; 8], 24, 264, f64::INFINITY),
+            p.makespan(&[(64, 8)], 24, 264, f64::INFINITY),
+            uniform(64).makespan(&[(64, 8)], 24, 264, f64::INFINITY),
         );
         assert!(m < 0.9 * one, "{m} against {one}");
     }
