@@ -316,6 +316,20 @@ pub struct Kernel {
     pub func: CudaFunction,
 }
 
+impl Kernel {
+    /// Let a launch of this kernel take `bytes` of dynamic shared memory (above the 48 KB
+    /// every kernel may take).
+    pub fn allow_smem(&self, bytes: usize) -> Result<()> {
+        use cudarc::driver::sys::CUfunction_attribute as FA;
+        self.func
+            .set_attribute(
+                FA::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| dev_err(&format!("raising the shared memory of `{}`", self.name), e))
+    }
+}
+
 /// A kernel argument: anything whose bytes are passed by value.
 pub trait KArg {
     fn ptr(&self) -> *mut c_void;

@@ -18,9 +18,10 @@
 //! range (kernels/scan.cu; TF32 when the B/C norm weights could overflow f16, the model's
 //! dtype with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
-use super::context::{DevBuf, Gpu, KArg};
+use super::context::{DevBuf, Gpu, KArg, Kernel};
 use super::gemm::{ElemType, GemmOp, GemmSpec, Lt};
 use super::kernels::{proj_ld, Kernels, ScanMath};
+use super::scan::{ChunkScan, ScanArgs};
 use super::weights::{GpuWeights, InProjInput};
 use super::work::{Layout, Work};
 use crate::engine::GpuOptions as CudaOptions;
@@ -33,87 +34,6 @@ pub use super::decode::GEMV_MAX_ROWS;
 const NORM_ACT: i32 = 0;
 const NORM_SPLIT: i32 = 1;
 const NORM_F16: i32 = 2;
-
-/// Kernel parameters of `scan_states`/`scan_outputs` (`ScanArgs` in kernels/scan.cu).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct ScanArgs {
-    pub proj: u64,
-    pub bcn: u64,
-    pub tok: u64,
-    pub theta: u64,
-    pub phi0: u64,
-    pub chunks: u64,
-    pub segs: u64,
-    /// segments in launch order (`Layout::order`)
-    pub order: u64,
-    pub b_bias: u64,
-    pub c_bias: u64,
-    pub d_skip: u64,
-    pub out_norm: u64,
-    pub sbuf: u64,
-    pub sdecay: u64,
-    pub y: u64,
-    /// y before the gate, f32 (training; 0 in inference)
-    pub y_pre: u64,
-    pub states: u64,
-    pub layer: i32,
-    /// a bound on |⟨q̃, k̃⟩| (`GpuLayer::scan_qk`)
-    pub qk: f32,
-    /// the grid's shape (`launches`)
-    pub heads_fastest: i32,
-}
-
-impl ScanArgs {
-    /// The launches of phase A (`scan_states`, every segment but a sequence's last: its
-    /// list follows phase C's in the order table) or C (`scan_outputs`, every segment) of
-    /// a layout of `nseg` segments and `nseq` sequences over `heads`, on a GPU that runs
-    /// `slots` scan blocks at once: the arguments and the grid of each. Blocks that fill
-    /// more than one wave go heads fastest, so that the longest segments start first;
-    /// one wave goes segments fastest, as before the order table, which measured faster
-    /// (docs/benchmarks.md, "segments of unequal lengths"). At most 65535 positions of the
-    /// order per launch (the grid's y).
-    pub(crate) fn launches(
-        &self,
-        phase_a: bool,
-        (nseg, nseq): (usize, usize),
-        heads: u32,
-        slots: usize,
-    ) -> Vec<(ScanArgs, (u32, u32, u32))> {
-        const MAX_Y: usize = 65535;
-        let (first, n) = if phase_a {
-            (nseg, nseg - nseq)
-        } else {
-            (0, nseg)
-        };
-        let heads_fastest = n * heads as usize > slots;
-        (0..n)
-            .step_by(MAX_Y)
-            .map(|p| {
-                let a = ScanArgs {
-                    order: self.order + 4 * (first + p) as u64,
-                    heads_fastest: i32::from(heads_fastest),
-                    ..*self
-                };
-                let k = (n - p).min(MAX_Y) as u32;
-                (
-                    a,
-                    if heads_fastest {
-                        (heads, k, 1)
-                    } else {
-                        (k, heads, 1)
-                    },
-                )
-            })
-            .collect()
-    }
-}
-
-impl KArg for ScanArgs {
-    fn ptr(&self) -> *mut std::ffi::c_void {
-        self as *const ScanArgs as *mut std::ffi::c_void
-    }
-}
 
 /// Everything one forward pass reads besides its `Work`.
 #[derive(Clone, Copy)]
@@ -209,6 +129,7 @@ impl Pipe<'_> {
         }
     }
 
+    /// D (+)= A·Wᵀ with A and W in the activation type; D f32 (`d_f32`) or in that type.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm(
         &self,
@@ -221,41 +142,12 @@ impl Pipe<'_> {
         d_f32: bool,
         acc: bool,
     ) -> Result<()> {
-        self.gemm_ld(rows, n, k, a, w, d, n, d_f32, acc)
-    }
-
-    /// [`Pipe::gemm`] with D's rows `ldd` apart.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_ld(
-        &self,
-        rows: usize,
-        n: usize,
-        k: usize,
-        a: u64,
-        w: u64,
-        d: u64,
-        ldd: usize,
-        d_f32: bool,
-        acc: bool,
-    ) -> Result<()> {
-        let spec = GemmSpec {
-            op: GemmOp::Linear,
-            rows,
-            n,
-            k,
-            ldd,
-            lda: 0,
-            ldw: 0,
-            a: self.act(),
-            w: self.act(),
-            d: if d_f32 { ElemType::F32 } else { self.act() },
-            accumulate: acc,
-            tf32: self.opts.tf32,
-        };
+        let d_type = if d_f32 { ElemType::F32 } else { self.act() };
+        let spec = self.linear(rows, n, k, self.act(), d_type, n, acc);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
-    /// A GEMM whose operands are of type `ab` (f32 output, no accumulation).
+    /// A GEMM whose operands are of type `ab`, into f32 rows `ldd` apart (no accumulation).
     #[allow(clippy::too_many_arguments)]
     fn gemm_typed(
         &self,
@@ -268,7 +160,23 @@ impl Pipe<'_> {
         d: u64,
         ldd: usize,
     ) -> Result<()> {
-        let spec = GemmSpec {
+        let spec = self.linear(rows, n, k, ab, ElemType::F32, ldd, false);
+        self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
+    }
+
+    /// The spec of D (+)= A·Wᵀ: A `rows × k`, W `n × k`, both of type `ab`, packed.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &self,
+        rows: usize,
+        n: usize,
+        k: usize,
+        ab: ElemType,
+        d: ElemType,
+        ldd: usize,
+        accumulate: bool,
+    ) -> GemmSpec {
+        GemmSpec {
             op: GemmOp::Linear,
             rows,
             n,
@@ -278,11 +186,10 @@ impl Pipe<'_> {
             ldw: 0,
             a: ab,
             w: ab,
-            d: ElemType::F32,
-            accumulate: false,
+            d,
+            accumulate,
             tf32: self.opts.tf32,
-        };
-        self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
+        }
     }
 
     pub(super) fn launch(
@@ -414,7 +321,6 @@ impl Pipe<'_> {
         let d = &self.d;
         let (rows, nseg, nseq, nchunk) =
             (lay.rows, lay.segs.len(), lay.seqs.len(), lay.chunks.len());
-        let h = d.nheads as u32;
         self.embed(work, rows)?;
         self.look(
             "embed",
@@ -437,37 +343,42 @@ impl Pipe<'_> {
                 proj_ld(d),
                 true,
             )?;
-            self.launch(
-                &self.k.prefill_pre,
-                (nchunk as u32, 1, 1),
-                256,
-                self.k.pre_smem,
-                &[
-                    &work.proj.ptr,
-                    &work.chunks.ptr,
-                    &lw.b_norm.ptr,
-                    &lw.c_norm.ptr,
-                    &lw.dt_bias.ptr,
-                    &work.bcn.ptr,
-                    &work.tok.ptr,
-                    &work.theta.ptr,
-                    &work.csum.ptr,
-                ],
-            )?;
-            let angle_tiles = (d.nheads * d.num_rope_angles).div_ceil(128) as u32;
-            self.launch(
-                &self.k.angle_pass,
-                (nseq as u32, angle_tiles, 1),
-                128,
-                0,
-                &[
-                    &work.seqs.ptr,
-                    &work.csum.ptr,
-                    &work.phi0.ptr,
-                    &work.states.ptr,
-                    &layer,
-                ],
-            )?;
+            let mixer = ChunkScan {
+                args: ScanArgs {
+                    proj: work.proj.ptr,
+                    bcn: work.bcn.ptr,
+                    tok: work.tok.ptr,
+                    theta: work.theta.ptr,
+                    phi0: work.phi0.ptr,
+                    chunks: work.chunks.ptr,
+                    segs: work.segs.ptr,
+                    order: work.order.ptr,
+                    b_bias: lw.b_bias.ptr,
+                    c_bias: lw.c_bias.ptr,
+                    d_skip: lw.d.ptr,
+                    out_norm: lw.out_norm.as_ref().map_or(0, |b| b.ptr),
+                    sbuf: work.sbuf.ptr,
+                    sdecay: work.sdecay.ptr,
+                    y: work.y.ptr,
+                    y_pre: 0,
+                    states: work.states.ptr,
+                    layer,
+                    qk: lw.scan_qk,
+                    heads_fastest: 0, // set by `launches`
+                },
+                seqs: work.seqs.ptr,
+                csum: work.csum.ptr,
+                b_norm: lw.b_norm.ptr,
+                c_norm: lw.c_norm.ptr,
+                dt_bias: lw.dt_bias.ptr,
+                nchunk,
+                nseg,
+                nseq,
+            };
+            let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
+                self.launch(k, grid, threads, smem, args)
+            };
+            mixer.pre(d, self.k.scan(), &launch)?;
             let bcw = 2 * d.ngroups * d.d_state;
             self.look(
                 "prefill_pre (B̄, C̄)",
@@ -488,52 +399,7 @@ impl Pipe<'_> {
                 tw,
                 true,
             )?;
-            let args = ScanArgs {
-                proj: work.proj.ptr,
-                bcn: work.bcn.ptr,
-                tok: work.tok.ptr,
-                theta: work.theta.ptr,
-                phi0: work.phi0.ptr,
-                chunks: work.chunks.ptr,
-                segs: work.segs.ptr,
-                order: work.order.ptr,
-                b_bias: lw.b_bias.ptr,
-                c_bias: lw.c_bias.ptr,
-                d_skip: lw.d.ptr,
-                out_norm: lw.out_norm.as_ref().map_or(0, |b| b.ptr),
-                sbuf: work.sbuf.ptr,
-                sdecay: work.sdecay.ptr,
-                y: work.y.ptr,
-                y_pre: 0,
-                states: work.states.ptr,
-                layer,
-                qk: lw.scan_qk,
-                heads_fastest: 0, // set by `launches`
-            };
-            for (a, grid) in args.launches(true, (nseg, nseq), h, self.k.scan_slots) {
-                let (threads, smem) = (self.k.scan_threads, self.k.scan_smem);
-                self.launch(&self.k.scan_states, grid, threads, smem, &[&a])?;
-            }
-            let tiles = (d.headdim * d.d_state).div_ceil(4 * 256) as u32;
-            self.launch(
-                &self.k.scan_pass,
-                (nseq as u32, h, tiles),
-                256,
-                0,
-                &[
-                    &work.seqs.ptr,
-                    &work.chunks.ptr,
-                    &work.tok.ptr,
-                    &work.sbuf.ptr,
-                    &work.sdecay.ptr,
-                    &work.states.ptr,
-                    &layer,
-                ],
-            )?;
-            for (a, grid) in args.launches(false, (nseg, nseq), h, self.k.scan_slots) {
-                let (threads, smem) = (self.k.scan_threads, self.k.scan_smem);
-                self.launch(&self.k.scan_outputs, grid, threads, smem, &[&a])?;
-            }
+            mixer.scan(d, self.k.scan(), &launch)?;
             self.look(
                 "scan_outputs",
                 Some(l),

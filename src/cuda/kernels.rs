@@ -10,6 +10,7 @@
 //! else `/usr/local/cuda/include`.
 
 use super::context::{dev_err, Gpu, Kernel};
+use super::scan::ScanKernels;
 use crate::error::{Error, Result};
 use crate::model::weights::Fnv;
 use crate::model::{Config, DType, Dims};
@@ -52,6 +53,14 @@ impl Program {
         match self {
             Program::Inference => &SOURCES,
             Program::Training => &TRAIN_SOURCES,
+        }
+    }
+
+    /// What the program is for, in an error message.
+    fn what(self) -> &'static str {
+        match self {
+            Program::Inference => "inference",
+            Program::Training => "training",
         }
     }
 }
@@ -392,6 +401,58 @@ pub fn cubin_cached(program: Program, cfg: &KernelConfig, arch: &str) -> Result<
     Ok((cubin, false))
 }
 
+/// A compiled program loaded on the device: its kernels and the `__device__ int` constants
+/// through which a kernel source tells the host how it was sized.
+pub struct Module<'g> {
+    gpu: &'g Gpu,
+    module: std::sync::Arc<cudarc::driver::CudaModule>,
+}
+
+impl<'g> Module<'g> {
+    /// Compile `program` for `cfg` (or take it from the disk cache: the flag says which)
+    /// and load it.
+    pub fn load(gpu: &'g Gpu, program: Program, cfg: &KernelConfig) -> Result<(Self, bool)> {
+        gpu.bind()?;
+        let (cubin, from_cache) = cubin_cached(program, cfg, &arch_for(gpu.cc))?;
+        let module = gpu
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| {
+                dev_err(
+                    &format!("loading the compiled {} kernels", program.what()),
+                    e,
+                )
+            })?;
+        Ok((Module { gpu, module }, from_cache))
+    }
+
+    pub fn kernel(&self, name: &'static str) -> Result<Kernel> {
+        let func = self
+            .module
+            .load_function(name)
+            .map_err(|e| dev_err(&format!("finding kernel `{name}`"), e))?;
+        Ok(Kernel { name, func })
+    }
+
+    /// Whether this build has kernel `name` (some exist only for some shapes).
+    pub fn has(&self, name: &str) -> bool {
+        self.module.load_function(name).is_ok()
+    }
+
+    /// The value of the `__device__ int` named `name`.
+    pub fn global(&self, name: &str) -> Result<u32> {
+        use cudarc::driver::DevicePtr;
+        let view = self
+            .module
+            .get_global(name, &self.gpu.stream)
+            .map_err(|e| dev_err(&format!("finding `{name}`"), e))?;
+        let (ptr, _g) = view.device_ptr(&self.gpu.stream);
+        let mut v = [0i32];
+        self.gpu.dtoh(ptr, &mut v)?;
+        Ok(v[0] as u32)
+    }
+}
+
 /// One model's kernels, loaded on the device.
 pub struct Kernels {
     pub embed: Kernel,
@@ -427,30 +488,25 @@ pub struct Kernels {
 }
 
 impl Kernels {
+    /// The chunked mixer's kernels (src/cuda/scan.rs).
+    pub(crate) fn scan(&self) -> ScanKernels<'_> {
+        ScanKernels {
+            prefill_pre: &self.prefill_pre,
+            angle_pass: &self.angle_pass,
+            scan_states: &self.scan_states,
+            scan_pass: &self.scan_pass,
+            scan_outputs: &self.scan_outputs,
+            pre_smem: self.pre_smem,
+            scan_smem: self.scan_smem,
+            scan_threads: self.scan_threads,
+            scan_slots: self.scan_slots,
+        }
+    }
+
     pub fn load(gpu: &Gpu, cfg: &KernelConfig) -> Result<Kernels> {
-        gpu.bind()?;
-        let arch = arch_for(gpu.cc);
-        let (cubin, from_cache) = cubin_cached(Program::Inference, cfg, &arch)?;
-        let module = gpu
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(|e| dev_err("loading the compiled kernels", e))?;
-        let get = |name: &'static str| -> Result<Kernel> {
-            let func = module
-                .load_function(name)
-                .map_err(|e| dev_err(&format!("finding kernel `{name}`"), e))?;
-            Ok(Kernel { name, func })
-        };
-        let global = |name: &str| -> Result<u32> {
-            use cudarc::driver::DevicePtr;
-            let view = module
-                .get_global(name, &gpu.stream)
-                .map_err(|e| dev_err(&format!("finding `{name}`"), e))?;
-            let (ptr, _g) = view.device_ptr(&gpu.stream);
-            let mut v = [0i32];
-            gpu.dtoh(ptr, &mut v)?;
-            Ok(v[0] as u32)
-        };
+        let (module, from_cache) = Module::load(gpu, Program::Inference, cfg)?;
+        let get = |name| module.kernel(name);
+        let global = |name: &str| module.global(name);
         let scan_smem = global("scan_smem_bytes")?;
         let pre_smem = global("prefill_pre_smem_bytes")?;
         let scan_threads = global("scan_threads")?;
@@ -463,8 +519,7 @@ impl Kernels {
         }
         let mlp = cfg.define("MLP_HIDDEN") != Some("0");
         // A kernel of 16-bit models only, when this shape compiled it.
-        let half_only =
-            |name: &str| cfg.define("ACT") != Some("0") && module.load_function(name).is_ok();
+        let half_only = |name: &str| cfg.define("ACT") != Some("0") && module.has(name);
         let tc = |name: &'static str| -> Result<Option<(Kernel, [u32; 2])>> {
             if !half_only(name) {
                 return Ok(None);
@@ -509,8 +564,6 @@ impl Kernels {
             config: cfg.clone(),
             from_cache,
         };
-        use cudarc::driver::sys::CUfunction_attribute as FA;
-        let max = FA::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         let gemv_smem = gpu.max_smem - 1024;
         let mut sized = vec![
             (&k.scan_states, scan_smem as usize),
@@ -535,9 +588,7 @@ impl Kernels {
             }
         }
         for (kern, bytes) in sized {
-            kern.func.set_attribute(max, bytes as i32).map_err(|e| {
-                dev_err(&format!("raising the shared memory of `{}`", kern.name), e)
-            })?;
+            kern.allow_smem(bytes)?;
         }
         let mut k = k;
         let per_sm = k

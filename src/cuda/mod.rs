@@ -6,7 +6,8 @@
 //!   cached on disk;
 //! - `gemm`: the projections through cuBLASLt;
 //! - `weights`, `state`, `work`: what lives on the device;
-//! - `forward`: the prefill launch sequence; `decode`: the decode step's;
+//! - `forward`: the prefill launch sequence; `decode`: the decode step's; `scan`: the
+//!   chunked mixer's launches, which the prefill and training share;
 //! - `graphs`: CUDA-graph capture and replay;
 //! - `model`: `CudaModel`, what the engine's `Model` calls;
 //! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step;
@@ -26,6 +27,7 @@ pub mod graphs;
 pub mod kernels;
 pub mod model;
 pub mod probe;
+pub mod scan;
 pub mod state;
 pub mod train;
 pub mod weights;

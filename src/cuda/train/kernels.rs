@@ -1,8 +1,9 @@
 //! The training program's kernels (`kernels::TRAIN_SOURCES`), compiled by NVRTC for one
 //! model shape and numeric mode, cached on disk like the inference kernels.
 
-use crate::cuda::context::{dev_err, Gpu, Kernel};
-use crate::cuda::kernels::{arch_for, cubin_cached, KernelConfig, Program};
+use crate::cuda::context::{Gpu, Kernel};
+use crate::cuda::kernels::{KernelConfig, Module, Program};
+use crate::cuda::scan::ScanKernels;
 use crate::error::{Error, Result};
 
 pub struct TrainKernels {
@@ -37,29 +38,26 @@ pub struct TrainKernels {
 }
 
 impl TrainKernels {
+    /// The chunked mixer's kernels (src/cuda/scan.rs), on a GPU that runs `slots` scan
+    /// blocks at once (training launches 256 threads per block: `load` checks it).
+    pub(crate) fn scan(&self, slots: usize) -> ScanKernels<'_> {
+        ScanKernels {
+            prefill_pre: &self.prefill_pre,
+            angle_pass: &self.angle_pass,
+            scan_states: &self.scan_states,
+            scan_pass: &self.scan_pass,
+            scan_outputs: &self.scan_outputs,
+            pre_smem: self.pre_smem,
+            scan_smem: self.scan_smem,
+            scan_threads: 256,
+            scan_slots: slots,
+        }
+    }
+
     pub fn load(gpu: &Gpu, cfg: &KernelConfig) -> Result<TrainKernels> {
-        gpu.bind()?;
-        let (cubin, _) = cubin_cached(Program::Training, cfg, &arch_for(gpu.cc))?;
-        let module = gpu
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(|e| dev_err("loading the training kernels", e))?;
-        let get = |name: &'static str| -> Result<Kernel> {
-            let func = module
-                .load_function(name)
-                .map_err(|e| dev_err(&format!("finding kernel `{name}`"), e))?;
-            Ok(Kernel { name, func })
-        };
-        let global = |name: &str| -> Result<u32> {
-            use cudarc::driver::DevicePtr;
-            let view = module
-                .get_global(name, &gpu.stream)
-                .map_err(|e| dev_err(&format!("finding `{name}`"), e))?;
-            let (ptr, _g) = view.device_ptr(&gpu.stream);
-            let mut v = [0i32];
-            gpu.dtoh(ptr, &mut v)?;
-            Ok(v[0] as u32)
-        };
+        let (module, _) = Module::load(gpu, Program::Training, cfg)?;
+        let get = |name| module.kernel(name);
+        let global = |name: &str| module.global(name);
         let mlp = cfg
             .defines
             .iter()
@@ -112,15 +110,7 @@ impl TrainKernels {
                     kern.name, gpu.name, gpu.max_smem
                 )));
             }
-            use cudarc::driver::sys::CUfunction_attribute as FA;
-            kern.func
-                .set_attribute(
-                    FA::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .map_err(|e| {
-                    dev_err(&format!("raising the shared memory of `{}`", kern.name), e)
-                })?;
+            kern.allow_smem(bytes as usize)?;
         }
         Ok(k)
     }

@@ -7,9 +7,9 @@ use super::acts::{Acts, COLSUM_ROWS};
 use super::flat::Addrs;
 use super::CudaTrainer;
 use crate::cuda::context::{KArg, Kernel};
-use crate::cuda::forward::ScanArgs;
 use crate::cuda::gemm::{ElemType, GemmOp, GemmSpec};
 use crate::cuda::kernels::proj_ld;
+use crate::cuda::scan::{ChunkScan, ScanArgs};
 use crate::error::Result;
 
 /// Kernel parameters of `scan_bwd` (`ScanBwdArgs` in kernels/scan_bwd.cu).
@@ -181,7 +181,6 @@ impl CudaTrainer {
             a.layout.segs.len(),
             a.layout.chunks.len(),
         );
-        let h = d.nheads as u32;
         self.gpu.zero(a.states.ptr, a.states.bytes)?;
         self.launch(
             &self.k.embed,
@@ -205,81 +204,43 @@ impl CudaTrainer {
                 (la.proj.ptr, proj_ld(d)),
                 false,
             )?;
-            self.launch(
-                &self.k.prefill_pre,
-                (nch as u32, 1, 1),
-                256,
-                self.k.pre_smem,
-                &[
-                    &la.proj.ptr,
-                    &a.chunks.ptr,
-                    &lw.b_norm,
-                    &lw.c_norm,
-                    &lw.dt_bias,
-                    &la.bcn.ptr,
-                    &la.tok.ptr,
-                    &la.theta.ptr,
-                    &a.csum.ptr,
-                ],
-            )?;
-            let angle_tiles = (d.nheads * d.num_rope_angles).div_ceil(128) as u32;
-            self.launch(
-                &self.k.angle_pass,
-                (nseq as u32, angle_tiles, 1),
-                128,
-                0,
-                &[
-                    &a.seqs.ptr,
-                    &a.csum.ptr,
-                    &la.phi0.ptr,
-                    &a.state_ptrs.ptr,
-                    &layer,
-                ],
-            )?;
-            let args = ScanArgs {
-                proj: la.proj.ptr,
-                bcn: la.bcn.ptr,
-                tok: la.tok.ptr,
-                theta: la.theta.ptr,
-                phi0: la.phi0.ptr,
-                chunks: a.chunks.ptr,
-                segs: a.segs.ptr,
-                order: a.order.ptr,
-                b_bias: lw.b_bias,
-                c_bias: lw.c_bias,
-                d_skip: lw.d,
-                out_norm: lw.out_norm.unwrap_or(0),
-                sbuf: la.sbuf.ptr,
-                sdecay: a.sdecay.ptr,
-                y: la.o.ptr,
-                y_pre: la.y_pre.ptr,
-                states: a.state_ptrs.ptr,
-                layer,
-                qk: 0.0,          // the TF32 scan does not scale its operands
-                heads_fastest: 0, // set by `launches`
+            let mixer = ChunkScan {
+                args: ScanArgs {
+                    proj: la.proj.ptr,
+                    bcn: la.bcn.ptr,
+                    tok: la.tok.ptr,
+                    theta: la.theta.ptr,
+                    phi0: la.phi0.ptr,
+                    chunks: a.chunks.ptr,
+                    segs: a.segs.ptr,
+                    order: a.order.ptr,
+                    b_bias: lw.b_bias,
+                    c_bias: lw.c_bias,
+                    d_skip: lw.d,
+                    out_norm: lw.out_norm.unwrap_or(0),
+                    sbuf: la.sbuf.ptr,
+                    sdecay: a.sdecay.ptr,
+                    y: la.o.ptr,
+                    y_pre: la.y_pre.ptr,
+                    states: a.state_ptrs.ptr,
+                    layer,
+                    qk: 0.0,          // the TF32 scan does not scale its operands
+                    heads_fastest: 0, // set by `launches`
+                },
+                seqs: a.seqs.ptr,
+                csum: a.csum.ptr,
+                b_norm: lw.b_norm,
+                c_norm: lw.c_norm,
+                dt_bias: lw.dt_bias,
+                nchunk: nch,
+                nseg,
+                nseq,
             };
-            for (a, grid) in args.launches(true, (nseg, nseq), h, self.gpu.sms) {
-                self.launch(&self.k.scan_states, grid, 256, self.k.scan_smem, &[&a])?;
-            }
-            let tiles = (d.headdim * d.d_state).div_ceil(4 * 256) as u32;
-            self.launch(
-                &self.k.scan_pass,
-                (nseq as u32, h, tiles),
-                256,
-                0,
-                &[
-                    &a.seqs.ptr,
-                    &a.chunks.ptr,
-                    &la.tok.ptr,
-                    &la.sbuf.ptr,
-                    &a.sdecay.ptr,
-                    &a.state_ptrs.ptr,
-                    &layer,
-                ],
-            )?;
-            for (a, grid) in args.launches(false, (nseg, nseq), h, self.gpu.sms) {
-                self.launch(&self.k.scan_outputs, grid, 256, self.k.scan_smem, &[&a])?;
-            }
+            let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
+                self.launch(k, grid, threads, smem, args)
+            };
+            mixer.pre(d, self.k.scan(self.gpu.sms), &launch)?;
+            mixer.scan(d, self.k.scan(self.gpu.sms), &launch)?;
             let w_out = gw.layers[l].out_proj;
             self.gemm(
                 GemmOp::Linear,
