@@ -89,6 +89,24 @@ impl CudaTrainer {
         self.lt.gemm(&self.gpu, &spec, a.0, w.0, d.0)
     }
 
+    /// The backward of `y = x·Wᵀ` (`x`: `rows × n_in`, W: `n_out × n_in`) from `dy`:
+    /// dW += dyᵀ·x into `dw`, and dx = dy·W into `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_bwd(
+        &self,
+        rows: usize,
+        n_in: usize,
+        n_out: usize,
+        dy: Mat,
+        x: u64,
+        w: u64,
+        dw: u64,
+        dx: u64,
+    ) -> Result<()> {
+        self.gemm(GemmOp::Dw, n_out, n_in, rows, dy, (x, 0), (dw, 0), true)?;
+        self.gemm(GemmOp::Dx, rows, n_in, n_out, dy, (w, 0), (dx, 0), false)
+    }
+
     fn norm_rows(&self, x: u64, w: u64, out: u64, rows: usize) -> Result<()> {
         let (rows_i, idx, mode) = (rows as i32, 0u64, 0i32);
         self.launch(
@@ -325,26 +343,7 @@ impl CudaTrainer {
         let pl = proj_ld(d);
         // Head and final norm.
         let dl = (a.dlogits.ptr, 0);
-        self.gemm(
-            GemmOp::Dw,
-            vp,
-            dm,
-            rows,
-            dl,
-            (a.hfin.ptr, 0),
-            (g.head(), 0),
-            true,
-        )?;
-        self.gemm(
-            GemmOp::Dx,
-            rows,
-            dm,
-            vp,
-            dl,
-            (gw.head(), 0),
-            (a.dn.ptr, 0),
-            false,
-        )?;
+        self.linear_bwd(rows, dm, vp, dl, a.hfin.ptr, gw.head(), g.head(), a.dn.ptr)?;
         self.norm_rows_bwd(
             a, a.res.ptr, p.norm_f, a.dn.ptr, a.dres.ptr, g.norm_f, false,
         )?;
@@ -354,26 +353,7 @@ impl CudaTrainer {
             {
                 let hid = d.mlp_hidden;
                 let dr = self.operand(a, a.dres.ptr, dm, rows, dm)?;
-                self.gemm(
-                    GemmOp::Dw,
-                    dm,
-                    hid,
-                    rows,
-                    dr,
-                    (m.act.ptr, 0),
-                    (mg.fc2, 0),
-                    true,
-                )?;
-                self.gemm(
-                    GemmOp::Dx,
-                    rows,
-                    hid,
-                    dm,
-                    dr,
-                    (mgw.fc2, 0),
-                    (a.dact.ptr, 0),
-                    false,
-                )?;
+                self.linear_bwd(rows, hid, dm, dr, m.act.ptr, mgw.fc2, mg.fc2, a.dact.ptr)?;
                 let sw = self
                     .k
                     .swiglu_bwd_rows
@@ -389,49 +369,20 @@ impl CudaTrainer {
                     &[&m.vg.ptr, &a.dact.ptr, &a.dvg.ptr, &rows_i],
                 )?;
                 let dvg = (a.dvg.ptr, 0);
-                self.gemm(
-                    GemmOp::Dw,
-                    2 * hid,
-                    dm,
-                    rows,
-                    dvg,
-                    (m.xin.ptr, 0),
-                    (mg.fc1, 0),
-                    true,
-                )?;
-                self.gemm(
-                    GemmOp::Dx,
-                    rows,
-                    dm,
-                    2 * hid,
-                    dvg,
-                    (mgw.fc1, 0),
-                    (a.dn.ptr, 0),
-                    false,
-                )?;
+                self.linear_bwd(rows, dm, 2 * hid, dvg, m.xin.ptr, mgw.fc1, mg.fc1, a.dn.ptr)?;
                 self.norm_rows_bwd(a, m.r_mid.ptr, mw.norm, a.dn.ptr, a.dres.ptr, mg.norm, true)?;
             }
             // out_proj and the gate
             let dr = self.operand(a, a.dres.ptr, dm, rows, dm)?;
-            self.gemm(
-                GemmOp::Dw,
-                dm,
-                di,
-                rows,
-                dr,
-                (la.o.ptr, 0),
-                (lg.out_proj, 0),
-                true,
-            )?;
-            self.gemm(
-                GemmOp::Dx,
+            self.linear_bwd(
                 rows,
                 di,
                 dm,
                 dr,
-                (lgw.out_proj, 0),
-                (a.d_o.ptr, 0),
-                false,
+                la.o.ptr,
+                lgw.out_proj,
+                lg.out_proj,
+                a.d_o.ptr,
             )?;
             self.launch(
                 &self.k.gate_bwd_rows,
@@ -521,25 +472,15 @@ impl CudaTrainer {
             self.col_sum(a, c_rows, rows * gn, n, n, lg.c_norm)?;
             // in_proj and the layer norm
             let dp = self.operand(a, a.dproj.ptr, pl, rows, d.d_in_proj)?;
-            self.gemm(
-                GemmOp::Dw,
-                d.d_in_proj,
-                dm,
-                rows,
-                dp,
-                (la.xin.ptr, 0),
-                (lg.in_proj, 0),
-                true,
-            )?;
-            self.gemm(
-                GemmOp::Dx,
+            self.linear_bwd(
                 rows,
                 dm,
                 d.d_in_proj,
                 dp,
-                (lgw.in_proj, 0),
-                (a.dn.ptr, 0),
-                false,
+                la.xin.ptr,
+                lgw.in_proj,
+                lg.in_proj,
+                a.dn.ptr,
             )?;
             self.norm_rows_bwd(a, la.r_in.ptr, lw.norm, a.dn.ptr, a.dres.ptr, lg.norm, true)?;
         }
