@@ -378,7 +378,7 @@ impl Pipe<'_> {
             let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
                 self.launch(k, grid, threads, smem, args)
             };
-            mixer.pre(d, self.k.scan(), &launch)?;
+            mixer.pre(d, &self.k.scan, &launch)?;
             let bcw = 2 * d.ngroups * d.d_state;
             self.look(
                 "prefill_pre (B̄, C̄)",
@@ -399,7 +399,7 @@ impl Pipe<'_> {
                 tw,
                 true,
             )?;
-            mixer.scan(d, self.k.scan(), &launch)?;
+            mixer.scan(d, &self.k.scan, &launch)?;
             self.look(
                 "scan_outputs",
                 Some(l),

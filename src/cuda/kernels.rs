@@ -465,58 +465,22 @@ pub struct Kernels {
     /// the tensor-core GEMVs (16-bit models), by input width, with their shared memory
     /// for batches of ≤ 8 and ≤ 16 rows
     pub gemv_tc: [Option<(Kernel, [u32; 2])>; 3],
-    pub prefill_pre: Kernel,
-    pub angle_pass: Kernel,
-    pub scan_states: Kernel,
-    pub scan_outputs: Kernel,
-    pub scan_pass: Kernel,
+    /// the prefill's chunked mixer (src/cuda/scan.rs)
+    pub scan: ScanKernels,
     pub mixer_step: Kernel,
     /// every layer of a decode step in one cooperative launch (16-bit models), for
     /// batches of ≤ 8 and of ≤ 16 rows, with its shared memory
     pub decode_layers: [Option<(Kernel, u32)>; 2],
-    /// Dynamic shared memory of the scan blocks and of prefill_pre, in bytes.
-    pub scan_smem: u32,
-    /// Scan blocks the GPU runs at once: SMs × the blocks that fit on one.
-    pub scan_slots: usize,
-    /// Threads of a `scan_states`/`scan_outputs` block, as the module was compiled (256, or
-    /// 512 for large f32-operand tiles: kernels/scan_tiles.cuh).
-    pub scan_threads: u32,
-    pub pre_smem: u32,
     pub config: KernelConfig,
     /// Whether the cubin came from the disk cache.
     pub from_cache: bool,
 }
 
 impl Kernels {
-    /// The chunked mixer's kernels (src/cuda/scan.rs).
-    pub(crate) fn scan(&self) -> ScanKernels<'_> {
-        ScanKernels {
-            prefill_pre: &self.prefill_pre,
-            angle_pass: &self.angle_pass,
-            scan_states: &self.scan_states,
-            scan_pass: &self.scan_pass,
-            scan_outputs: &self.scan_outputs,
-            pre_smem: self.pre_smem,
-            scan_smem: self.scan_smem,
-            scan_threads: self.scan_threads,
-            scan_slots: self.scan_slots,
-        }
-    }
-
     pub fn load(gpu: &Gpu, cfg: &KernelConfig) -> Result<Kernels> {
         let (module, from_cache) = Module::load(gpu, Program::Inference, cfg)?;
         let get = |name| module.kernel(name);
         let global = |name: &str| module.global(name);
-        let scan_smem = global("scan_smem_bytes")?;
-        let pre_smem = global("prefill_pre_smem_bytes")?;
-        let scan_threads = global("scan_threads")?;
-        if scan_smem as usize > gpu.max_smem || pre_smem as usize > gpu.max_smem {
-            return Err(Error::Device(format!(
-                "this model's shape needs {scan_smem} bytes of shared memory per scan block; \
-                 {} allows {} (try a smaller chunk_size or d_state)",
-                gpu.name, gpu.max_smem
-            )));
-        }
         let mlp = cfg.define("MLP_HIDDEN") != Some("0");
         // A kernel of 16-bit models only, when this shape compiled it.
         let half_only = |name: &str| cfg.define("ACT") != Some("0") && module.has(name);
@@ -550,28 +514,14 @@ impl Kernels {
             gemv_dinner: get("gemv_dinner")?,
             gemv_hidden: mlp.then(|| get("gemv_hidden")).transpose()?,
             gemv_tc,
-            prefill_pre: get("prefill_pre")?,
-            angle_pass: get("angle_pass")?,
-            scan_states: get("scan_states")?,
-            scan_outputs: get("scan_outputs")?,
-            scan_pass: get("scan_pass")?,
+            scan: ScanKernels::load(gpu, &module)?,
             mixer_step: get("mixer_step")?,
             decode_layers,
-            scan_smem,
-            scan_slots: 1,
-            scan_threads,
-            pre_smem,
             config: cfg.clone(),
             from_cache,
         };
         let gemv_smem = gpu.max_smem - 1024;
-        let mut sized = vec![
-            (&k.scan_states, scan_smem as usize),
-            (&k.scan_outputs, scan_smem as usize),
-            (&k.prefill_pre, pre_smem as usize),
-            (&k.gemv_dmodel, gemv_smem),
-            (&k.gemv_dinner, gemv_smem),
-        ];
+        let mut sized = vec![(&k.gemv_dmodel, gemv_smem), (&k.gemv_dinner, gemv_smem)];
         if let Some(g) = &k.gemv_hidden {
             sized.push((g, gemv_smem));
         }
@@ -590,14 +540,6 @@ impl Kernels {
         for (kern, bytes) in sized {
             kern.allow_smem(bytes)?;
         }
-        let mut k = k;
-        let per_sm = k
-            .scan_outputs
-            .func
-            .occupancy_max_active_blocks_per_multiprocessor(scan_threads, scan_smem as usize, None)
-            .map_err(|e| dev_err("asking the scan's occupancy", e))?
-            .max(1) as usize;
-        k.scan_slots = gpu.sms * per_sm;
         Ok(k)
     }
 }

@@ -156,7 +156,7 @@ impl CudaModel {
     pub(crate) fn scan_slots(&self) -> Result<usize> {
         let mut inner = self.lock()?;
         let o = inner.opts;
-        Ok(self.kernels(&mut inner, o)?.scan_slots)
+        Ok(self.kernels(&mut inner, o)?.scan.scan_slots)
     }
 
     /// Whether the kernels for the current options came from the disk cache.
@@ -272,7 +272,7 @@ impl CudaModel {
             Layout::decode(seqs.len(), &d)
         } else {
             let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
-            Layout::new(&lens, &d, k.scan_slots, want)
+            Layout::new(&lens, &d, k.scan.scan_slots, want)
         };
         let caps = Caps::of(&lay);
         let grow = inner.work.as_ref().is_none_or(|w| !w.caps.covers(&caps));

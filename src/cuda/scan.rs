@@ -5,8 +5,9 @@
 //! the same sequence over their own buffers. CPU twins: `token_pre` and `scan_head` in
 //! src/cpu/prefill.rs, whose module doc holds the mathematics.
 
-use super::context::{KArg, Kernel};
-use crate::error::Result;
+use super::context::{dev_err, Gpu, KArg, Kernel};
+use super::kernels::Module;
+use crate::error::{Error, Result};
 use crate::model::Dims;
 
 /// Kernel parameters of `scan_states`/`scan_outputs` (`ScanArgs` in kernels/scan.cu).
@@ -90,20 +91,73 @@ impl KArg for ScanArgs {
     }
 }
 
-/// The kernels of the chunked mixer as a program loaded them, with their launch sizes.
-#[derive(Clone, Copy)]
-pub(crate) struct ScanKernels<'k> {
-    pub prefill_pre: &'k Kernel,
-    pub angle_pass: &'k Kernel,
-    pub scan_states: &'k Kernel,
-    pub scan_pass: &'k Kernel,
-    pub scan_outputs: &'k Kernel,
+/// The kernels of the chunked mixer, as the inference and the training programs both
+/// compile them, with their launch sizes.
+pub struct ScanKernels {
+    pub prefill_pre: Kernel,
+    pub angle_pass: Kernel,
+    pub scan_states: Kernel,
+    pub scan_pass: Kernel,
+    pub scan_outputs: Kernel,
     /// dynamic shared memory of `prefill_pre` and of a scan block, bytes
     pub pre_smem: u32,
     pub scan_smem: u32,
+    /// threads of a scan block as the module was compiled: 256, or 512 for large
+    /// f32-operand tiles (kernels/scan_tiles.cuh)
     pub scan_threads: u32,
-    /// scan blocks the GPU runs at once (`ScanArgs::launches`)
+    /// scan blocks the GPU runs at once: SMs × the blocks that fit on one
+    /// (`ScanArgs::launches`, `Layout::new`)
     pub scan_slots: usize,
+}
+
+impl ScanKernels {
+    /// Take the kernels from `module`, check that their shared memory fits `gpu` and allow
+    /// it, and count the scan's slots.
+    pub fn load(gpu: &Gpu, module: &Module) -> Result<ScanKernels> {
+        let mut k = ScanKernels {
+            prefill_pre: module.kernel("prefill_pre")?,
+            angle_pass: module.kernel("angle_pass")?,
+            scan_states: module.kernel("scan_states")?,
+            scan_pass: module.kernel("scan_pass")?,
+            scan_outputs: module.kernel("scan_outputs")?,
+            pre_smem: module.global("prefill_pre_smem_bytes")?,
+            scan_smem: module.global("scan_smem_bytes")?,
+            scan_threads: module.global("scan_threads")?,
+            scan_slots: 1,
+        };
+        for (kern, bytes) in [
+            (&k.scan_states, k.scan_smem),
+            (&k.scan_outputs, k.scan_smem),
+            (&k.prefill_pre, k.pre_smem),
+        ] {
+            check_smem(gpu, kern, bytes)?;
+            kern.allow_smem(bytes as usize)?;
+        }
+        let per_sm = k
+            .scan_outputs
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(
+                k.scan_threads,
+                k.scan_smem as usize,
+                None,
+            )
+            .map_err(|e| dev_err("asking the scan's occupancy", e))?
+            .max(1) as usize;
+        k.scan_slots = gpu.sms * per_sm;
+        Ok(k)
+    }
+}
+
+/// An error unless `gpu` lets a block of `kern` take `bytes` of shared memory.
+pub fn check_smem(gpu: &Gpu, kern: &Kernel, bytes: u32) -> Result<()> {
+    if bytes as usize > gpu.max_smem {
+        return Err(Error::Device(format!(
+            "`{}` needs {bytes} bytes of shared memory per block for this model's shape; {} \
+             allows {} (a smaller chunk_size, d_state or headdim fits)",
+            kern.name, gpu.name, gpu.max_smem
+        )));
+    }
+    Ok(())
 }
 
 /// A kernel launch: the kernel, its grid, threads per block, dynamic shared memory and
@@ -130,10 +184,10 @@ pub(crate) struct ChunkScan {
 impl ChunkScan {
     /// `prefill_pre` (per chunk) then `angle_pass` (per sequence): the B̄/C̄ rows, the
     /// token scalars and the phases the scan reads.
-    pub fn pre(&self, d: &Dims, k: ScanKernels, launch: Launch) -> Result<()> {
+    pub fn pre(&self, d: &Dims, k: &ScanKernels, launch: Launch) -> Result<()> {
         let a = &self.args;
         launch(
-            k.prefill_pre,
+            &k.prefill_pre,
             (self.nchunk as u32, 1, 1),
             256,
             k.pre_smem,
@@ -151,7 +205,7 @@ impl ChunkScan {
         )?;
         let angle_tiles = (d.nheads * d.num_rope_angles).div_ceil(128) as u32;
         launch(
-            k.angle_pass,
+            &k.angle_pass,
             (self.nseq as u32, angle_tiles, 1),
             128,
             0,
@@ -161,15 +215,15 @@ impl ChunkScan {
 
     /// The scan's three phases: the states of every segment but a sequence's last, their
     /// passing along each sequence, then every segment's outputs (and final states).
-    pub fn scan(&self, d: &Dims, k: ScanKernels, launch: Launch) -> Result<()> {
+    pub fn scan(&self, d: &Dims, k: &ScanKernels, launch: Launch) -> Result<()> {
         let (a, h, shape) = (&self.args, d.nheads as u32, (self.nseg, self.nseq));
         let (threads, smem) = (k.scan_threads, k.scan_smem);
         for (args, grid) in a.launches(true, shape, h, k.scan_slots) {
-            launch(k.scan_states, grid, threads, smem, &[&args])?;
+            launch(&k.scan_states, grid, threads, smem, &[&args])?;
         }
         let tiles = (d.headdim * d.d_state).div_ceil(4 * 256) as u32;
         launch(
-            k.scan_pass,
+            &k.scan_pass,
             (self.nseq as u32, h, tiles),
             256,
             0,
@@ -178,7 +232,7 @@ impl ChunkScan {
             ],
         )?;
         for (args, grid) in a.launches(false, shape, h, k.scan_slots) {
-            launch(k.scan_outputs, grid, threads, smem, &[&args])?;
+            launch(&k.scan_outputs, grid, threads, smem, &[&args])?;
         }
         Ok(())
     }

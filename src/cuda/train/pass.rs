@@ -257,8 +257,8 @@ impl CudaTrainer {
             let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
                 self.launch(k, grid, threads, smem, args)
             };
-            mixer.pre(d, self.k.scan(self.gpu.sms), &launch)?;
-            mixer.scan(d, self.k.scan(self.gpu.sms), &launch)?;
+            mixer.pre(d, &self.k.scan, &launch)?;
+            mixer.scan(d, &self.k.scan, &launch)?;
             let w_out = gw.layers[l].out_proj;
             self.gemm(
                 GemmOp::Linear,
