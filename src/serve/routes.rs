@@ -15,6 +15,7 @@ use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::FutureExt;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -217,6 +218,30 @@ fn ready(app: &App) -> Result<&super::Ready, ApiError> {
     app.ready
         .get()
         .ok_or_else(|| ApiError::unavailable("the model is still loading; retry shortly"))
+}
+
+/// The token lists of request field `field` (a string, a token list, or a list of either),
+/// each checked against the vocabulary and the limits; an error when it is missing.
+fn token_lists(
+    app: &App,
+    r: &super::Ready,
+    field: &str,
+    raw: Option<&RawValue>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let raw = raw.ok_or_else(|| ApiError::param(field, format!("`{field}` is missing")))?;
+    api::prompts(field, raw)?
+        .iter()
+        .map(|p| {
+            api::tokens_of(
+                field,
+                p,
+                r.tokenizer.as_deref(),
+                true,
+                r.vocab_size,
+                &limits(app),
+            )
+        })
+        .collect()
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -528,23 +553,7 @@ pub async fn completions(State(app): AppState, body: Result<Bytes, BytesRejectio
         let r = ready(&app)?;
         let req: GenRequest = api::parse_body(&body)?;
         check_model(&app, &req.model)?;
-        let prompt = req
-            .prompt
-            .as_ref()
-            .ok_or_else(|| ApiError::param("prompt", "`prompt` is missing"))?;
-        let prompts = api::prompts("prompt", prompt)?
-            .iter()
-            .map(|p| {
-                api::tokens_of(
-                    "prompt",
-                    p,
-                    r.tokenizer.as_deref(),
-                    true,
-                    r.vocab_size,
-                    &limits(&app),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let prompts = token_lists(&app, r, "prompt", req.prompt.as_deref())?;
         generate(
             &app,
             Kind::Completion,
@@ -616,23 +625,7 @@ pub async fn embeddings(State(app): AppState, body: Result<Bytes, BytesRejection
             }
         };
         let pooling = api::pooling(&req.pooling)?;
-        let input = req
-            .input
-            .as_ref()
-            .ok_or_else(|| ApiError::param("input", "`input` is missing"))?;
-        let inputs = api::prompts("input", input)?
-            .iter()
-            .map(|p| {
-                api::tokens_of(
-                    "input",
-                    p,
-                    r.tokenizer.as_deref(),
-                    true,
-                    r.vocab_size,
-                    &limits(&app),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let inputs = token_lists(&app, r, "input", req.input.as_deref())?;
         let tokens: usize = inputs.iter().map(Vec::len).sum();
         let (tx, rx) = tokio::sync::oneshot::channel();
         app.work
