@@ -66,7 +66,7 @@ fn windows(m: &Model, tokens: &[u32], ends: &[usize]) -> Vec<f32> {
 fn goldens_through_the_engine() {
     for name in FIXTURES {
         let g = Golden::load(name);
-        let gold = to_f64(&g.logits);
+        let gold = g.logits.as_slice();
         let t = g.input_ids.len();
         for file in FORMATS {
             for dtype in [DType::F32, DType::BF16] {
@@ -77,7 +77,7 @@ fn goldens_through_the_engine() {
 
                 let mut st = m.new_state();
                 let full = m.prefill(&g.input_ids, &mut st, LogitsWant::All).unwrap();
-                let e = rel_l2(&to_f64(&full.data), &gold);
+                let e = rel_l2(&to_f64(&full.data), gold);
                 assert!(e <= tol, "{name} {what}: prefill rel L2 {e:e}");
 
                 // Windows on and off chunk boundaries, and windows of length 1.
@@ -88,7 +88,7 @@ fn goldens_through_the_engine() {
                     vec![3, 4, 5, chunk - 1, 2 * chunk + 5, t],
                 ] {
                     let got = windows(&m, &g.input_ids, &ends);
-                    let e = rel_l2(&to_f64(&got), &gold);
+                    let e = rel_l2(&to_f64(&got), gold);
                     assert!(e <= tol, "{name} {what}: windows {ends:?} rel L2 {e:e}");
                 }
 
@@ -102,7 +102,7 @@ fn goldens_through_the_engine() {
                 for &tok in &g.input_ids[g.prefix..] {
                     got.extend(m.decode(&[tok], &mut [&mut st]).unwrap().data);
                 }
-                let e = rel_l2(&to_f64(&got), &gold);
+                let e = rel_l2(&to_f64(&got), gold);
                 assert!(e <= tol, "{name} {what}: decode-from-prefix rel L2 {e:e}");
 
                 // Decoding every token from the start is the same function too.
@@ -113,7 +113,7 @@ fn goldens_through_the_engine() {
                         .iter()
                         .flat_map(|&tok| m.decode(&[tok], &mut [&mut st]).unwrap().data)
                         .collect();
-                    let e = rel_l2(&to_f64(&got), &gold);
+                    let e = rel_l2(&to_f64(&got), gold);
                     assert!(e <= tol, "{name}: decode-only rel L2 {e:e}");
                 }
             }
@@ -137,7 +137,7 @@ fn logits_command_matches_goldens() {
     let dir = tempfile::tempdir().unwrap();
     for name in FIXTURES {
         let g = Golden::load(name);
-        let gold = to_f64(&g.logits);
+        let gold = g.logits.as_slice();
         let json_ids = dir.path().join(format!("{name}.json"));
         std::fs::write(&json_ids, serde_json::to_string(&g.input_ids).unwrap()).unwrap();
         let st_ids = fixture(name).join("golden.safetensors");
@@ -171,7 +171,7 @@ fn logits_command_matches_goldens() {
             assert_eq!(lg.shape, vec![g.input_ids.len(), g.vocab_padded]);
             let got = lg.to_float("logits", DType::F64).unwrap().to_f64_vec();
             let tol = if extra.contains(&"bf16") { 1e-2 } else { 1e-4 };
-            let e = rel_l2(&got, &gold);
+            let e = rel_l2(&got, gold);
             assert!(e <= tol, "{name} {extra:?}: rel L2 {e:e}");
             if extra.contains(&"--states-after") {
                 for l in 0..2 {

@@ -20,7 +20,7 @@ fn windows(m: &Model, ids: &[u32], ends: &[usize]) -> (Vec<f64>, State) {
     let mut out = Vec::new();
     let mut a = 0;
     for &e in ends {
-        out.extend(f64s(
+        out.extend(to_f64(
             &m.prefill(&ids[a..e], &mut st, LogitsWant::All)
                 .unwrap()
                 .data,
@@ -49,7 +49,7 @@ fn golden_checks(name: &str, dtype: DType, tol: f64) -> f64 {
     // Prefill the prefix, then decode one token at a time.
     let (mut out, mut st) = windows(&m, &g.input_ids, &[g.prefix]);
     for &tk in &g.input_ids[g.prefix..] {
-        out.extend(f64s(&m.decode(&[tk], &mut [&mut st]).unwrap().data));
+        out.extend(to_f64(&m.decode(&[tk], &mut [&mut st]).unwrap().data));
     }
     check("decode from prefix", rel_l2(&out, &g.logits));
     let (_, st) = windows(&m, &g.input_ids, &[g.prefix]);
@@ -74,16 +74,16 @@ fn golden_checks(name: &str, dtype: DType, tol: f64) -> f64 {
     let (mut es, mut ec) = ([0f64; 4], [0f64; 4]);
     for (l, ls) in host.iter().enumerate() {
         let gt = |f: &str| g.tensor(&format!("state.{l}.{f}"));
-        es[0] = es[0].max(rel_l2_angles(&f64s(&ls.angle), &gt("angle")));
-        es[1] = es[1].max(rel_l2(&f64s(&ls.ssm), &gt("ssm")));
-        es[2] = es[2].max(rel_l2(&f64s(&ls.k), &gt("k")));
-        es[3] = es[3].max(rel_l2(&f64s(&ls.v), &gt("v")));
+        es[0] = es[0].max(rel_l2_angles(&to_f64(&ls.angle), &gt("angle")));
+        es[1] = es[1].max(rel_l2(&to_f64(&ls.ssm), &gt("ssm")));
+        es[2] = es[2].max(rel_l2(&to_f64(&ls.k), &gt("k")));
+        es[3] = es[3].max(rel_l2(&to_f64(&ls.v), &gt("v")));
         if let Some(cs) = &cpu_state {
             let c = &cs[l];
-            ec[0] = ec[0].max(rel_l2_angles(&f64s(&ls.angle), &f64s(&c.angle)));
-            ec[1] = ec[1].max(rel_l2(&f64s(&ls.ssm), &f64s(&c.ssm)));
-            ec[2] = ec[2].max(rel_l2(&f64s(&ls.k), &f64s(&c.k)));
-            ec[3] = ec[3].max(rel_l2(&f64s(&ls.v), &f64s(&c.v)));
+            ec[0] = ec[0].max(rel_l2_angles(&to_f64(&ls.angle), &to_f64(&c.angle)));
+            ec[1] = ec[1].max(rel_l2(&to_f64(&ls.ssm), &to_f64(&c.ssm)));
+            ec[2] = ec[2].max(rel_l2(&to_f64(&ls.k), &to_f64(&c.k)));
+            ec[3] = ec[3].max(rel_l2(&to_f64(&ls.v), &to_f64(&c.v)));
         }
     }
     assert_eq!(host.len(), d.n_layer);
@@ -186,13 +186,13 @@ fn f16_scan_takes_activations_past_the_f16_range() {
     let (mut gs, mut cs) = (gpu.new_state(), cpu.new_state());
     let g = gpu.prefill(&ids, &mut gs, LogitsWant::All).unwrap();
     let c = cpu.prefill(&ids, &mut cs, LogitsWant::All).unwrap();
-    let e = rel_l2(&f64s(&g.data), &f64s(&c.data));
+    let e = rel_l2(&to_f64(&g.data), &to_f64(&c.data));
     let (gh, ch) = (gs.to_host().unwrap(), cs.to_host().unwrap());
     let mut worst_state = 0f64;
     let mut x_max = 0f32;
     let mut s_max = 0f32;
     for (gl, cl) in gh.iter().zip(&ch) {
-        worst_state = worst_state.max(rel_l2(&f64s(&gl.ssm), &f64s(&cl.ssm)));
+        worst_state = worst_state.max(rel_l2(&to_f64(&gl.ssm), &to_f64(&cl.ssm)));
         x_max = cl.v.iter().fold(x_max, |m, v| m.max(v.abs()));
         s_max = cl.ssm.iter().fold(s_max, |m, v| m.max(v.abs()));
     }
@@ -269,14 +269,14 @@ fn random_configs_match_the_reference_in_f32() {
         let got = m.prefill_batch(&heads, &mut st, LogitsWant::All).unwrap();
         let mut worst = 0f64;
         for b in 0..seqs.len() {
-            worst = worst.max(rel_l2(&f64s(&got[b].data), &ref_head[b]));
+            worst = worst.max(rel_l2(&to_f64(&got[b].data), &ref_head[b]));
             let host = states[b].to_host().unwrap();
             for (ls, rs) in host.iter().zip(&ref_state[b]) {
                 worst = worst
-                    .max(rel_l2(&f64s(&ls.ssm), &rs.ssm))
-                    .max(rel_l2(&f64s(&ls.k), &rs.k))
-                    .max(rel_l2(&f64s(&ls.v), &rs.v))
-                    .max(rel_l2_angles(&f64s(&ls.angle), &rs.angle));
+                    .max(rel_l2(&to_f64(&ls.ssm), &rs.ssm))
+                    .max(rel_l2(&to_f64(&ls.k), &rs.k))
+                    .max(rel_l2(&to_f64(&ls.v), &rs.v))
+                    .max(rel_l2_angles(&to_f64(&ls.angle), &rs.angle));
             }
         }
         println!("case {ci} lens {lens:?}: packed prefill + states {worst:.3e}");
@@ -286,7 +286,7 @@ fn random_configs_match_the_reference_in_f32() {
             let mut st: Vec<&mut State> = states.iter_mut().collect();
             let lg = m.decode(&toks, &mut st).unwrap();
             for (b, tail) in ref_tail.iter().enumerate() {
-                worst = worst.max(rel_l2(&f64s(lg.row(b)), &tail[step]));
+                worst = worst.max(rel_l2(&to_f64(lg.row(b)), &tail[step]));
             }
         }
         // ... then a continued window of the last five tokens.
@@ -295,7 +295,7 @@ fn random_configs_match_the_reference_in_f32() {
             let lg = m
                 .prefill(&s[n + 3..], &mut states[b], LogitsWant::All)
                 .unwrap();
-            worst = worst.max(rel_l2(&f64s(&lg.data), &ref_tail[b][3..].concat()));
+            worst = worst.max(rel_l2(&to_f64(&lg.data), &ref_tail[b][3..].concat()));
         }
         println!("case {ci} lens {lens:?}: worst rel L2 vs the f64 reference {worst:.3e}");
         assert!(worst < 1e-5, "case {ci}: {worst:e}");
@@ -326,11 +326,11 @@ fn packed_batch_equals_each_sequence_alone() {
         for (b, s) in seqs.iter().enumerate() {
             let mut alone = m.new_state();
             let lg = m.prefill(s, &mut alone, LogitsWant::All).unwrap();
-            worst = worst.max(rel_l2(&f64s(&packed[b].data), &f64s(&lg.data)));
+            worst = worst.max(rel_l2(&to_f64(&packed[b].data), &to_f64(&lg.data)));
             let (a, p) = (alone.to_host().unwrap(), states[b].to_host().unwrap());
             for (x, y) in a.iter().zip(&p) {
-                worst = worst.max(rel_l2(&f64s(&y.ssm), &f64s(&x.ssm)));
-                worst = worst.max(rel_l2(&f64s(&y.k), &f64s(&x.k)));
+                worst = worst.max(rel_l2(&to_f64(&y.ssm), &to_f64(&x.ssm)));
+                worst = worst.max(rel_l2(&to_f64(&y.k), &to_f64(&x.k)));
             }
         }
         println!("{dtype:?}: packed vs alone, worst rel L2 {worst:.3e}");
@@ -364,14 +364,14 @@ fn states_move_between_host_and_device() {
     // Continue the GPU snapshot on the CPU model (the state moves to the host).
     let mut moved = snap.clone();
     let on_cpu = cpu.prefill(b, &mut moved, LogitsWant::All).unwrap();
-    let e = rel_l2(&f64s(&on_cpu.data), &f64s(&cont.data));
+    let e = rel_l2(&to_f64(&on_cpu.data), &to_f64(&cont.data));
     println!("GPU state continued on the CPU vs on the GPU: {e:.3e}");
     assert!(e < 1e-5);
     // And a CPU state continued on the GPU.
     let mut host = cpu.new_state();
     cpu.prefill(a, &mut host, LogitsWant::None).unwrap();
     let on_gpu = m.prefill(b, &mut host, LogitsWant::All).unwrap();
-    let e = rel_l2(&f64s(&on_gpu.data), &f64s(&cont.data));
+    let e = rel_l2(&to_f64(&on_gpu.data), &to_f64(&cont.data));
     println!("CPU state continued on the GPU: {e:.3e}");
     assert!(e < 1e-5);
 }
@@ -413,18 +413,18 @@ fn short_prefills_match_the_reference() {
                 }
                 let (mut last, mut none) = (st.clone(), st.clone());
                 let all = m.prefill(piece, &mut st, LogitsWant::All).unwrap();
-                worst = worst.max(rel_l2(&f64s(&all.data), &want.concat()));
+                worst = worst.max(rel_l2(&to_f64(&all.data), &want.concat()));
                 for (ls, rs) in st.to_host().unwrap().iter().zip(&rs) {
                     worst = worst
-                        .max(rel_l2(&f64s(&ls.ssm), &rs.ssm))
-                        .max(rel_l2(&f64s(&ls.k), &rs.k))
-                        .max(rel_l2(&f64s(&ls.v), &rs.v))
-                        .max(rel_l2_angles(&f64s(&ls.angle), &rs.angle));
+                        .max(rel_l2(&to_f64(&ls.ssm), &rs.ssm))
+                        .max(rel_l2(&to_f64(&ls.k), &rs.k))
+                        .max(rel_l2(&to_f64(&ls.v), &rs.v))
+                        .max(rel_l2_angles(&to_f64(&ls.angle), &rs.angle));
                 }
                 // The last row alone (a head GEMM of another shape: close, not the same bits)
                 // and no logits at all: the same state.
                 let one = m.prefill(piece, &mut last, LogitsWant::Last).unwrap();
-                let d = rel_l2(&f64s(one.row(0)), &f64s(all.row(len - 1)));
+                let d = rel_l2(&to_f64(one.row(0)), &to_f64(all.row(len - 1)));
                 assert!(d < 1e-6, "case {ci} len {len}: Last {d:e}");
                 m.prefill(piece, &mut none, LogitsWant::None).unwrap();
                 assert_eq!(last.to_host().unwrap(), st.to_host().unwrap());

@@ -182,7 +182,7 @@ fn an_optimiser_step_equals_the_cpu_step_in_f32() {
     assert_eq!(og.step, oc.step);
     let mut worst = 0.0f64;
     for ((name, a), (_, b)) in pg.tensors().iter().zip(pc.tensors()) {
-        let e = rel(&gpu::f64s(a), &gpu::f64s(b));
+        let e = rel(&gpu::to_f64(a), &gpu::to_f64(b));
         assert!(
             e <= 1e-5,
             "{name}: parameters after two steps differ by {e:e}"

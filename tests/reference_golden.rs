@@ -12,7 +12,7 @@ fn reference_matches_goldens_in_f64() {
         let r = Reference::<f64>::new(&w);
         let mut st = zero_state::<f64>(&w.dims);
         let out: Vec<f64> = r.run(&g.input_ids, &mut st).concat();
-        let err = rel_l2(&out, &to_f64(&g.logits));
+        let err = rel_l2(&out, &g.logits);
         assert!(err < 1e-6, "{name}: logits rel L2 {err:e}");
         // states after the prefix
         let mut st = zero_state::<f64>(&w.dims);
