@@ -8,23 +8,13 @@
 #![cfg(feature = "cuda")]
 
 mod gpu;
-use gpu::{config, rel_l2 as rel};
+use gpu::{config, random_batch, rel_l2 as rel, sentences_text};
 use mamba3::cuda::train::CudaTrainer;
-use mamba3::model::rng::Rng;
 use mamba3::model::{Config, DType, Weights};
 use mamba3::train::data::Dataset;
 use mamba3::train::optim::{AdamW, AdamWConfig, Schedule};
 use mamba3::train::trainer::{RunConfig, Trainer};
 use mamba3::train::{loss_and_grad, Backend, Batch, Params};
-
-fn batch(vocab: usize, b: usize, t: usize, seed: u64) -> Batch {
-    let mut rng = Rng::new(seed);
-    let w: Vec<Vec<u32>> = (0..b)
-        .map(|_| (0..=t).map(|_| rng.below(vocab as u64) as u32).collect())
-        .collect();
-    let refs: Vec<&[u32]> = w.iter().map(|v| v.as_slice()).collect();
-    Batch::from_windows(&refs)
-}
 
 /// Synthetic parameters with larger matrices than the official init, so that every path
 /// carries signal (as tests/train_grad.rs).
@@ -80,17 +70,17 @@ fn cases() -> Vec<(&'static str, Config, Batch)> {
     let mut v = Vec::new();
     // plain: 3 windows of 40 tokens, chunk 16 (three chunks, the last partial), tied head
     let c = config(32, 2, 16, 16, 1, 0.5, false, 0, 16);
-    v.push(("plain", c.clone(), batch(c.vocab_size, 3, 40, 1)));
+    v.push(("plain", c.clone(), random_batch(c.vocab_size, 3, 40, 1)));
     // ngroups 2, rope 1.0, output norm, MLP, untied head
     let c = config(48, 2, 32, 16, 2, 1.0, true, 64, 16);
     v.push((
         "groups-rope-norm-mlp",
         c.clone(),
-        batch(c.vocab_size, 2, 50, 2),
+        random_batch(c.vocab_size, 2, 50, 2),
     ));
     // the benchmark's tiling (chunk 64, headdim 64, d_state 128), two chunks per window
     let c = config(128, 1, 128, 64, 1, 0.5, false, 0, 64);
-    v.push(("chunk64", c.clone(), batch(c.vocab_size, 2, 100, 3)));
+    v.push(("chunk64", c.clone(), random_batch(c.vocab_size, 2, 100, 3)));
     v
 }
 
@@ -130,8 +120,8 @@ fn three_steps(cfg: &Config, dtype: DType) -> (Params<f32>, AdamW) {
     let mut t = CudaTrainer::new(cfg, dtype, 0).unwrap();
     for s in 0..3 {
         let bs = [
-            batch(cfg.vocab_size, 2, 40, 10 + s),
-            batch(cfg.vocab_size, 2, 40, 20 + s),
+            random_batch(cfg.vocab_size, 2, 40, 10 + s),
+            random_batch(cfg.vocab_size, 2, 40, 20 + s),
         ];
         let (loss, norm) = t.step(&mut p, &mut opt, &bs, 1.0, 1e-3).unwrap();
         assert!(loss.is_finite() && norm.is_finite());
@@ -172,7 +162,7 @@ fn an_optimiser_step_equals_the_cpu_step_in_f32() {
     let mut cpu = mamba3::train::CpuBackend;
     let mut gpu = CudaTrainer::new(&cfg, DType::F32, 0).unwrap();
     for s in 0..2 {
-        let bs = [batch(cfg.vocab_size, 3, 40, 30 + s)];
+        let bs = [random_batch(cfg.vocab_size, 3, 40, 30 + s)];
         let (lc, nc) = cpu.step(&mut pc, &mut oc, &bs, 0.5, 3e-3).unwrap();
         let (lg, ng) = gpu.step(&mut pg, &mut og, &bs, 0.5, 3e-3).unwrap();
         println!("step {s}: loss cpu {lc:.6} gpu {lg:.6}; |g| cpu {nc:.6} gpu {ng:.6}");
@@ -193,18 +183,15 @@ fn an_optimiser_step_equals_the_cpu_step_in_f32() {
 }
 
 fn text() -> Vec<u8> {
-    let sentences = [
-        "In the beginning was the word. ",
-        "And the light shone in the darkness. ",
-        "The quick brown fox jumps over the lazy dog. ",
-        "She sells sea shells by the sea shore.\n",
-    ];
-    let mut rng = Rng::new(5);
-    let mut t = Vec::new();
-    while t.len() < 60_000 {
-        t.extend_from_slice(sentences[rng.below(sentences.len() as u64) as usize].as_bytes());
-    }
-    t
+    sentences_text(
+        &[
+            "In the beginning was the word. ",
+            "And the light shone in the darkness. ",
+            "The quick brown fox jumps over the lazy dog. ",
+            "She sells sea shells by the sea shore.\n",
+        ],
+        60_000,
+    )
 }
 
 fn run_config(steps: u64) -> RunConfig {

@@ -2,8 +2,9 @@
 //! and is the same file every time; a tiny model learns with it; a resumed run equals the
 //! unbroken one; `mamba3 train --tokenizer bpe` writes a checkpoint that `mamba3 generate`
 //! runs; bad settings fail with a clear message.
+mod common;
+use common::sentences_text;
 
-use mamba3::model::rng::Rng;
 use mamba3::model::Config;
 use mamba3::text::tokenizer::Tokenizer;
 use mamba3::train::data::Dataset;
@@ -16,20 +17,18 @@ use std::path::Path;
 
 /// A fixed text with structure a small model can learn, some of it beyond ASCII.
 fn text() -> Vec<u8> {
-    let sentences = [
-        "In the beginning was the word. ",
-        "And the light shone in the darkness. ",
-        "The quick brown fox jumps over the lazy dog. ",
-        "Seven swans a swimming, six geese a laying. ",
-        "She sells sea shells by the sea shore.\n",
-        "Ça coûte 5 € — un café naïve. ",
-        "Ελληνικά, русский, 日本語 and 🦀 crabs.\n",
-    ];
-    let mut rng = Rng::new(5);
-    let mut t = Vec::new();
-    while t.len() < 60_000 {
-        t.extend_from_slice(sentences[rng.below(sentences.len() as u64) as usize].as_bytes());
-    }
+    let mut t = sentences_text(
+        &[
+            "In the beginning was the word. ",
+            "And the light shone in the darkness. ",
+            "The quick brown fox jumps over the lazy dog. ",
+            "Seven swans a swimming, six geese a laying. ",
+            "She sells sea shells by the sea shore.\n",
+            "Ça coûte 5 € — un café naïve. ",
+            "Ελληνικά, русский, 日本語 and 🦀 crabs.\n",
+        ],
+        60_000,
+    );
     t.push(b'\n'); // as a file read for training ends
     t
 }

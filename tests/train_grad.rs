@@ -2,10 +2,12 @@
 //! finite differences in f64, for every parameter tensor, on configs that exercise
 //! ngroups > 1, rope_fraction 1.0, the output norm, the MLP, tied and untied heads,
 //! the softplus A, and windows longer than one chunk.
+mod common;
+use common::random_batch;
 
 use mamba3::model::rng::Rng;
 use mamba3::model::{Config, DType, Weights};
-use mamba3::train::{loss_and_grad, Batch, Params};
+use mamba3::train::{loss_and_grad, Params};
 
 struct Case {
     name: &'static str,
@@ -32,15 +34,6 @@ fn config(c: &Case) -> Config {
     cfg
 }
 
-fn batch(vocab: usize, b: usize, t: usize, seed: u64) -> Batch {
-    let mut rng = Rng::new(seed);
-    let w: Vec<Vec<u32>> = (0..b)
-        .map(|_| (0..=t).map(|_| rng.below(vocab as u64) as u32).collect())
-        .collect();
-    let refs: Vec<&[u32]> = w.iter().map(|v| v.as_slice()).collect();
-    Batch::from_windows(&refs)
-}
-
 fn check(c: &Case) {
     let cfg = config(c);
     let w = Weights::synthetic(cfg.clone(), DType::F32, 7).unwrap();
@@ -51,7 +44,7 @@ fn check(c: &Case) {
             t.iter_mut().for_each(|v| *v *= 3.0);
         }
     }
-    let b = batch(cfg.vocab_size, 2, 11, 3); // 11 tokens, chunk 4: three chunks, one partial
+    let b = random_batch(cfg.vocab_size, 2, 11, 3); // 11 tokens, chunk 4: three chunks, one partial
     let mut g = Params::zeros(&cfg);
     let loss = loss_and_grad(&p, &b, Some(&mut g)).unwrap();
     assert!(loss.is_finite());

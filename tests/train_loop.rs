@@ -2,6 +2,8 @@
 //! loss as the token-by-token oracle, the loss of a tiny model on a fixed text falls as
 //! it should (and the same check fails with a broken gradient), and a resumed run lands
 //! bit for bit on the unbroken run.
+mod common;
+use common::sentences_text;
 
 use mamba3::cpu::Reference;
 use mamba3::model::rng::Rng;
@@ -19,20 +21,17 @@ fn tiny_config() -> Config {
 
 /// A fixed text with structure a small model can learn: sentences drawn from a small set.
 fn text() -> Vec<u8> {
-    let sentences = [
-        "In the beginning was the word. ",
-        "And the light shone in the darkness. ",
-        "The quick brown fox jumps over the lazy dog. ",
-        "Seven swans a swimming, six geese a laying. ",
-        "She sells sea shells by the sea shore.\n",
-        "All that glitters is not gold. ",
-    ];
-    let mut rng = Rng::new(5);
-    let mut t = Vec::new();
-    while t.len() < 60_000 {
-        t.extend_from_slice(sentences[rng.below(sentences.len() as u64) as usize].as_bytes());
-    }
-    t
+    sentences_text(
+        &[
+            "In the beginning was the word. ",
+            "And the light shone in the darkness. ",
+            "The quick brown fox jumps over the lazy dog. ",
+            "Seven swans a swimming, six geese a laying. ",
+            "She sells sea shells by the sea shore.\n",
+            "All that glitters is not gold. ",
+        ],
+        60_000,
+    )
 }
 
 fn run_config(steps: u64, accum: usize) -> RunConfig {

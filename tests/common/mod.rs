@@ -101,3 +101,24 @@ pub fn rel_l2_angles(a: &[f64], b: &[f64]) -> f64 {
     let den: f64 = b.iter().map(|y| y * y).sum();
     finite_or_inf((num / den.max(1e-30)).sqrt())
 }
+
+/// Text of `sentences` drawn at random (a fixed seed) until it is at least `len` bytes:
+/// structure a small model can learn.
+pub fn sentences_text(sentences: &[&str], len: usize) -> Vec<u8> {
+    let mut rng = mamba3::model::rng::Rng::new(5);
+    let mut t = Vec::new();
+    while t.len() < len {
+        t.extend_from_slice(sentences[rng.below(sentences.len() as u64) as usize].as_bytes());
+    }
+    t
+}
+
+/// A training batch of `b` random windows of `t` + 1 tokens below `vocab`.
+pub fn random_batch(vocab: usize, b: usize, t: usize, seed: u64) -> mamba3::train::Batch {
+    let mut rng = mamba3::model::rng::Rng::new(seed);
+    let w: Vec<Vec<u32>> = (0..b)
+        .map(|_| (0..=t).map(|_| rng.below(vocab as u64) as u32).collect())
+        .collect();
+    let refs: Vec<&[u32]> = w.iter().map(|v| v.as_slice()).collect();
+    mamba3::train::Batch::from_windows(&refs)
+}
