@@ -21,6 +21,7 @@
 use super::context::{DevBuf, Gpu, KArg, Kernel};
 use super::gemm::{ElemType, GemmOp, GemmSpec, Lt};
 use super::kernels::{proj_ld, Kernels, ScanMath};
+use super::probe::Region;
 use super::scan::{ChunkScan, ScanArgs};
 use super::weights::{GpuWeights, InProjInput};
 use super::work::{Layout, Work};
@@ -77,15 +78,11 @@ impl Pipe<'_> {
         ld: usize,
         f32_values: bool,
     ) -> Result<()> {
-        if !self.probe {
-            return Ok(());
-        }
         let dtype = if f32_values { DType::F32 } else { self.dtype };
-        super::probe::check(
-            self.gpu,
+        self.look_at(
             what,
             layer,
-            super::probe::Region {
+            Region {
                 ptr,
                 rows,
                 cols,
@@ -95,7 +92,7 @@ impl Pipe<'_> {
         )
     }
 
-    /// [`Pipe::look`] of a `rows × cols` matrix of `dtype`.
+    /// [`Pipe::look`] of a packed `rows × cols` matrix of `dtype`.
     fn look_typed(
         &self,
         what: &str,
@@ -105,17 +102,24 @@ impl Pipe<'_> {
         cols: usize,
         dtype: DType,
     ) -> Result<()> {
+        self.look_at(
+            what,
+            Some(l),
+            Region {
+                ptr,
+                rows,
+                cols,
+                ld: cols,
+                dtype,
+            },
+        )
+    }
+
+    fn look_at(&self, what: &str, layer: Option<usize>, region: Region) -> Result<()> {
         if !self.probe {
             return Ok(());
         }
-        let region = super::probe::Region {
-            ptr,
-            rows,
-            cols,
-            ld: cols,
-            dtype,
-        };
-        super::probe::check(self.gpu, what, Some(l), region)
+        super::probe::check(self.gpu, what, layer, region)
     }
 
     /// How the in_proj input of layer `l` is written (`rms_norm_rows`' `mode`): the weight,
