@@ -174,25 +174,23 @@ fn logits_command_matches_goldens() {
             let e = rel_l2(&got, gold);
             assert!(e <= tol, "{name} {extra:?}: rel L2 {e:e}");
             if extra.contains(&"--states-after") {
+                let read = |n: &str| {
+                    f.get(n)
+                        .unwrap()
+                        .to_float(n, DType::F64)
+                        .unwrap()
+                        .to_f64_vec()
+                };
                 for l in 0..2 {
                     for field in ["ssm", "k", "v"] {
                         let n = format!("state.{l}.{field}");
-                        let got = f
-                            .get(&n)
-                            .unwrap()
-                            .to_float(&n, DType::F64)
-                            .unwrap()
-                            .to_f64_vec();
-                        assert!(rel_l2(&got, &g.tensor(&n)) <= 1e-4, "{name} {n}");
+                        assert!(rel_l2(&read(&n), &g.tensor(&n)) <= 1e-4, "{name} {n}");
                     }
                     let n = format!("state.{l}.angle");
-                    let got = f
-                        .get(&n)
-                        .unwrap()
-                        .to_float(&n, DType::F64)
-                        .unwrap()
-                        .to_f64_vec();
-                    assert!(rel_l2_angles(&got, &g.tensor(&n)) <= 1e-4, "{name} {n}");
+                    assert!(
+                        rel_l2_angles(&read(&n), &g.tensor(&n)) <= 1e-4,
+                        "{name} {n}"
+                    );
                 }
             }
         }
