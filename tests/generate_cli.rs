@@ -38,7 +38,7 @@ fn greedy_generate_equals_engine_loop_and_server() {
     let p = tok.encode(prompt, true).unwrap();
     let want = engine_greedy(&load(dir.path()), &p, 20, &tok.eos_ids);
 
-    let o = mamba3(&[
+    let greedy = [
         "generate",
         "--model",
         d,
@@ -48,8 +48,8 @@ fn greedy_generate_equals_engine_loop_and_server() {
         "20",
         "--temperature",
         "0",
-        "--print-ids",
-    ]);
+    ];
+    let o = mamba3(&[&greedy[..], &["--print-ids"]].concat());
     assert_eq!(parse_ids(&ok(&o)), want);
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -59,17 +59,7 @@ fn greedy_generate_equals_engine_loop_and_server() {
     assert!(stderr.contains("tok/s"), "{stderr}");
 
     // Text mode streams the same tokens' text (modulo how broken bytes are marked).
-    let o = mamba3(&[
-        "generate",
-        "--model",
-        d,
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        "20",
-        "--temperature",
-        "0",
-    ]);
+    let o = mamba3(&greedy);
     let text = ok(&o);
     let h = start(ModelSource::Dir(dir.path().to_path_buf()), |_| {});
     let r = post_json(
