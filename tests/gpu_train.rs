@@ -8,11 +8,11 @@
 #![cfg(feature = "cuda")]
 
 mod gpu;
-use gpu::{config, random_batch, rel_l2 as rel, sentences_text};
+use gpu::{config, random_batch, rel_l2 as rel, sentences_text, short_run};
 use mamba3::cuda::train::CudaTrainer;
 use mamba3::model::{Config, DType, Weights};
 use mamba3::train::data::Dataset;
-use mamba3::train::optim::{AdamW, AdamWConfig, Schedule};
+use mamba3::train::optim::{AdamW, AdamWConfig};
 use mamba3::train::trainer::{RunConfig, Trainer};
 use mamba3::train::{loss_and_grad, Backend, Batch, Params};
 
@@ -197,28 +197,7 @@ fn text() -> Vec<u8> {
 fn run_config(steps: u64) -> RunConfig {
     let mut model = Config::synthetic(64, 2, 32, 16, 2, 1, 256);
     model.ssm_cfg.chunk_size = 32;
-    RunConfig {
-        model,
-        data: vec![],
-        tokenizer: "byte".into(),
-        steps,
-        batch: 8,
-        accum: 2,
-        seq_len: 80,
-        schedule: Schedule {
-            peak: 1e-2,
-            min: 1e-3,
-            warmup: 5,
-            total: steps,
-        },
-        adamw: AdamWConfig::default(),
-        clip: 1.0,
-        seed: 3,
-        val_every_block: 5,
-        eval_every: 0,
-        eval_windows: 16,
-        ckpt_every: 0,
-    }
+    short_run(model, steps, 8, 2, 80)
 }
 
 #[test]

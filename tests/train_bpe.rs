@@ -3,12 +3,11 @@
 //! unbroken one; `mamba3 train --tokenizer bpe` writes a checkpoint that `mamba3 generate`
 //! runs; bad settings fail with a clear message.
 mod common;
-use common::sentences_text;
+use common::{sentences_text, short_run};
 
 use mamba3::model::Config;
 use mamba3::text::tokenizer::Tokenizer;
 use mamba3::train::data::Dataset;
-use mamba3::train::optim::{AdamWConfig, Schedule};
 use mamba3::train::tokenizer::{TokenizerSpec, TrainTokenizer};
 use mamba3::train::trainer::{RunConfig, Trainer};
 use mamba3::train::CpuBackend;
@@ -173,26 +172,9 @@ fn run_config(tok: &TrainTokenizer, spec: &str, steps: u64, accum: usize) -> Run
     let mut model = Config::synthetic(32, 2, 16, 16, 2, 1, tok.vocab_size());
     model.ssm_cfg.chunk_size = 16;
     RunConfig {
-        model,
-        data: vec![],
         tokenizer: spec.into(),
-        steps,
-        batch: 4,
-        accum,
-        seq_len: 24,
-        schedule: Schedule {
-            peak: 1e-2,
-            min: 1e-3,
-            warmup: 5,
-            total: steps,
-        },
-        adamw: AdamWConfig::default(),
-        clip: 1.0,
-        seed: 3,
         val_every_block: VAL_EVERY,
-        eval_every: 0,
-        eval_windows: 16,
-        ckpt_every: 0,
+        ..short_run(model, steps, 4, accum, 24)
     }
 }
 

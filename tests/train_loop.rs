@@ -3,13 +3,12 @@
 //! it should (and the same check fails with a broken gradient), and a resumed run lands
 //! bit for bit on the unbroken run.
 mod common;
-use common::sentences_text;
+use common::{sentences_text, short_run};
 
 use mamba3::cpu::Reference;
 use mamba3::model::rng::Rng;
 use mamba3::model::{Config, DType, Weights};
 use mamba3::train::data::Dataset;
-use mamba3::train::optim::{AdamWConfig, Schedule};
 use mamba3::train::trainer::{RunConfig, Trainer};
 use mamba3::train::{loss_and_grad, Backend, Batch, CpuBackend, Params};
 
@@ -35,28 +34,8 @@ fn text() -> Vec<u8> {
 }
 
 fn run_config(steps: u64, accum: usize) -> RunConfig {
-    RunConfig {
-        model: tiny_config(),
-        data: vec![],
-        tokenizer: "byte".into(),
-        steps,
-        batch: 4,
-        accum,
-        seq_len: 40, // three chunks of 16, the last partial
-        schedule: Schedule {
-            peak: 1e-2,
-            min: 1e-3,
-            warmup: 5,
-            total: steps,
-        },
-        adamw: AdamWConfig::default(),
-        clip: 1.0,
-        seed: 3,
-        val_every_block: 5,
-        eval_every: 0,
-        eval_windows: 16,
-        ckpt_every: 0,
-    }
+    // windows of 40 tokens: three chunks of 16, the last partial
+    short_run(tiny_config(), steps, 4, accum, 40)
 }
 
 #[test]

@@ -122,3 +122,38 @@ pub fn random_batch(vocab: usize, b: usize, t: usize, seed: u64) -> mamba3::trai
     let refs: Vec<&[u32]> = w.iter().map(|v| v.as_slice()).collect();
     mamba3::train::Batch::from_windows(&refs)
 }
+
+/// A short training run of `model` on the byte tokenizer: `steps` steps of `accum`
+/// micro-batches of `batch` windows of `seq_len` tokens, warm-up 5 steps to a 1e-2 peak,
+/// clipping at 1, validation every 5th block, no evaluation or checkpoints.
+pub fn short_run(
+    model: mamba3::model::Config,
+    steps: u64,
+    batch: usize,
+    accum: usize,
+    seq_len: usize,
+) -> mamba3::train::trainer::RunConfig {
+    use mamba3::train::optim::{AdamWConfig, Schedule};
+    mamba3::train::trainer::RunConfig {
+        model,
+        data: vec![],
+        tokenizer: "byte".into(),
+        steps,
+        batch,
+        accum,
+        seq_len,
+        schedule: Schedule {
+            peak: 1e-2,
+            min: 1e-3,
+            warmup: 5,
+            total: steps,
+        },
+        adamw: AdamWConfig::default(),
+        clip: 1.0,
+        seed: 3,
+        val_every_block: 5,
+        eval_every: 0,
+        eval_windows: 16,
+        ckpt_every: 0,
+    }
+}
