@@ -1,7 +1,8 @@
 //! Every GPU kernel compiles under NVRTC, for Hopper (sm_90a) and Ampere (sm_80), for a
-//! spread of model shapes and every numeric mode — no GPU needed, so a broken kernel fails
-//! CI. It needs NVRTC 13.0 and the CUDA headers, which `.ci/run` installs from the PyPI
-//! wheels into `.ci/nvrtc` (docs: ../shared/docs/gpu.md):
+//! spread of model shapes and every numeric mode, and the hardware probes for Hopper — no
+//! GPU needed, so a broken kernel fails CI. It needs NVRTC 13.0 and the CUDA headers,
+//! which `.ci/run` installs from the PyPI wheels into `.ci/nvrtc` (docs:
+//! ../shared/docs/gpu.md):
 //!
 //! - with `LD_LIBRARY_PATH`/`CUDA_INCLUDE_DIR` pointing at them, it just runs;
 //! - else, if `.ci/nvrtc` exists in the checkout, the test re-runs itself with those set;
@@ -127,6 +128,9 @@ fn every_kernel_compiles_under_nvrtc() {
             }
         }
     }
+    // the hardware probes of benches/gpu_floors.rs (no model constants)
+    let probes = KernelConfig { defines: vec![] };
+    jobs.push(("probes".into(), Program::Probes, probes, "sm_90a"));
     if let Ok(only) = std::env::var("MAMBA3_COMPILE_ONLY") {
         jobs.retain(|(what, ..)| what.contains(only.as_str()));
         assert!(

@@ -252,6 +252,52 @@ impl Gpu {
         )
     }
 
+    /// Launch `k` as `grid` blocks in clusters of `cluster` consecutive blocks (Hopper
+    /// thread-block clusters: the blocks of a cluster run at once, on SMs of one GPC, and
+    /// share their shared memory). `grid` must be a multiple of `cluster`.
+    pub fn launch_cluster(
+        &self,
+        k: &Kernel,
+        grid: u32,
+        cluster: u32,
+        block: u32,
+        smem: u32,
+        args: &[&dyn KArg],
+    ) -> Result<()> {
+        let mut attr = cluster_attr(cluster);
+        let attrs = std::slice::from_mut(&mut attr);
+        self.launch_with(0, k, (grid, 1, 1), block, smem, attrs, args)
+    }
+
+    /// How many clusters of `cluster` blocks of `k` (`block` threads, `smem` bytes of
+    /// dynamic shared memory each) the GPU runs at once.
+    pub fn max_active_clusters(
+        &self,
+        k: &Kernel,
+        cluster: u32,
+        block: u32,
+        smem: u32,
+    ) -> Result<usize> {
+        let mut attr = cluster_attr(cluster);
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n = 0;
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, k.func.cu_function(), &cfg) }
+            .result()
+            .map_err(|e| dev_err(&format!("asking the cluster occupancy of `{}`", k.name), e))?;
+        Ok(n.max(0) as usize)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn launch_with(
         &self,
@@ -290,6 +336,16 @@ impl Gpu {
         .result()
         .map_err(|e| dev_err(&format!("launching kernel `{}`", k.name), e))
     }
+}
+
+/// The launch attribute of clusters of `blocks` blocks along x.
+fn cluster_attr(blocks: u32) -> sys::CUlaunchAttribute {
+    let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    a.value.clusterDim.x = blocks;
+    a.value.clusterDim.y = 1;
+    a.value.clusterDim.z = 1;
+    a
 }
 
 /// The launch attributes: programmatic dependent launch, a priority.

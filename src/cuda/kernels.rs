@@ -41,11 +41,15 @@ pub const TRAIN_SOURCES: [(&str, &str); 7] = [
     ("train.cu", include_str!("kernels/train.cu")),
 ];
 
+/// Hardware probes, not the model's (benches/gpu_floors.rs).
+pub const PROBE_SOURCES: [(&str, &str); 1] = [("probes.cu", include_str!("kernels/probes.cu"))];
+
 /// Which set of kernels a module holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Program {
     Inference,
     Training,
+    Probes,
 }
 
 impl Program {
@@ -53,6 +57,7 @@ impl Program {
         match self {
             Program::Inference => &SOURCES,
             Program::Training => &TRAIN_SOURCES,
+            Program::Probes => &PROBE_SOURCES,
         }
     }
 
@@ -61,6 +66,7 @@ impl Program {
         match self {
             Program::Inference => "inference",
             Program::Training => "training",
+            Program::Probes => "probe",
         }
     }
 }
@@ -249,7 +255,7 @@ fn f32_literal(v: f32) -> String {
 pub fn program_source(program: Program) -> String {
     // (the training program's backward keeps the forward's scan at 8 warps: scan_tiles.cuh)
     let head = match program {
-        Program::Inference => "",
+        Program::Inference | Program::Probes => "",
         Program::Training => "#define PROGRAM_TRAINING 1\n",
     };
     let body: String = program

@@ -1,0 +1,140 @@
+//! What the GPU's synchronisation and shared-memory primitives cost, for sizing the decode
+//! step (kernels/probes.cu says why): per call, the time of a thread-block cluster barrier,
+//! of an exchange of one vector through distributed shared memory, of a grid-wide hand-over
+//! through one global counter (the fused decode's, kernels/decode_layers.cu), and the rate
+//! at which each SM fills its shared memory from DRAM and from L2 while all do. Also how
+//! many clusters of each size fit at once with one block per SM.
+//!
+//! `cargo bench --features cuda --bench gpu_floors` (on the GPU machine: the binary that
+//! `scripts/gpu-check pack` builds, run by `scripts/gpu-check run floors`). Each time is
+//! (t(N) − t(N/10)) / (0.9·N) over whole launches, N large, the best of 5: the launch cost
+//! cancels.
+
+use mamba3::cuda::context::{Gpu, KArg, Kernel};
+use mamba3::cuda::kernels::{KernelConfig, Module, Program};
+use mamba3::error::Result;
+use std::time::Instant;
+
+const THREADS: u32 = 256;
+/// Dynamic shared memory that keeps every probe at one block per SM (as the decode kernels).
+const ONE_PER_SM: u32 = 160 * 1024;
+
+/// The best of 5 timings of `launch` with `iters`, in seconds (each synchronised).
+fn best(gpu: &Gpu, iters: i32, launch: &dyn Fn(i32) -> Result<()>) -> Result<f64> {
+    launch(iters)?; // warm-up
+    gpu.sync()?;
+    let mut t = f64::INFINITY;
+    for _ in 0..5 {
+        let start = Instant::now();
+        launch(iters)?;
+        gpu.sync()?;
+        t = t.min(start.elapsed().as_secs_f64());
+    }
+    Ok(t)
+}
+
+/// Seconds per iteration: the difference between `n` and `n / 10` iterations.
+fn per_iter(gpu: &Gpu, n: i32, launch: &dyn Fn(i32) -> Result<()>) -> Result<f64> {
+    let (long, short) = (best(gpu, n, launch)?, best(gpu, n / 10, launch)?);
+    Ok((long - short) / (n - n / 10) as f64)
+}
+
+fn main() -> Result<()> {
+    let gpu = Gpu::new(0)?;
+    let (m, _) = Module::load(&gpu, Program::Probes, &KernelConfig { defines: vec![] })?;
+    let kernel = |name| -> Result<Kernel> {
+        let k = m.kernel(name)?;
+        k.allow_smem(ONE_PER_SM as usize)?;
+        Ok(k)
+    };
+    let (barrier, exchange) = (
+        kernel("probe_cluster_barrier")?,
+        kernel("probe_cluster_exchange")?,
+    );
+    let (handover, fill) = (kernel("probe_grid_handover")?, kernel("probe_smem_fill")?);
+    println!(
+        "{} ({} SMs, {} KB shared memory per block at most)",
+        gpu.name,
+        gpu.sms,
+        gpu.max_smem / 1024
+    );
+
+    println!(
+        "\nclusters (one block of {THREADS} threads per SM, {} KB shared memory each):",
+        ONE_PER_SM / 1024
+    );
+    println!(
+        "{:>8} {:>12} {:>12} {:>16} {:>16}",
+        "blocks", "at once", "SMs busy", "barrier µs", "exchange µs"
+    );
+    let out = gpu.alloc::<f32>(gpu.sms * 8)?;
+    for size in [2u32, 4, 5, 6, 8] {
+        let fit = gpu.max_active_clusters(&barrier, size, THREADS, ONE_PER_SM)?;
+        if fit == 0 {
+            println!("{size:>8} {:>12}", "none fit");
+            continue;
+        }
+        let grid = fit as u32 * size;
+        let bar = per_iter(&gpu, 20_000, &|n: i32| {
+            gpu.launch_cluster(&barrier, grid, size, THREADS, ONE_PER_SM, &[&n])
+        })?;
+        // one residual row of the benchmark shape (d_model 768, f32)
+        let width = 768i32;
+        let exch = per_iter(&gpu, 20_000, &|n: i32| {
+            gpu.launch_cluster(
+                &exchange,
+                grid,
+                size,
+                THREADS,
+                ONE_PER_SM,
+                &[&n, &width, &out.ptr],
+            )
+        })?;
+        println!(
+            "{size:>8} {fit:>12} {grid:>12} {:>16.3} {:>16.3}",
+            bar * 1e6,
+            exch * 1e6
+        );
+    }
+
+    println!("\ngrid-wide hand-over (fence, one atomic add, acquire polls; cooperative launch):");
+    println!("{:>8} {:>16}", "blocks", "hand-over µs");
+    let count = gpu.alloc::<u64>(1)?;
+    for blocks in [24u32, 48, 96, 120, gpu.sms as u32] {
+        let t = per_iter(&gpu, 20_000, &|n: i32| {
+            gpu.zero(count.ptr, 8)?;
+            gpu.launch_cooperative(&handover, blocks, THREADS, ONE_PER_SM, &[&n, &count.ptr])
+        })?;
+        println!("{blocks:>8} {:>16.3}", t * 1e6);
+    }
+
+    println!("\nshared-memory fill by 16-byte cp.async (every block at once):");
+    println!(
+        "{:>8} {:>10} {:>8} {:>14} {:>14}",
+        "blocks", "KB/block", "from", "GB/s per SM", "GB/s in all"
+    );
+    let src_bytes = 1usize << 30; // past the 50 MB L2
+    let src = gpu.alloc::<u8>(src_bytes)?;
+    gpu.zero(src.ptr, src_bytes)?; // (the values do not matter; the pages must exist)
+    let sink = gpu.alloc::<u32>(1)?;
+    for blocks in [24u32, 96, 120, gpu.sms as u32] {
+        for kb in [32i32, 150] {
+            let bytes = kb * 1024;
+            for (from, parts) in [
+                ("DRAM", (src_bytes / bytes as usize) as i32),
+                ("L2", blocks as i32),
+            ] {
+                let t = per_iter(&gpu, 2_000, &|n: i32| {
+                    let args: [&dyn KArg; 5] = [&src.ptr, &bytes, &parts, &n, &sink.ptr];
+                    gpu.launch(&fill, (blocks, 1, 1), THREADS, ONE_PER_SM, false, &args)
+                })?;
+                let per_sm = bytes as f64 / t / 1e9;
+                println!(
+                    "{blocks:>8} {kb:>10} {from:>8} {per_sm:>14.1} {:>14.1}",
+                    per_sm * blocks as f64
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,115 @@
+// Hardware probes for sizing the decode step (benches/gpu_floors.rs): what a thread-block
+// cluster barrier, an exchange through distributed shared memory, a grid-wide hand-over
+// through one global counter, and a block filling its shared memory cost on this GPU. They
+// compute nothing of the model (so they have no CPU twin). Each loops `iters` times; the
+// host times two iteration counts and divides the difference.
+//
+// Why: at batch 1 a decode layer is three grid-wide phases (kernels/decode_layers.cu), and
+// each hand-over plus the staging after it costs ≈ 2 µs (docs/benchmarks.md). A design with
+// one block cluster per head (the head's in_proj rows, its mixer and its share of out_proj
+// inside the cluster, one grid-wide hand-over per layer) trades two of the three for
+// cluster barriers and shared-memory exchanges, and needs each SM to fill ≈ 150 KB of
+// shared memory with weights per layer. These probes measure those three prices.
+
+__device__ __forceinline__ void cluster_meet() {
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\n\t"
+        "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ unsigned cluster_blocks() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+
+// The float at the same shared-memory offset as `p`, in block `rank` of this cluster.
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long probe_load_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// `iters` cluster barriers, nothing else. (Dynamic shared memory only sizes the launch so
+// that one block fits an SM, as in the decode design.)
+extern "C" __global__ void probe_cluster_barrier(int iters) {
+    for (int i = 0; i < iters; ++i) cluster_meet();
+}
+
+// Per round: every block writes `n` floats to its shared memory, the cluster meets, each
+// thread sums its elements over every block of the cluster (distributed shared memory), and
+// the cluster meets again before the next round overwrites them. `out[block]` keeps the
+// sums alive.
+extern "C" __global__ void probe_cluster_exchange(int iters, int n, float* out) {
+    extern __shared__ float slice[];
+    const unsigned rank = cluster_rank(), blocks = cluster_blocks();
+    float acc = 0.f;
+    for (int i = 0; i < iters; ++i) {
+        for (int j = threadIdx.x; j < n; j += blockDim.x) slice[j] = acc + (float)(j + rank);
+        cluster_meet();
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            float s = 0.f;
+            for (unsigned r = 0; r < blocks; ++r) s += ld_cluster(&slice[j], r);
+            acc += 1e-30f * s;
+        }
+        cluster_meet();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = acc;
+}
+
+// The grid-wide hand-over of kernels/decode_layers.cu: each block arrives with a fence and
+// one atomic add to `count` (zeroed by the host), and its thread 32 polls with acquire
+// loads until every block of the round has arrived. Every block must be resident: the host
+// launches it cooperatively.
+extern "C" __global__ void probe_grid_handover(int iters, unsigned long long* count) {
+    for (int i = 0; i < iters; ++i) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(count, 1ull);
+        }
+        if (threadIdx.x == 32) {
+            const unsigned long long all = (unsigned long long)(i + 1) * gridDim.x;
+            while (probe_load_acquire(count) < all) {
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// Per round: each block copies `bytes` (a multiple of 16) from the next of `parts` parts of
+// `src` into its shared memory with 16-byte cp.async, and waits for them. With `parts` ×
+// `bytes` beyond L2 the parts come from DRAM; with `parts` = the grid, from L2 after the
+// first round. `out[0]` keeps the copies alive.
+extern "C" __global__ void probe_smem_fill(const uint4* src, int bytes, int parts, int iters, unsigned* out) {
+    extern __shared__ uint4 buf[];
+    const int n = bytes / 16;
+    unsigned seen = 0;
+    for (int i = 0; i < iters; ++i) {
+        const uint4* part = src + (size_t)((blockIdx.x + (size_t)i * gridDim.x) % parts) * n;
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            const unsigned dst = (unsigned)__cvta_generic_to_shared(buf + j);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(part + j) : "memory");
+        }
+        asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+        seen += buf[(threadIdx.x * 7u + (unsigned)i) % (unsigned)n].x;
+        __syncthreads();
+    }
+    if (seen == 0x9e3779b9u) out[0] = seen;
+}
