@@ -237,3 +237,44 @@ impl ChunkScan {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ScanArgs;
+
+    #[test]
+    fn scan_launches_cover_the_order_in_pieces_the_grid_takes() {
+        let args = ScanArgs {
+            order: 1 << 20,
+            ..ScanArgs::default()
+        };
+        let (nseg, nseq) = (70_000, 3);
+        let pieces = |a: bool| -> Vec<(u64, i32, (u32, u32, u32))> {
+            let l = args.launches(a, (nseg, nseq), 24, 264);
+            l.iter()
+                .map(|(a, g)| (a.order, a.heads_fastest, *g))
+                .collect()
+        };
+        let rest = (nseg - 65535) as u32;
+        assert_eq!(
+            pieces(false),
+            [
+                (1 << 20, 1, (24, 65535, 1)),
+                ((1 << 20) + 4 * 65535, 1, (24, rest, 1))
+            ]
+        );
+        let first = (1 << 20) + 4 * nseg as u64;
+        assert_eq!(
+            pieces(true),
+            [
+                (first, 1, (24, 65535, 1)),
+                (first + 4 * 65535, 1, (24, rest - 3, 1))
+            ]
+        );
+        // one segment per sequence: no phase A; one wave: segments fastest
+        assert!(args.launches(true, (5, 5), 24, 264).is_empty());
+        let one = args.launches(false, (11, 1), 24, 264);
+        assert_eq!(one.len(), 1);
+        assert_eq!((one[0].0.heads_fastest, one[0].1), (0, (11, 24, 1)));
+    }
+}
