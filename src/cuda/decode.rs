@@ -3,10 +3,12 @@
 //! `GEMV_MAX_ROWS`: the in_proj GEMV with the RMSNorm fused on its input, `mixer_step`, the
 //! out_proj GEMV adding into the residual (and the MLP's two GEMVs) — or, for 16-bit
 //! models and batches whose heads fit in one block per SM, all layers in one cooperative
-//! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`). Larger
-//! batches run the projections through cuBLASLt. A batch that takes the launch per kernel
-//! may be cut into lanes of rows on streams of their own (`GpuOptions::decode_lanes`): one
-//! lane's projections, latency-bound at these sizes, then overlap another lane's work.
+//! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`), or, for
+//! one sequence and as an experiment, one cluster of blocks per head
+//! (kernels/decode_cluster.cu; `GpuOptions::cluster_decode`). Larger batches run the
+//! projections through cuBLASLt. A batch that takes the launch per kernel may be cut into
+//! lanes of rows on streams of their own (`GpuOptions::decode_lanes`): one lane's
+//! projections, latency-bound at these sizes, then overlap another lane's work.
 //! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
 use super::context::{Gpu, MAX_LANES};
@@ -25,7 +27,7 @@ impl Pipe<'_> {
     /// logits land in `work.logits` rows `0..nb`.
     pub fn decode(&self, work: &Work, nb: usize) -> Result<()> {
         self.embed(work, nb)?;
-        if self.decode_fused(work, nb)? {
+        if self.decode_cluster(work, nb)? || self.decode_fused(work, nb)? {
             return self.decode_head(work, nb);
         }
         // Lanes: the rows cut into contiguous runs, each through every layer on its own
@@ -201,6 +203,38 @@ impl Pipe<'_> {
         if let (Some(path), Some(t)) = (trace, trace_buf) {
             write_trace(self.gpu, &path, &t, phases, grid)?;
         }
+        Ok(true)
+    }
+
+    /// Every layer of a one-sequence step as one cluster per head
+    /// (kernels/decode_cluster.cu), when the options, the model and the batch allow it;
+    /// false (nothing launched) otherwise.
+    fn decode_cluster(&self, work: &Work, nb: usize) -> Result<bool> {
+        let (Some(ck), Some(table)) = (&self.k.decode_cluster, &self.w.layer_table) else {
+            return Ok(false);
+        };
+        if !self.opts.cluster_decode || self.probe || nb != 1 {
+            return Ok(false);
+        }
+        let layers = self.w.layers.len() as i32;
+        let grid = self.d.nheads as u32 * ck.blocks;
+        self.gpu.launch_cluster(
+            &ck.kernel,
+            grid,
+            ck.blocks,
+            256,
+            ck.smem,
+            &[
+                &table.ptr,
+                &layers,
+                &work.res.ptr,
+                &work.cl_proj.ptr,
+                &work.cl_shares.ptr,
+                &work.yf.ptr,
+                &work.states.ptr,
+                &work.cl_sync.ptr,
+            ],
+        )?;
         Ok(true)
     }
 

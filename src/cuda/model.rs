@@ -159,6 +159,16 @@ impl CudaModel {
         Ok(self.kernels(&mut inner, o)?.scan.scan_slots)
     }
 
+    /// Whether a one-sequence decode step takes the cluster kernel with the current options
+    /// (kernels/decode_cluster.cu): asked for, compiled for this shape, and every cluster
+    /// fits on the GPU at once.
+    pub fn cluster_decode_ready(&self) -> Result<bool> {
+        let mut inner = self.lock()?;
+        let o = inner.opts;
+        let on = o.cluster_decode && self.gw.layer_table.is_some();
+        Ok(on && self.kernels(&mut inner, o)?.decode_cluster.is_some())
+    }
+
     /// Whether the kernels for the current options came from the disk cache.
     pub fn kernels_from_cache(&self) -> Result<bool> {
         let mut inner = self.lock()?;

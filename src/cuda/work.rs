@@ -388,6 +388,11 @@ pub struct Work {
     pub logits: DevBuf,
     /// the fused decode's two phase counters (kernels/decode_layers.cu), zero between launches
     pub sync: DevBuf,
+    /// the cluster decode's (kernels/decode_cluster.cu): one in_proj row per head, the
+    /// heads' out_proj shares of two layers, two counters zero between launches
+    pub cl_proj: DevBuf,
+    pub cl_shares: DevBuf,
+    pub cl_sync: DevBuf,
 }
 
 impl Work {
@@ -422,6 +427,13 @@ impl Work {
             hfin: a(c.picked * d.d_model)?,
             logits: f(c.picked * d.vocab_padded)?,
             sync: {
+                let b = gpu.alloc::<u64>(2)?;
+                gpu.zero(b.ptr, b.bytes)?;
+                b
+            },
+            cl_proj: f(h * super::kernels::proj_ld(d))?,
+            cl_shares: f(2 * h * d.d_model)?,
+            cl_sync: {
                 let b = gpu.alloc::<u64>(2)?;
                 gpu.zero(b.ptr, b.bytes)?;
                 b
