@@ -29,6 +29,7 @@
 #define CL_RPB ((CL_ROWS + CL_BLOCKS - 1) / CL_BLOCKS)    // of them per block
 #define CL_SLICE (D_MODEL / CL_BLOCKS)                    // residual values per block
 #define CL_YR (HEADDIM / CL_BLOCKS)                       // state rows and outputs per block
+#define CL_RW 4                                           // in_proj rows a warp sums at once
 
 // (clusters are Hopper's: sm_90 and newer)
 #if ACT != 0 && MLP_HIDDEN == 0 && OUTNORM == 0 && D_MODEL % 8 == 0 && D_INNER % 8 == 0 && \
@@ -181,22 +182,33 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
             xn[e] = cl_load(slice + e % CL_SLICE, e / CL_SLICE) * inv * w.norm[e];
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
-        // ---- 2. this block's in_proj rows, one warp per row
+        // ---- 2. this block's in_proj rows: each warp CL_RW rows at a time, so that the
+        // row sums' shuffles overlap (and each xn value read serves CL_RW rows)
         {
             const int r0 = c * CL_RPB, n = min(CL_RPB, CL_ROWS - r0);
-            for (int r = warp; r < n; r += STEP_WARPS) {
-                const w_t* wr = w_in + (size_t)r * D_MODEL;
-                float acc = 0.f;
+            for (int rb = CL_RW * warp; rb < n; rb += CL_RW * STEP_WARPS) {
+                float acc[CL_RW];
+#pragma unroll
+                for (int q = 0; q < CL_RW; ++q) acc[q] = 0.f;
                 for (int k = 8 * lane; k < D_MODEL; k += 256) {
-                    const uint4 u = *reinterpret_cast<const uint4*>(wr + k);
-                    const w_t* e = reinterpret_cast<const w_t*>(&u);
                     const float4 a = *reinterpret_cast<const float4*>(xn + k);
                     const float4 b = *reinterpret_cast<const float4*>(xn + k + 4);
-                    acc += to_f(e[0]) * a.x + to_f(e[1]) * a.y + to_f(e[2]) * a.z + to_f(e[3]) * a.w;
-                    acc += to_f(e[4]) * b.x + to_f(e[5]) * b.y + to_f(e[6]) * b.z + to_f(e[7]) * b.w;
+#pragma unroll
+                    for (int q = 0; q < CL_RW; ++q) {
+                        if (rb + q >= n) break;
+                        const uint4 u = *reinterpret_cast<const uint4*>(w_in + (size_t)(rb + q) * D_MODEL + k);
+                        const w_t* e = reinterpret_cast<const w_t*>(&u);
+                        acc[q] += to_f(e[0]) * a.x + to_f(e[1]) * a.y + to_f(e[2]) * a.z + to_f(e[3]) * a.w;
+                        acc[q] += to_f(e[4]) * b.x + to_f(e[5]) * b.y + to_f(e[6]) * b.z + to_f(e[7]) * b.w;
+                    }
                 }
-                acc = warp_sum(acc);
-                if (lane == 0) prow[cl_row(r0 + r, h)] = acc;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                    for (int q = 0; q < CL_RW; ++q) acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], o);
+#pragma unroll
+                for (int q = 0; q < CL_RW; ++q)
+                    if (lane == q && rb + q < n) prow[cl_row(r0 + rb + q, h)] = acc[q];
             }
         }
         __syncthreads();  // the rows' weights are read: the next layer's may come in
