@@ -18,7 +18,7 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::path::PathBuf;
 
 /// Every kernel source, in the order they are concatenated into one program.
-pub const SOURCES: [(&str, &str); 9] = [
+pub const SOURCES: [(&str, &str); 10] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
@@ -27,6 +27,7 @@ pub const SOURCES: [(&str, &str); 9] = [
     ("scan.cu", include_str!("kernels/scan.cu")),
     ("step.cu", include_str!("kernels/step.cu")),
     ("decode_layers.cu", include_str!("kernels/decode_layers.cu")),
+    ("cluster.cuh", include_str!("kernels/cluster.cuh")),
     (
         "decode_cluster.cu",
         include_str!("kernels/decode_cluster.cu"),
@@ -46,7 +47,10 @@ pub const TRAIN_SOURCES: [(&str, &str); 7] = [
 ];
 
 /// Hardware probes, not the model's (benches/gpu_floors.rs).
-pub const PROBE_SOURCES: [(&str, &str); 1] = [("probes.cu", include_str!("kernels/probes.cu"))];
+pub const PROBE_SOURCES: [(&str, &str); 2] = [
+    ("cluster.cuh", include_str!("kernels/cluster.cuh")),
+    ("probes.cu", include_str!("kernels/probes.cu")),
+];
 
 /// Which set of kernels a module holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -47,28 +47,6 @@
 extern "C" __device__ int decode_cluster_smem = CL_SMEM;
 extern "C" __device__ int decode_cluster_blocks = CL_BLOCKS;
 
-__device__ __forceinline__ void cl_meet() {
-    asm volatile(
-        "barrier.cluster.arrive.release.aligned;\n\t"
-        "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned cl_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-// The float at the shared-memory address of `p`, in block `rank` of this cluster.
-__device__ __forceinline__ float cl_load(const float* p, unsigned rank) {
-    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
-    unsigned remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ void cl_copy16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
                  "l"(src)

@@ -11,33 +11,7 @@
 // cluster barriers and shared-memory exchanges, and needs each SM to fill ≈ 150 KB of
 // shared memory with weights per layer. These probes measure those three prices.
 
-__device__ __forceinline__ void cluster_meet() {
-    asm volatile(
-        "barrier.cluster.arrive.release.aligned;\n\t"
-        "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-__device__ __forceinline__ unsigned cluster_blocks() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-    return r;
-}
-
-// The float at the same shared-memory offset as `p`, in block `rank` of this cluster.
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
-    unsigned remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
+// (cluster helpers: kernels/cluster.cuh)
 
 __device__ __forceinline__ unsigned long long probe_load_acquire(const unsigned long long* p) {
     unsigned long long v;
@@ -48,7 +22,7 @@ __device__ __forceinline__ unsigned long long probe_load_acquire(const unsigned 
 // `iters` cluster barriers, nothing else. (Dynamic shared memory only sizes the launch so
 // that one block fits an SM, as in the decode design.)
 extern "C" __global__ void probe_cluster_barrier(int iters) {
-    for (int i = 0; i < iters; ++i) cluster_meet();
+    for (int i = 0; i < iters; ++i) cl_meet();
 }
 
 // Per round: every block writes `n` floats to its shared memory, the cluster meets, each
@@ -57,17 +31,17 @@ extern "C" __global__ void probe_cluster_barrier(int iters) {
 // sums alive.
 extern "C" __global__ void probe_cluster_exchange(int iters, int n, float* out) {
     extern __shared__ float slice[];
-    const unsigned rank = cluster_rank(), blocks = cluster_blocks();
+    const unsigned rank = cl_rank(), blocks = cl_blocks();
     float acc = 0.f;
     for (int i = 0; i < iters; ++i) {
         for (int j = threadIdx.x; j < n; j += blockDim.x) slice[j] = acc + (float)(j + rank);
-        cluster_meet();
+        cl_meet();
         for (int j = threadIdx.x; j < n; j += blockDim.x) {
             float s = 0.f;
-            for (unsigned r = 0; r < blocks; ++r) s += ld_cluster(&slice[j], r);
+            for (unsigned r = 0; r < blocks; ++r) s += cl_load(&slice[j], r);
             acc += 1e-30f * s;
         }
-        cluster_meet();
+        cl_meet();
     }
     if (threadIdx.x == 0) out[blockIdx.x] = acc;
 }
