@@ -279,18 +279,8 @@ impl Gpu {
         smem: u32,
     ) -> Result<usize> {
         let mut attr = cluster_attr(cluster);
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: cluster,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: self.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
+        let attrs = std::slice::from_mut(&mut attr);
+        let cfg = launch_config((cluster, 1, 1), block, smem, self.cu_stream(), attrs);
         let mut n = 0;
         unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, k.func.cu_function(), &cfg) }
             .result()
@@ -313,18 +303,7 @@ impl Gpu {
             return Ok(());
         }
         let mut params: Vec<*mut c_void> = args.iter().map(|a| a.ptr()).collect();
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: self.lane_stream(lane),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: attrs.len() as u32,
-        };
+        let cfg = launch_config(grid, block, smem, self.lane_stream(lane), attrs);
         unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,
@@ -335,6 +314,29 @@ impl Gpu {
         }
         .result()
         .map_err(|e| dev_err(&format!("launching kernel `{}`", k.name), e))
+    }
+}
+
+/// A launch of `grid` blocks of `block` threads with `smem` bytes of dynamic shared memory
+/// on `stream`, with `attrs`.
+fn launch_config(
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    stream: sys::CUstream,
+    attrs: &mut [sys::CUlaunchAttribute],
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
     }
 }
 

@@ -11,9 +11,9 @@
 //! projections, latency-bound at these sizes, then overlap another lane's work.
 //! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
-use super::context::{Gpu, MAX_LANES};
+use super::context::{DevBuf, Gpu, MAX_LANES};
 use super::forward::Pipe;
-use super::kernels::proj_ld;
+use super::kernels::{proj_ld, ClusterKernel};
 use super::work::Work;
 use crate::error::Result;
 
@@ -206,16 +206,24 @@ impl Pipe<'_> {
         Ok(true)
     }
 
-    /// Every layer of a one-sequence step as one cluster per head
-    /// (kernels/decode_cluster.cu), when the options, the model and the batch allow it;
-    /// false (nothing launched) otherwise.
+    /// The cluster kernel and the layer table, when a step of `nb` sequences runs as one
+    /// cluster per head (kernels/decode_cluster.cu): asked for, one sequence, not probing,
+    /// and the kernel loaded (compiled for this shape, every cluster fitting at once).
+    pub(super) fn cluster_step(&self, nb: usize) -> Option<(&ClusterKernel, &DevBuf)> {
+        let on = self.opts.cluster_decode && !self.probe && nb == 1;
+        on.then_some((
+            self.k.decode_cluster.as_ref()?,
+            self.w.layer_table.as_ref()?,
+        ))
+    }
+
+    /// Every layer of the step as one cluster per head, when `cluster_step` allows it;
+    /// false (nothing launched) otherwise. Its two counters are the fused step's
+    /// (`Work::sync`, the same protocol: zero between launches).
     fn decode_cluster(&self, work: &Work, nb: usize) -> Result<bool> {
-        let (Some(ck), Some(table)) = (&self.k.decode_cluster, &self.w.layer_table) else {
+        let Some((ck, table)) = self.cluster_step(nb) else {
             return Ok(false);
         };
-        if !self.opts.cluster_decode || self.probe || nb != 1 {
-            return Ok(false);
-        }
         let layers = self.w.layers.len() as i32;
         let grid = self.d.nheads as u32 * ck.blocks;
         self.gpu.launch_cluster(
@@ -232,7 +240,7 @@ impl Pipe<'_> {
                 &work.cl_shares.ptr,
                 &work.yf.ptr,
                 &work.states.ptr,
-                &work.cl_sync.ptr,
+                &work.sync.ptr,
             ],
         )?;
         Ok(true)

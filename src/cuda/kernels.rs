@@ -248,6 +248,11 @@ impl KernelConfig {
             .find(|(n, _)| n == k)
             .map(|(_, v)| v.as_str())
     }
+
+    /// Whether the model has an MLP (the kernels of its MLP are compiled).
+    pub fn has_mlp(&self) -> bool {
+        self.define("MLP_HIDDEN").is_some_and(|v| v != "0")
+    }
 }
 
 /// The row stride of the in_proj output: `d_in_proj` rounded up to 8 (16-byte-aligned f32
@@ -536,7 +541,7 @@ impl Kernels {
         let (module, from_cache) = Module::load(gpu, Program::Inference, cfg)?;
         let get = |name| module.kernel(name);
         let global = |name: &str| module.global(name);
-        let mlp = cfg.define("MLP_HIDDEN") != Some("0");
+        let mlp = cfg.has_mlp();
         // A kernel of 16-bit models only, when this shape compiled it.
         let half_only = |name: &str| cfg.define("ACT") != Some("0") && module.has(name);
         let tc = |name: &'static str| -> Result<Option<(Kernel, [u32; 2])>> {

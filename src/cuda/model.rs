@@ -160,13 +160,12 @@ impl CudaModel {
     }
 
     /// Whether a one-sequence decode step takes the cluster kernel with the current options
-    /// (kernels/decode_cluster.cu): asked for, compiled for this shape, and every cluster
-    /// fits on the GPU at once.
+    /// (kernels/decode_cluster.cu; `Pipe::cluster_step` says when).
     pub fn cluster_decode_ready(&self) -> Result<bool> {
         let mut inner = self.lock()?;
         let o = inner.opts;
-        let on = o.cluster_decode && self.gw.layer_table.is_some();
-        Ok(on && self.kernels(&mut inner, o)?.decode_cluster.is_some())
+        let k = self.kernels(&mut inner, o)?;
+        Ok(self.pipe(&k, o).cluster_step(1).is_some())
     }
 
     /// Whether the kernels for the current options came from the disk cache.

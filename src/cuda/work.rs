@@ -162,8 +162,8 @@ impl SegPlan {
     /// phase-A work: a long batch takes one segment per sequence, one long prompt about
     /// as many segments as there are free slots per head, and a batch whose blocks
     /// overfill the slots by a fraction a short first segment and a long last one, the
-    /// short blocks filling the slots the long ones leave. (Calibrated on the H200 at d_state 128: docs/benchmarks.md,
-    /// "segments" and "segments of unequal lengths".)
+    /// short blocks filling the slots the long ones leave. (Calibrated on the H200 at
+    /// d_state 128: docs/benchmarks.md, "segments" and "segments of unequal lengths".)
     pub fn choose(chunks: &[usize], heads: usize, slots: usize) -> SegPlan {
         // Planning runs on the host before every pass, the GPU idle meanwhile: the plans
         // of recent batch shapes are kept.
@@ -386,13 +386,13 @@ pub struct Work {
     /// final-normed picked rows (act) and their logits (f32)
     pub hfin: DevBuf,
     pub logits: DevBuf,
-    /// the fused decode's two phase counters (kernels/decode_layers.cu), zero between launches
+    /// the fused and the cluster decode's two phase counters (kernels/decode_layers.cu,
+    /// kernels/decode_cluster.cu), zero between launches
     pub sync: DevBuf,
-    /// the cluster decode's (kernels/decode_cluster.cu): one in_proj row per head, the
-    /// heads' out_proj shares of two layers, two counters zero between launches
+    /// the cluster decode's one in_proj row per head and the heads' out_proj shares of two
+    /// layers
     pub cl_proj: DevBuf,
     pub cl_shares: DevBuf,
-    pub cl_sync: DevBuf,
 }
 
 impl Work {
@@ -433,11 +433,6 @@ impl Work {
             },
             cl_proj: f(h * super::kernels::proj_ld(d))?,
             cl_shares: f(2 * h * d.d_model)?,
-            cl_sync: {
-                let b = gpu.alloc::<u64>(2)?;
-                gpu.zero(b.ptr, b.bytes)?;
-                b
-            },
         })
     }
 

@@ -108,7 +108,8 @@ __device__ __forceinline__ void cl_wait(const unsigned long long* count, unsigne
 
 // res: the embedded row (D_MODEL f32), left as the last layer's output; cproj: NHEADS
 // in_proj rows (PROJ_LD apart), one per cluster; shares: 2 × NHEADS × D_MODEL f32; yf: the
-// gated mixer output (D_INNER f32); sync: two zeroed counters, zero again at the end.
+// gated mixer output (D_INNER f32); sync: two zeroed counters (the fused decode's, Work::sync),
+// zero again at the end.
 extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
     decode_cluster(const LayerW* __restrict__ layers, int n_layers, float* res, float* cproj,
                    float* shares, float* yf, float* const* __restrict__ states,

@@ -36,10 +36,7 @@ impl TrainKernels {
         let (module, _) = Module::load(gpu, Program::Training, cfg)?;
         let get = |name| module.kernel(name);
         let global = |name: &str| module.global(name);
-        let mlp = cfg
-            .defines
-            .iter()
-            .any(|(k, v)| k == "MLP_HIDDEN" && v != "0");
+        let mlp = cfg.has_mlp();
         let k = TrainKernels {
             embed: get("embed")?,
             rms_norm_rows: get("rms_norm_rows")?,
