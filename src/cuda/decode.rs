@@ -172,16 +172,8 @@ impl Pipe<'_> {
             return Ok(false);
         }
         let (layers, nb_i) = (self.w.layers.len() as i32, nb as i32);
-        let trace = trace_path();
         let phases = self.w.layers.len() * if self.d.mlp_hidden > 0 { 5 } else { 3 };
-        let trace_buf = match &trace {
-            Some(_) => Some(self.gpu.alloc::<u64>(phases * grid * 5)?),
-            None => None,
-        };
-        if let Some(t) = &trace_buf {
-            self.gpu.zero(t.ptr, t.bytes)?;
-        }
-        let trace_ptr = trace_buf.as_ref().map_or(0, |t| t.ptr);
+        let trace = Trace::new(self.gpu, phases, grid, FUSED_MARKS)?;
         self.gpu.launch_cooperative(
             kern,
             grid as u32,
@@ -197,12 +189,10 @@ impl Pipe<'_> {
                 &work.states.ptr,
                 &nb_i,
                 &work.sync.ptr,
-                &trace_ptr,
+                &trace.ptr(),
             ],
         )?;
-        if let (Some(path), Some(t)) = (trace, trace_buf) {
-            write_trace(self.gpu, &path, &t, phases, grid)?;
-        }
+        trace.write(self.gpu)?;
         Ok(true)
     }
 
@@ -226,6 +216,7 @@ impl Pipe<'_> {
         };
         let layers = self.w.layers.len() as i32;
         let grid = self.d.nheads as u32 * ck.blocks;
+        let trace = Trace::new(self.gpu, self.w.layers.len(), grid as usize, CLUSTER_MARKS)?;
         self.gpu.launch_cluster(
             &ck.kernel,
             grid,
@@ -241,8 +232,10 @@ impl Pipe<'_> {
                 &work.yf.ptr,
                 &work.states.ptr,
                 &work.sync.ptr,
+                &trace.ptr(),
             ],
         )?;
+        trace.write(self.gpu)?;
         Ok(true)
     }
 
@@ -348,34 +341,58 @@ fn decode_lanes(option: usize, nb: usize, probe: bool) -> usize {
     lanes.clamp(1, MAX_LANES).min(nb.max(1))
 }
 
-/// `MAMBA3_GPU_TRACE`, read once (not on every step).
-fn trace_path() -> Option<std::path::PathBuf> {
-    static PATH: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| std::env::var_os("MAMBA3_GPU_TRACE").map(Into::into))
-        .clone()
+/// Times per (phase, block) of the fused decode (kernels/decode_layers.cu): entered,
+/// waited, arrived, and two marks in between (after staging a GEMV's input, whose tiles end
+/// at the arrival; after loading the in_proj row and after the rotation of the mixer).
+const FUSED_MARKS: usize = 5;
+/// Times per (layer, block) of the cluster decode (`CL_MARKS` in kernels/decode_cluster.cu).
+const CLUSTER_MARKS: usize = 6;
+
+/// `MAMBA3_GPU_TRACE=FILE`, a diagnostic of the fused and the cluster decode: the times of
+/// the last eager step, one line per (phase or layer, block): `phase block t…` in ns of the
+/// GPU's global timer, 0 where a block had no work or a mark does not apply
+/// (scripts/trace_summary.py reads it). Nothing is allocated or written without it.
+struct Trace {
+    /// the file and the device buffer, when tracing
+    on: Option<(std::path::PathBuf, DevBuf)>,
+    grid: usize,
+    marks: usize,
 }
 
-/// `MAMBA3_GPU_TRACE=FILE` (a diagnostic of the fused decode): the phase times of the last
-/// eager step, one line per (phase, block): `phase block entered waited arrived mark3
-/// mark4` in ns of the GPU's global timer (the marks: after staging the input of a GEMV,
-/// whose tiles end at the arrival; after loading the in_proj row and after the rotation of
-/// the mixer), 0 where a block had no work in the phase or a mark does not apply.
-fn write_trace(
-    gpu: &Gpu,
-    path: &std::path::Path,
-    t: &super::context::DevBuf,
-    phases: usize,
-    grid: usize,
-) -> Result<()> {
-    gpu.sync()?;
-    let mut v = vec![0u64; phases * grid * 5];
-    gpu.dtoh(t.ptr, &mut v)?;
-    let mut out = String::new();
-    for (i, r) in v.chunks(5).enumerate() {
-        let (p, b) = (i / grid, i % grid);
-        out += &format!("{p} {b} {} {} {} {} {}\n", r[0], r[1], r[2], r[3], r[4]);
+impl Trace {
+    fn new(gpu: &Gpu, phases: usize, grid: usize, marks: usize) -> Result<Trace> {
+        static PATH: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+        let path = PATH.get_or_init(|| std::env::var_os("MAMBA3_GPU_TRACE").map(Into::into));
+        let on = match path {
+            Some(p) => {
+                let buf = gpu.alloc::<u64>(phases * grid * marks)?;
+                gpu.zero(buf.ptr, buf.bytes)?;
+                Some((p.clone(), buf))
+            }
+            None => None,
+        };
+        Ok(Trace { on, grid, marks })
     }
-    std::fs::write(path, out).map_err(|e| crate::error::Error::io(path, e))
+
+    /// The kernel's trace argument (0: off).
+    fn ptr(&self) -> u64 {
+        self.on.as_ref().map_or(0, |(_, b)| b.ptr)
+    }
+
+    fn write(self, gpu: &Gpu) -> Result<()> {
+        let Some((path, buf)) = self.on else {
+            return Ok(());
+        };
+        gpu.sync()?;
+        let mut v = vec![0u64; buf.bytes / 8];
+        gpu.dtoh(buf.ptr, &mut v)?;
+        let mut out = String::new();
+        for (i, r) in v.chunks(self.marks).enumerate() {
+            let times: Vec<String> = r.iter().map(u64::to_string).collect();
+            out += &format!("{} {} {}\n", i / self.grid, i % self.grid, times.join(" "));
+        }
+        std::fs::write(&path, out).map_err(|e| crate::error::Error::io(&path, e))
+    }
 }
 
 #[cfg(test)]

@@ -95,25 +95,37 @@ __device__ __forceinline__ void cl_fetch_out(w_t* dst, const w_t* W, int h, int 
 
 // Wait (poller thread 32, then the block) until `count` reaches `all`. The clusters cannot
 // wait for one that is not resident: after 2 s the kernel traps (an error, not a hang);
-// the host launches only when every cluster fits at once.
-__device__ __forceinline__ void cl_wait(const unsigned long long* count, unsigned long long all) {
+// the host launches only when every cluster fits at once. `seen`, when not null, gets the
+// time the poller saw it (the trace below).
+__device__ __forceinline__ void cl_wait(const unsigned long long* count, unsigned long long all,
+                                        unsigned long long* seen) {
     if (threadIdx.x == 32) {
         const unsigned long long t0 = global_ns();
         while (load_acquire(count) < all) {
             if (global_ns() - t0 > 2000000000ull) __trap();
         }
+        if (seen) *seen = global_ns();
     }
     __syncthreads();
 }
 
+// MAMBA3_GPU_TRACE (a diagnostic): per (layer, block) CL_MARKS times in ns of the global
+// timer — the layer entered, the previous layer's shares seen, the normed row and the
+// weights in, the head's in_proj row whole, the mixer done, the arrival.
+#define CL_MARKS 6
+#define CL_MARK(k)                                                                                 \
+    do {                                                                                           \
+        if (trace && tid == 0) trace[((size_t)l * gridDim.x + blockIdx.x) * CL_MARKS + (k)] = global_ns(); \
+    } while (0)
+
 // res: the embedded row (D_MODEL f32), left as the last layer's output; cproj: NHEADS
 // in_proj rows (PROJ_LD apart), one per cluster; shares: 2 × NHEADS × D_MODEL f32; yf: the
 // gated mixer output (D_INNER f32); sync: two zeroed counters (the fused decode's, Work::sync),
-// zero again at the end.
+// zero again at the end; trace: null, or n_layers × grid × CL_MARKS times (above).
 extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
     decode_cluster(const LayerW* __restrict__ layers, int n_layers, float* res, float* cproj,
                    float* shares, float* yf, float* const* __restrict__ states,
-                   unsigned long long* sync) {
+                   unsigned long long* sync, unsigned long long* trace) {
     extern __shared__ __align__(16) unsigned char cl_dyn[];
     __shared__ StepSmem sm;
     w_t* w_in = reinterpret_cast<w_t*>(cl_dyn + CL_W_IN);
@@ -134,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
     for (int i = tid; i < CL_SLICE; i += blockDim.x) slice[i] = res[c * CL_SLICE + i];
     for (int l = 0; l < n_layers; ++l) {
         const LayerW w = layers[l];
+        CL_MARK(0);
         // before anything of this layer is written: the head's k, v, φ and state rows
         StepHead hd;
         mixer_head(hd, states, l, h, 0);
@@ -141,7 +154,8 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
         mixer_ahead(ah, w.mix, states, l, h, 0, p0, p1);
         // ---- 1. the residual and its norm
         if (l > 0) {
-            cl_wait(sync, (unsigned long long)l * grid);
+            cl_wait(sync, (unsigned long long)l * grid,
+                    trace ? trace + ((size_t)l * gridDim.x + blockIdx.x) * CL_MARKS + 1 : nullptr);
             const float* sh = shares + (size_t)((l - 1) & 1) * NHEADS * D_MODEL + c * CL_SLICE;
             for (int i = tid; i < CL_SLICE; i += blockDim.x) {
                 float v = slice[i];
@@ -161,6 +175,7 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
             xn[e] = cl_load(slice + e % CL_SLICE, e / CL_SLICE) * inv * w.norm[e];
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
+        CL_MARK(2);
         // ---- 2. this block's in_proj rows: each warp CL_RW rows at a time, so that the
         // row sums' shuffles overlap (and each xn value read serves CL_RW rows)
         {
@@ -193,9 +208,11 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
         __syncthreads();  // the rows' weights are read: the next layer's may come in
         if (l + 1 < n_layers) cl_fetch_in(w_in, layers[l + 1].in_proj, h, c);
         cl_meet();  // the head's in_proj row is whole (release/acquire at cluster scope)
+        CL_MARK(3);
         // ---- 3. the mixer of state rows p0 … p1 − 1
         mixer_run(sm, ah, hd, w.mix, prow, states, l, h, 0, yf, nullptr, NoMark{}, p0, p1);
         __syncthreads();
+        CL_MARK(4);
         // ---- 4. this block's out_proj share, summed over the cluster
         float y[CL_YR];
 #pragma unroll
@@ -221,10 +238,11 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
             __threadfence();
             atomicAdd(sync, 1ull);
         }
+        CL_MARK(5);
     }
     // the last layer's residual, for the final norm and the head: cluster 0 writes it
     if (h == 0) {
-        cl_wait(sync, (unsigned long long)n_layers * grid);
+        cl_wait(sync, (unsigned long long)n_layers * grid, nullptr);
         const float* sh = shares + (size_t)((n_layers - 1) & 1) * NHEADS * D_MODEL + c * CL_SLICE;
         for (int i = tid; i < CL_SLICE; i += blockDim.x) {
             float v = slice[i];
