@@ -566,8 +566,11 @@ impl Kernels {
             Ok(Some((get(name)?, global(&format!("{name}_smem"))?)))
         };
         let decode_layers = [fused("decode_layers8")?, fused("decode_layers16")?];
+        // An optional path, off by default: if the driver refuses it (the shared-memory
+        // limit, the cluster occupancy query), the fused decode serves and the model still
+        // loads; `Model::cluster_decode_ready` says which runs.
         let decode_cluster = if half_only("decode_cluster") {
-            ClusterKernel::load(gpu, &module, cfg)?
+            ClusterKernel::load(gpu, &module, cfg).unwrap_or(None)
         } else {
             None
         };
