@@ -3,7 +3,9 @@
 //! of an exchange of one vector through distributed shared memory, of a grid-wide hand-over
 //! through one global counter (the fused decode's, kernels/decode_layers.cu), and the rate
 //! at which each SM fills its shared memory from DRAM and from L2 while all do. Also how
-//! many clusters of each size fit at once with one block per SM.
+//! many clusters of each size fit at once with one block per SM, and how fast a large
+//! batch's f32 decode state can stream through at all (read and written once per layer,
+//! in mixer_step's blocks: the floor of decode at B=64).
 //!
 //! `cargo bench --features cuda --bench gpu_floors` (on the GPU machine: the binary that
 //! `scripts/gpu-check pack` builds, run by `scripts/gpu-check run floors`). Each time is
@@ -135,6 +137,50 @@ fn main() -> Result<()> {
                 );
             }
         }
+    }
+    state_stream(&gpu, &m.kernel("probe_state_stream")?)
+}
+
+/// The decode state of the benchmark shape (24 layers, 24 heads × 64 × 128 f32) at
+/// batches 16 … 128, read and written in place once per layer by one block per (head,
+/// sequence), one launch per layer; against it, mixer_step's time per layer
+/// (docs/benchmarks.md).
+fn state_stream(gpu: &Gpu, k: &Kernel) -> Result<()> {
+    const LAYERS: usize = 24;
+    const HEADS: usize = 24;
+    let per_block: i32 = 64 * 128 * 4;
+    let scale = 1.0f32;
+    println!(
+        "
+f32 decode state, read and written in place (one block per head and sequence, a launch per layer):"
+    );
+    println!(
+        "{:>8} {:>12} {:>14} {:>14} {:>12}",
+        "batch", "MB/layer", "µs per layer", "µs per step", "TB/s"
+    );
+    for batch in [16usize, 64, 128] {
+        let blocks = HEADS * batch;
+        let layer_bytes = blocks * per_block as usize;
+        let buf = gpu.alloc::<u8>(layer_bytes * LAYERS)?;
+        gpu.zero(buf.ptr, buf.bytes)?;
+        const ROUNDS: usize = 10;
+        let t = best(gpu, 0, &|_| {
+            for _ in 0..ROUNDS {
+                for l in 0..LAYERS {
+                    let at = buf.ptr + (l * layer_bytes) as u64;
+                    let args: [&dyn KArg; 3] = [&at, &per_block, &scale];
+                    gpu.launch(k, (blocks as u32, 1, 1), THREADS, 0, false, &args)?;
+                }
+            }
+            Ok(())
+        })? / (ROUNDS * LAYERS) as f64;
+        println!(
+            "{batch:>8} {:>12.1} {:>14.2} {:>14.1} {:>12.2}",
+            layer_bytes as f64 / 1e6,
+            t * 1e6,
+            t * 1e6 * LAYERS as f64,
+            2.0 * layer_bytes as f64 / t / 1e12
+        );
     }
     Ok(())
 }

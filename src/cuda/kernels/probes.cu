@@ -9,7 +9,9 @@
 // one block cluster per head (the head's in_proj rows, its mixer and its share of out_proj
 // inside the cluster, one grid-wide hand-over per layer) trades two of the three for
 // cluster barriers and shared-memory exchanges, and needs each SM to fill ≈ 150 KB of
-// shared memory with weights per layer. These probes measure those three prices.
+// shared memory with weights per layer. These probes measure those three prices. The
+// last, probe_state_stream, measures how close mixer_step comes to the state traffic's
+// floor at a large batch.
 
 // (cluster helpers: kernels/cluster.cuh)
 
@@ -86,4 +88,27 @@ extern "C" __global__ void probe_smem_fill(const uint4* src, int bytes, int part
         __syncthreads();
     }
     if (seen == 0x9e3779b9u) out[0] = seen;
+}
+
+// The state traffic of one decode layer at a large batch, without its mathematics: block b
+// reads its `per_block` bytes (a multiple of 16) of f32 state — at the benchmark shape one
+// head's 64 × 128 rows — all loads of a round first, then writes them back scaled: the
+// memory shape of mixer_step (kernels/step.cu), one block per (head, sequence).
+extern "C" __global__ void probe_state_stream(float4* state, int per_block, float a) {
+    constexpr int ROUND = 8;  // float4s in flight per thread
+    float4* p = state + (size_t)blockIdx.x * (per_block / 16);
+    const int n = per_block / 16;
+    for (int base = 0; base < n; base += ROUND * blockDim.x) {
+        float4 v[ROUND];
+#pragma unroll
+        for (int r = 0; r < ROUND; ++r) {
+            const int i = base + r * blockDim.x + threadIdx.x;
+            if (i < n) v[r] = p[i];
+        }
+#pragma unroll
+        for (int r = 0; r < ROUND; ++r) {
+            const int i = base + r * blockDim.x + threadIdx.x;
+            if (i < n) p[i] = make_float4(v[r].x * a, v[r].y * a, v[r].z * a, v[r].w * a);
+        }
+    }
 }
