@@ -7,6 +7,7 @@ pub mod dtype;
 pub mod rng;
 pub mod tensor_file;
 pub mod torch_bin;
+mod torch_pickle;
 pub mod weights;
 
 pub use config::{Config, Dims};
