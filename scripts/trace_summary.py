@@ -1,50 +1,12 @@
 #!/usr/bin/env python3
 """Summarise a MAMBA3_GPU_TRACE file of the fused decode (src/cuda/decode.rs writes it):
-`trace_summary.py FILE 3|5` (phases per layer); `trace_summary.py FILE cluster` for the
-cluster decode's. Per kind of phase, averaged over the layers, how long the phase adds to
+`trace_summary.py FILE 3|5` (phases per layer). Per kind of phase, averaged over the layers, how long the phase adds to
 the step, how long its first and last worker took to see the previous phase done, and how
 long the work took."""
 import statistics as st
 import sys
 
 
-def cluster(path):
-    """The cluster decode's trace (kernels/decode_cluster.cu, CL_MARKS): per layer and
-    block, entered, shares seen, norm and weights in, in_proj row whole, mixer done,
-    arrived. Per stage, the median and the largest time over (layer, block), averaged over
-    the layers; and how long a layer takes from the previous layer's last arrival to its
-    own."""
-    rows = [tuple(map(int, l.split())) for l in open(path)]
-    layers = {}
-    for l, b, *t in rows:
-        layers.setdefault(l, []).append(t)
-    names = ["residual+norm", "in_proj rows", "mixer", "out_proj share"]
-    stage = {k: [] for k in names + ["wait seen"]}
-    spans, prev_end = [], None
-    for l in sorted(layers):
-        ts = layers[l]
-        for i, k in enumerate(names):
-            a = [t[i + 2] - ((t[1] or t[0]) if i == 0 else t[i + 1]) for t in ts]
-            stage[k].append((st.median(a), max(a)))
-        end = max(t[5] for t in ts)
-        if prev_end is not None:
-            seen = [t[1] - prev_end for t in ts if t[1]]
-            if seen:
-                stage["wait seen"].append((st.median(seen), max(seen)))
-            spans.append(end - prev_end)
-        prev_end = end
-    total = (prev_end - min(t[0] for t in layers[min(layers)])) / 1e3
-    print(f"cluster decode trace: {len(layers)} layers, {len(layers[0])} blocks, {total:.1f} us from the "
-          f"first block's start to the last arrival; a layer {st.mean(spans) / 1e3 if spans else 0:.2f} us "
-          f"(last arrival to last arrival)")
-    for k, v in stage.items():
-        if v:
-            print(f"  {k:15} median {st.mean(x[0] for x in v) / 1e3:5.2f} us, largest {st.mean(x[1] for x in v) / 1e3:5.2f} us")
-
-
-if sys.argv[2] == "cluster":
-    cluster(sys.argv[1])
-    sys.exit(0)
 path, per_layer = sys.argv[1], int(sys.argv[2])  # phases per layer: 3, or 5 with an MLP
 names = ["in_proj", "mixer", "out_proj", "fc1", "fc2"][:per_layer]
 rows = [tuple(map(int, l.split())) for l in open(path)]

@@ -3,17 +3,15 @@
 //! `GEMV_MAX_ROWS`: the in_proj GEMV with the RMSNorm fused on its input, `mixer_step`, the
 //! out_proj GEMV adding into the residual (and the MLP's two GEMVs) — or, for 16-bit
 //! models and batches whose heads fit in one block per SM, all layers in one cooperative
-//! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`), or, for
-//! one sequence and as an experiment, one cluster of blocks per head
-//! (kernels/decode_cluster.cu; `GpuOptions::cluster_decode`). Larger batches run the
-//! projections through cuBLASLt. A batch that takes the launch per kernel may be cut into
+//! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`). Larger
+//! batches run the projections through cuBLASLt. A batch that takes the launch per kernel may be cut into
 //! lanes of rows on streams of their own (`GpuOptions::decode_lanes`): one lane's
 //! projections, latency-bound at these sizes, then overlap another lane's work.
 //! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
 use super::context::{DevBuf, Gpu, MAX_LANES};
 use super::forward::Pipe;
-use super::kernels::{proj_ld, ClusterKernel};
+use super::kernels::proj_ld;
 use super::work::Work;
 use crate::error::Result;
 
@@ -27,7 +25,7 @@ impl Pipe<'_> {
     /// logits land in `work.logits` rows `0..nb`.
     pub fn decode(&self, work: &Work, nb: usize) -> Result<()> {
         self.embed(work, nb)?;
-        if self.decode_cluster(work, nb)? || self.decode_fused(work, nb)? {
+        if self.decode_fused(work, nb)? {
             return self.decode_head(work, nb);
         }
         // Lanes: the rows cut into contiguous runs, each through every layer on its own
@@ -173,7 +171,7 @@ impl Pipe<'_> {
         }
         let (layers, nb_i) = (self.w.layers.len() as i32, nb as i32);
         let phases = self.w.layers.len() * if self.d.mlp_hidden > 0 { 5 } else { 3 };
-        let trace = Trace::new(self.gpu, phases, grid, FUSED_MARKS)?;
+        let trace = Trace::new(self.gpu, phases, grid)?;
         self.gpu.launch_cooperative(
             kern,
             grid as u32,
@@ -188,49 +186,6 @@ impl Pipe<'_> {
                 &work.vg.ptr,
                 &work.states.ptr,
                 &nb_i,
-                &work.sync.ptr,
-                &trace.ptr(),
-            ],
-        )?;
-        trace.write(self.gpu)?;
-        Ok(true)
-    }
-
-    /// The cluster kernel and the layer table, when a step of `nb` sequences runs as one
-    /// cluster per head (kernels/decode_cluster.cu): asked for, one sequence, not probing,
-    /// and the kernel loaded (compiled for this shape, every cluster fitting at once).
-    pub(super) fn cluster_step(&self, nb: usize) -> Option<(&ClusterKernel, &DevBuf)> {
-        let on = self.opts.cluster_decode && !self.probe && nb == 1;
-        on.then_some((
-            self.k.decode_cluster.as_ref()?,
-            self.w.layer_table.as_ref()?,
-        ))
-    }
-
-    /// Every layer of the step as one cluster per head, when `cluster_step` allows it;
-    /// false (nothing launched) otherwise. Its two counters are the fused step's
-    /// (`Work::sync`, the same protocol: zero between launches).
-    fn decode_cluster(&self, work: &Work, nb: usize) -> Result<bool> {
-        let Some((ck, table)) = self.cluster_step(nb) else {
-            return Ok(false);
-        };
-        let layers = self.w.layers.len() as i32;
-        let grid = self.d.nheads as u32 * ck.blocks;
-        let trace = Trace::new(self.gpu, self.w.layers.len(), grid as usize, CLUSTER_MARKS)?;
-        self.gpu.launch_cluster(
-            &ck.kernel,
-            grid,
-            ck.blocks,
-            256,
-            ck.smem,
-            &[
-                &table.ptr,
-                &layers,
-                &work.res.ptr,
-                &work.cl_proj.ptr,
-                &work.cl_shares.ptr,
-                &work.yf.ptr,
-                &work.states.ptr,
                 &work.sync.ptr,
                 &trace.ptr(),
             ],
@@ -345,33 +300,30 @@ fn decode_lanes(option: usize, nb: usize, probe: bool) -> usize {
 /// waited, arrived, and two marks in between (after staging a GEMV's input, whose tiles end
 /// at the arrival; after loading the in_proj row and after the rotation of the mixer).
 const FUSED_MARKS: usize = 5;
-/// Times per (layer, block) of the cluster decode (`CL_MARKS` in kernels/decode_cluster.cu).
-const CLUSTER_MARKS: usize = 6;
 
-/// `MAMBA3_GPU_TRACE=FILE`, a diagnostic of the fused and the cluster decode: the times of
-/// the last eager step, one line per (phase or layer, block): `phase block t…` in ns of the
+/// `MAMBA3_GPU_TRACE=FILE`, a diagnostic of the fused decode: the times of the last eager
+/// step, one line per (phase, block): `phase block t…` in ns of the
 /// GPU's global timer, 0 where a block had no work or a mark does not apply
 /// (scripts/trace_summary.py reads it). Nothing is allocated or written without it.
 struct Trace {
     /// the file and the device buffer, when tracing
     on: Option<(std::path::PathBuf, DevBuf)>,
     grid: usize,
-    marks: usize,
 }
 
 impl Trace {
-    fn new(gpu: &Gpu, phases: usize, grid: usize, marks: usize) -> Result<Trace> {
+    fn new(gpu: &Gpu, phases: usize, grid: usize) -> Result<Trace> {
         static PATH: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
         let path = PATH.get_or_init(|| std::env::var_os("MAMBA3_GPU_TRACE").map(Into::into));
         let on = match path {
             Some(p) => {
-                let buf = gpu.alloc::<u64>(phases * grid * marks)?;
+                let buf = gpu.alloc::<u64>(phases * grid * FUSED_MARKS)?;
                 gpu.zero(buf.ptr, buf.bytes)?;
                 Some((p.clone(), buf))
             }
             None => None,
         };
-        Ok(Trace { on, grid, marks })
+        Ok(Trace { on, grid })
     }
 
     /// The kernel's trace argument (0: off).
@@ -387,7 +339,7 @@ impl Trace {
         let mut v = vec![0u64; buf.bytes / 8];
         gpu.dtoh(buf.ptr, &mut v)?;
         let mut out = String::new();
-        for (i, r) in v.chunks(self.marks).enumerate() {
+        for (i, r) in v.chunks(FUSED_MARKS).enumerate() {
             let times: Vec<String> = r.iter().map(u64::to_string).collect();
             out += &format!("{} {} {}\n", i / self.grid, i % self.grid, times.join(" "));
         }

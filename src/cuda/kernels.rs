@@ -18,7 +18,7 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::path::PathBuf;
 
 /// Every kernel source, in the order they are concatenated into one program.
-pub const SOURCES: [(&str, &str); 10] = [
+pub const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
@@ -27,11 +27,6 @@ pub const SOURCES: [(&str, &str); 10] = [
     ("scan.cu", include_str!("kernels/scan.cu")),
     ("step.cu", include_str!("kernels/step.cu")),
     ("decode_layers.cu", include_str!("kernels/decode_layers.cu")),
-    ("cluster.cuh", include_str!("kernels/cluster.cuh")),
-    (
-        "decode_cluster.cu",
-        include_str!("kernels/decode_cluster.cu"),
-    ),
 ];
 
 /// The training program: the forward's row and scan kernels plus the backward and the
@@ -79,9 +74,8 @@ impl Program {
     }
 }
 
-/// The kernels a module exports (`gemv_tc_*` and `decode_layers*` only for 16-bit models,
-/// `decode_cluster` only for those without an MLP or an output norm).
-pub const KERNEL_NAMES: [&str; 18] = [
+/// The kernels a module exports (`gemv_tc_*` and `decode_layers*` only for 16-bit models).
+pub const KERNEL_NAMES: [&str; 17] = [
     "embed",
     "rms_norm_rows",
     "swiglu_rows",
@@ -99,7 +93,6 @@ pub const KERNEL_NAMES: [&str; 18] = [
     "mixer_step",
     "decode_layers8",
     "decode_layers16",
-    "decode_cluster",
 ];
 
 /// How the chunk products of the scan are computed (`SCAN_MMA` in kernels/scan.cu).
@@ -474,41 +467,6 @@ impl<'g> Module<'g> {
     }
 }
 
-/// `decode_cluster` with its launch sizes.
-pub struct ClusterKernel {
-    pub kernel: Kernel,
-    /// dynamic shared memory per block, bytes
-    pub smem: u32,
-    /// blocks per cluster (one cluster per head)
-    pub blocks: u32,
-}
-
-impl ClusterKernel {
-    /// The kernel, when its shared memory fits `gpu` and all of a step's clusters (one per
-    /// head) can run at once — they wait for each other.
-    fn load(gpu: &Gpu, module: &Module, cfg: &KernelConfig) -> Result<Option<ClusterKernel>> {
-        let (smem, blocks) = (
-            module.global("decode_cluster_smem")?,
-            module.global("decode_cluster_blocks")?,
-        );
-        if smem as usize > gpu.max_smem {
-            return Ok(None);
-        }
-        let kernel = module.kernel("decode_cluster")?;
-        kernel.allow_smem(smem as usize)?;
-        let heads: usize = cfg
-            .define("NHEADS")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(usize::MAX);
-        let fit = gpu.max_active_clusters(&kernel, blocks, 256, smem)?;
-        Ok((fit >= heads).then_some(ClusterKernel {
-            kernel,
-            smem,
-            blocks,
-        }))
-    }
-}
-
 /// One model's kernels, loaded on the device.
 pub struct Kernels {
     pub embed: Kernel,
@@ -527,10 +485,6 @@ pub struct Kernels {
     /// every layer of a decode step in one cooperative launch (16-bit models), for
     /// batches of ≤ 8 and of ≤ 16 rows, with its shared memory
     pub decode_layers: [Option<(Kernel, u32)>; 2],
-    /// every layer of a one-sequence decode step as one cluster per head
-    /// (kernels/decode_cluster.cu), when this shape compiled it and every cluster fits at
-    /// once
-    pub decode_cluster: Option<ClusterKernel>,
     pub config: KernelConfig,
     /// Whether the cubin came from the disk cache.
     pub from_cache: bool,
@@ -566,14 +520,6 @@ impl Kernels {
             Ok(Some((get(name)?, global(&format!("{name}_smem"))?)))
         };
         let decode_layers = [fused("decode_layers8")?, fused("decode_layers16")?];
-        // An optional path, off by default: if the driver refuses it (the shared-memory
-        // limit, the cluster occupancy query), the fused decode serves and the model still
-        // loads; `Model::cluster_decode_ready` says which runs.
-        let decode_cluster = if half_only("decode_cluster") {
-            ClusterKernel::load(gpu, &module, cfg).unwrap_or(None)
-        } else {
-            None
-        };
         let k = Kernels {
             embed: get("embed")?,
             rms_norm_rows: get("rms_norm_rows")?,
@@ -585,7 +531,6 @@ impl Kernels {
             scan: ScanKernels::load(gpu, &module)?,
             mixer_step: get("mixer_step")?,
             decode_layers,
-            decode_cluster,
             config: cfg.clone(),
             from_cache,
         };

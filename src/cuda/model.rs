@@ -159,15 +159,6 @@ impl CudaModel {
         Ok(self.kernels(&mut inner, o)?.scan.scan_slots)
     }
 
-    /// Whether a one-sequence decode step takes the cluster kernel with the current options
-    /// (kernels/decode_cluster.cu; `Pipe::cluster_step` says when).
-    pub fn cluster_decode_ready(&self) -> Result<bool> {
-        let mut inner = self.lock()?;
-        let o = inner.opts;
-        let k = self.kernels(&mut inner, o)?;
-        Ok(self.pipe(&k, o).cluster_step(1).is_some())
-    }
-
     /// Whether the kernels for the current options came from the disk cache.
     pub fn kernels_from_cache(&self) -> Result<bool> {
         let mut inner = self.lock()?;

@@ -386,13 +386,9 @@ pub struct Work {
     /// final-normed picked rows (act) and their logits (f32)
     pub hfin: DevBuf,
     pub logits: DevBuf,
-    /// the fused and the cluster decode's two phase counters (kernels/decode_layers.cu,
-    /// kernels/decode_cluster.cu), zero between launches
+    /// the fused decode's two phase counters (kernels/decode_layers.cu), zero between
+    /// launches
     pub sync: DevBuf,
-    /// the cluster decode's one in_proj row per head and the heads' out_proj shares of two
-    /// layers
-    pub cl_proj: DevBuf,
-    pub cl_shares: DevBuf,
 }
 
 impl Work {
@@ -431,8 +427,6 @@ impl Work {
                 gpu.zero(b.ptr, b.bytes)?;
                 b
             },
-            cl_proj: f(h * super::kernels::proj_ld(d))?,
-            cl_shares: f(2 * h * d.d_model)?,
         })
     }
 

@@ -53,11 +53,6 @@ pub struct GpuOptions {
     /// projections overlap another's work (the head then runs once for the batch). Each
     /// lane leaves the states the decode of its rows alone would.
     pub decode_lanes: usize,
-    /// 16-bit models without an MLP or an output norm, one sequence: every layer of a
-    /// decode step as one thread-block cluster per head, meeting the whole grid once per
-    /// layer instead of three times (kernels/decode_cluster.cu). Off by default: an
-    /// experiment not yet measured; its sums run in another order (last bits differ).
-    pub cluster_decode: bool,
 }
 
 impl Default for GpuOptions {
@@ -68,15 +63,13 @@ impl Default for GpuOptions {
             pdl: true,
             fused_decode: true,
             decode_lanes: 0,
-            cluster_decode: false,
         }
     }
 }
 
 impl GpuOptions {
     /// The defaults, overridden by `MAMBA3_GPU_TF32=1`, `MAMBA3_GPU_FAST=1`,
-    /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`, `MAMBA3_GPU_DECODE_LANES=N`,
-    /// `MAMBA3_GPU_CLUSTER_DECODE=1`.
+    /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`, `MAMBA3_GPU_DECODE_LANES=N`.
     pub fn from_env() -> GpuOptions {
         let flag = |k: &str, d: bool| match std::env::var(k).as_deref() {
             Ok("1") | Ok("true") | Ok("on") => true,
@@ -93,7 +86,6 @@ impl GpuOptions {
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .map_or(d.decode_lanes, |n| n.min(4)),
-            cluster_decode: flag("MAMBA3_GPU_CLUSTER_DECODE", d.cluster_decode),
         }
     }
 }
@@ -364,17 +356,6 @@ impl Model {
             Backend::Cpu(_) => Ok(None),
             #[cfg(feature = "cuda")]
             Backend::Cuda(m) => m.options().map(Some),
-        }
-    }
-
-    /// Whether a one-sequence decode step runs as one cluster of blocks per head
-    /// (`GpuOptions::cluster_decode` asked for, and possible for this model and GPU);
-    /// false on the CPU.
-    pub fn cluster_decode_ready(&self) -> Result<bool> {
-        match &self.backend {
-            Backend::Cpu(_) => Ok(false),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.cluster_decode_ready(),
         }
     }
 

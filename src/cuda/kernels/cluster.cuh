@@ -1,6 +1,6 @@
 // Thread-block clusters (Hopper, sm_90 and newer): the blocks of a cluster run at once on
-// one GPC, meet at a cluster barrier, and read each other's shared memory. Used by
-// kernels/decode_cluster.cu and the hardware probes (kernels/probes.cu).
+// one GPC, meet at a cluster barrier, and read each other's shared memory. Used by the
+// hardware probes (kernels/probes.cu).
 #if __CUDA_ARCH__ >= 900
 
 // Every thread of every block of the cluster meets here; memory written before is seen

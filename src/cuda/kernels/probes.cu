@@ -7,9 +7,10 @@
 // Why: at batch 1 a decode layer is three grid-wide phases (kernels/decode_layers.cu), and
 // each hand-over plus the staging after it costs ≈ 2 µs (docs/benchmarks.md). A design with
 // one block cluster per head (the head's in_proj rows, its mixer and its share of out_proj
-// inside the cluster, one grid-wide hand-over per layer) trades two of the three for
+// inside the cluster, one grid-wide hand-over per layer) would trade two of the three for
 // cluster barriers and shared-memory exchanges, and needs each SM to fill ≈ 150 KB of
-// shared memory with weights per layer. These probes measure those three prices. The
+// shared memory with weights per layer; these probes price those three (such a kernel was
+// built, measured 1.7× slower than the fused decode and removed: docs/benchmarks.md). The
 // last, probe_state_stream, measures how close mixer_step comes to the state traffic's
 // floor at a large batch.
 
