@@ -38,7 +38,14 @@ pub(crate) struct Inner {
 
 impl CudaModel {
     pub fn new(weights: Arc<Weights>, ordinal: usize) -> Result<CudaModel> {
-        let gpu = Arc::new(Gpu::new(ordinal)?);
+        Self::on(Gpu::new(ordinal)?, weights)
+    }
+
+    /// The model on a device already opened (`Model::load` opens it while the checkpoint
+    /// is read: creating the context is a good part of the start-up).
+    pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
+        gpu.bind()?; // it may have been opened on another thread
+        let gpu = Arc::new(gpu);
         let gw = GpuWeights::upload(&gpu, &weights)?;
         let lt = Lt::new(&gpu)?;
         let m = CudaModel {

@@ -104,6 +104,23 @@ impl Model {
                 "dtype f64 is for the CPU oracle (cpu::CpuModel<f64>); the engine runs f32, bf16 or f16",
             ));
         }
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(ordinal) = device {
+            // Open the device while the checkpoint is read and converted: the two take
+            // comparable times at start-up, and neither needs the other.
+            let gpu = std::thread::spawn(move || crate::cuda::context::Gpu::new(ordinal));
+            let weights = Weights::load(path, dtype);
+            let gpu = gpu
+                .join()
+                .map_err(|_| Error::Device("opening the CUDA device panicked".into()))?;
+            let weights = Arc::new(weights?);
+            let model = crate::cuda::CudaModel::on(gpu?, weights.clone())?;
+            return Ok(Model {
+                weights,
+                device,
+                backend: Backend::Cuda(Box::new(model)),
+            });
+        }
         Self::from_weights(Weights::load(path, dtype)?, device)
     }
 
