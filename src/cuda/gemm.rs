@@ -131,36 +131,6 @@ impl Lt {
         })
     }
 
-    /// One small product in the model's element type, so that cuBLASLt's one-time set-up
-    /// on its first product (≈ 0.1 s) is paid at load — where it overlaps the reading of
-    /// the checkpoint — and not by the first request.
-    pub fn warm_up(&self, gpu: &Gpu, t: ElemType) -> Result<()> {
-        let (rows, n, k) = (16, 64, 64);
-        let spec = GemmSpec {
-            op: GemmOp::Linear,
-            rows,
-            n,
-            k,
-            ldd: n,
-            lda: 0,
-            ldw: 0,
-            a: t,
-            w: t,
-            d: ElemType::F32,
-            accumulate: false,
-            tf32: false,
-        };
-        let (a, w, d) = (
-            gpu.alloc::<u8>(rows * k * t.size())?,
-            gpu.alloc::<u8>(n * k * t.size())?,
-            gpu.alloc::<f32>(rows * n)?,
-        );
-        gpu.zero(a.ptr, a.bytes)?;
-        gpu.zero(w.ptr, w.bytes)?;
-        self.gemm(gpu, &spec, a.ptr, w.ptr, d.ptr)?;
-        gpu.sync()
-    }
-
     fn plan(&self, s: &GemmSpec) -> Result<Plan> {
         let compute = if s.tf32 && s.a == ElemType::F32 && s.w == ElemType::F32 {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32

@@ -38,24 +38,16 @@ pub(crate) struct Inner {
 
 impl CudaModel {
     pub fn new(weights: Arc<Weights>, ordinal: usize) -> Result<CudaModel> {
-        Self::on(Self::open(ordinal, weights.dtype)?, weights)
+        Self::on(Gpu::new(ordinal)?, weights)
     }
 
-    /// Open device `ordinal` for a model of `dtype`: the context, cuBLASLt and its first
-    /// product — most of the start-up that does not need the weights (`Model::load` runs it
-    /// on a thread while the checkpoint is read).
-    pub fn open(ordinal: usize, dtype: DType) -> Result<(Gpu, Lt)> {
-        let gpu = Gpu::new(ordinal)?;
-        let lt = Lt::new(&gpu)?;
-        lt.warm_up(&gpu, super::gemm::ElemType::of(dtype))?;
-        Ok((gpu, lt))
-    }
-
-    /// The model on a device opened by [`CudaModel::open`].
-    pub fn on((gpu, lt): (Gpu, Lt), weights: Arc<Weights>) -> Result<CudaModel> {
+    /// The model on a device already opened (`Model::load` opens it while the checkpoint
+    /// is read: creating the context is a good part of the start-up).
+    pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
         let gw = GpuWeights::upload(&gpu, &weights)?;
+        let lt = Lt::new(&gpu)?;
         let m = CudaModel {
             gpu,
             weights,

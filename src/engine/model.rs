@@ -108,7 +108,7 @@ impl Model {
         if let Device::Cuda(ordinal) = device {
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other.
-            let gpu = std::thread::spawn(move || crate::cuda::CudaModel::open(ordinal, dtype));
+            let gpu = std::thread::spawn(move || crate::cuda::context::Gpu::new(ordinal));
             let weights = Weights::load(path, dtype);
             let gpu = gpu
                 .join()
