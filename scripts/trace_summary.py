@@ -1,11 +1,10 @@
 #!/usr/bin/env python3
 """Summarise a MAMBA3_GPU_TRACE file of the fused decode (src/cuda/decode.rs writes it):
-`trace_summary.py FILE 3|5` (phases per layer). Per kind of phase, averaged over the layers, how long the phase adds to
-the step, how long its first and last worker took to see the previous phase done, and how
-long the work took."""
+`trace_summary.py FILE 3|5` (phases per layer). Per kind of phase, averaged over the
+layers, how long the phase adds to the step, how long its first and last worker took to see
+the previous phase done, and how long the work took."""
 import statistics as st
 import sys
-
 
 path, per_layer = sys.argv[1], int(sys.argv[2])  # phases per layer: 3, or 5 with an MLP
 names = ["in_proj", "mixer", "out_proj", "fc1", "fc2"][:per_layer]

@@ -4,9 +4,9 @@
 //! out_proj GEMV adding into the residual (and the MLP's two GEMVs) — or, for 16-bit
 //! models and batches whose heads fit in one block per SM, all layers in one cooperative
 //! launch (kernels/decode_layers.cu, bit-identical; `GpuOptions::fused_decode`). Larger
-//! batches run the projections through cuBLASLt. A batch that takes the launch per kernel may be cut into
-//! lanes of rows on streams of their own (`GpuOptions::decode_lanes`): one lane's
-//! projections, latency-bound at these sizes, then overlap another lane's work.
+//! batches run the projections through cuBLASLt. A batch that takes the launch per kernel
+//! may be cut into lanes of rows on streams of their own (`GpuOptions::decode_lanes`): one
+//! lane's projections, latency-bound at these sizes, then overlap another lane's work.
 //! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
 use super::context::{DevBuf, Gpu, MAX_LANES};
@@ -302,9 +302,9 @@ fn decode_lanes(option: usize, nb: usize, probe: bool) -> usize {
 const FUSED_MARKS: usize = 5;
 
 /// `MAMBA3_GPU_TRACE=FILE`, a diagnostic of the fused decode: the times of the last eager
-/// step, one line per (phase, block): `phase block t…` in ns of the
-/// GPU's global timer, 0 where a block had no work or a mark does not apply
-/// (scripts/trace_summary.py reads it). Nothing is allocated or written without it.
+/// step, one line per (phase, block): `phase block t…` in ns of the GPU's global timer, 0
+/// where a block had no work or a mark does not apply (scripts/trace_summary.py reads it).
+/// Nothing is allocated or written without it.
 struct Trace {
     /// the file and the device buffer, when tracing
     on: Option<(std::path::PathBuf, DevBuf)>,
