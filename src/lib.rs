@@ -16,6 +16,7 @@ pub mod error;
 pub mod model;
 pub mod serve;
 pub mod text;
+pub mod timeline;
 pub mod train;
 
 pub use engine::{Device, Logits, LogitsWant, Model, State};

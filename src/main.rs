@@ -2,6 +2,7 @@ use clap::Parser;
 use mamba3::cli::{Cli, Command};
 
 fn main() {
+    mamba3::timeline::begin();
     let cli = Cli::parse();
     // Commands that print behave like other command-line tools when the reader of their
     // output goes away (`mamba3 inspect | head`): they end quietly. The server keeps Rust's

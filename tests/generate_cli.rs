@@ -211,3 +211,53 @@ fn refusals_are_clear() {
     let o = mamba3(&["generate", "--model", "/nonexistent/dir", "--prompt", "x"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"));
 }
+
+#[test]
+fn timeline_marks_the_start_up_stages_in_order() {
+    let args = [
+        "generate",
+        "And God said",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    ];
+    let run = |timeline: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_mamba3"));
+        c.args(args).env_remove("MAMBA3_TIMELINE");
+        if let Some(t) = timeline {
+            c.env("MAMBA3_TIMELINE", t);
+        }
+        c.output().expect("run mamba3")
+    };
+    let (plain, timed) = (run(None), run(Some("1")));
+    // The timeline only adds lines to stderr.
+    assert_eq!(ok(&plain), ok(&timed));
+    assert!(!String::from_utf8_lossy(&plain.stderr).contains("[timeline]"));
+    let err = String::from_utf8_lossy(&timed.stderr);
+    let marks: Vec<(f64, &str)> = err
+        .lines()
+        .filter_map(|l| l.strip_prefix("[timeline]"))
+        .map(|l| {
+            let secs = l.split_whitespace().next().unwrap();
+            let label = l.split("ms  ").nth(1).unwrap_or("");
+            (secs.parse().expect("seconds"), label)
+        })
+        .collect();
+    let labels: Vec<&str> = marks.iter().map(|m| m.1).collect();
+    assert_eq!(labels.len(), 5, "{err}");
+    assert_eq!(
+        labels[..3],
+        [
+            "process started",
+            "tokenizer read",
+            "checkpoint read and converted"
+        ],
+        "{err}"
+    );
+    assert!(labels[3].starts_with("model ready on cpu"), "{err}");
+    assert_eq!(labels[4], "first token sampled", "{err}");
+    assert!(marks.windows(2).all(|w| w[0].0 <= w[1].0), "{err}");
+}

@@ -88,8 +88,10 @@ pub fn run(a: Args) -> Result<()> {
     let source = ModelSource::resolve(a.model.as_deref())?;
     let text = source.load_text(a.tokenizer.as_deref())?;
     let tokenizer = text.tokenizer;
+    crate::timeline::mark(|| "tokenizer read".into());
     let pb = spinner("loading weights");
     let model: Model = source.load_model(a.run.device.resolve(), a.run.dtype)?;
+    crate::timeline::mark(|| format!("model ready on {}", model.device_name()));
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
@@ -177,6 +179,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
     let mut ids = Vec::new();
     let mut write_err = None;
+    let mut first_sampled = false;
     let stats: GenStats = generate(
         &model,
         &mut state,
@@ -191,6 +194,10 @@ pub fn run(a: Args) -> Result<()> {
             }
         },
         |step| {
+            if !first_sampled {
+                first_sampled = true;
+                crate::timeline::mark(|| "first token sampled".into());
+            }
             if let Some(pb) = &bar {
                 if !pb.is_finished() {
                     pb.finish_and_clear();

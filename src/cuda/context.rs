@@ -53,6 +53,7 @@ impl Gpu {
             )));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("creating the CUDA context", e))?;
+        crate::timeline::mark(|| format!("CUDA context of device {ordinal} created"));
         // One stream, used in order: cudarc's per-buffer events are not needed.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx

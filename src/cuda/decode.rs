@@ -32,7 +32,7 @@ impl Pipe<'_> {
         // stream (they share nothing but the weights). The head runs once for the whole
         // batch: per lane it would read its weights (the embedding, for a tied head) again.
         // One lane runs on the main stream, several on side streams 1 … lanes.
-        let lanes = decode_lanes(self.opts.decode_lanes, nb, self.probe);
+        let lanes = decode_lanes(self.opts.decode_lanes, nb, self.probe || self.timed);
         if lanes == 1 {
             self.decode_layers(work, 0, nb)?;
         } else {
@@ -283,11 +283,11 @@ impl Pipe<'_> {
 /// two-tile form). Four lanes of 8 gain 3–6 % at 24 – 32 rows in a CUDA graph, but
 /// launched eagerly each lane's launches cost the host as much as the whole step's (the
 /// server decodes batches past its graphs eagerly: 31 rows in four lanes took 1.93–1.98 ms
-/// per step, in one 1.63–1.64), and eager and replayed steps must compute the same. `probe`
-/// waits on the main stream only, so it takes one.
-fn decode_lanes(option: usize, nb: usize, probe: bool) -> usize {
+/// per step, in one 1.63–1.64), and eager and replayed steps must compute the same. `sync`
+/// (probing or timing every step) waits on the main stream only, so it takes one.
+fn decode_lanes(option: usize, nb: usize, sync: bool) -> usize {
     let lanes = match (option, nb) {
-        _ if probe => 1,
+        _ if sync => 1,
         (0, 6..=16) => 2,
         (0, 0..=32) => 1,
         (0, _) => 2,

@@ -48,6 +48,8 @@ pub struct Pipe<'a> {
     pub opts: CudaOptions,
     /// check every step's output for non-finite values (`MAMBA3_GPU_DEBUG=1`)
     pub probe: bool,
+    /// wait after every step and mark it on the start-up timeline (`MAMBA3_TIMELINE=2`)
+    pub timed: bool,
     /// the stream this pipe launches on (0: the main one, 1 … MAX_LANES: the lanes' side
     /// streams; see `Gpu::fork_lanes`)
     pub lane: usize,
@@ -65,7 +67,7 @@ impl Pipe<'_> {
         buf.ptr + (elems * self.act().size()) as u64
     }
 
-    /// With `probe` on: wait, and check `rows × cols` values (rows `ld` apart, f32 or the
+    /// With `timed` on: wait, and mark the step on the timeline. With `probe` on: wait, and check `rows × cols` values (rows `ld` apart, f32 or the
     /// activation dtype) that `what` wrote.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn look(
@@ -116,6 +118,13 @@ impl Pipe<'_> {
     }
 
     fn look_at(&self, what: &str, layer: Option<usize>, region: Region) -> Result<()> {
+        if self.timed {
+            self.gpu.sync()?;
+            crate::timeline::mark(|| match layer {
+                Some(l) => format!("  step {what} of layer {l}"),
+                None => format!("  step {what}"),
+            });
+        }
         if !self.probe {
             return Ok(());
         }

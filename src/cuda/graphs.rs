@@ -85,7 +85,9 @@ impl CudaModel {
         gpu.htod(&vec![0u32; lay.rows], work.tokens.ptr)?;
         gpu.htod(&vec![sp; n], work.states.ptr)?;
         let mut pipe = self.pipe(&k, opts);
-        pipe.probe = false; // no synchronisation inside a capture
+        // no synchronisation inside a capture
+        pipe.probe = false;
+        pipe.timed = false;
         let run = |w: &Work| match kind {
             Kind::Decode => pipe.decode(w, n),
             Kind::Prefill => pipe.prefill(w, &lay),

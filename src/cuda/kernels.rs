@@ -428,6 +428,18 @@ impl<'g> Module<'g> {
     pub fn load(gpu: &'g Gpu, program: Program, cfg: &KernelConfig) -> Result<(Self, bool)> {
         gpu.bind()?;
         let (cubin, from_cache) = cubin_cached(program, cfg, &arch_for(gpu.cc))?;
+        crate::timeline::mark(|| {
+            let how = if from_cache {
+                "read from the cache"
+            } else {
+                "compiled by NVRTC"
+            };
+            format!(
+                "{} kernels {how} ({} KB)",
+                program.what(),
+                cubin.len() / 1024
+            )
+        });
         let module = gpu
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
@@ -437,6 +449,7 @@ impl<'g> Module<'g> {
                     e,
                 )
             })?;
+        crate::timeline::mark(|| format!("{} kernels loaded on the device", program.what()));
         Ok((Module { gpu, module }, from_cache))
     }
 

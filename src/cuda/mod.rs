@@ -10,7 +10,8 @@
 //!   chunked mixer's launches, which the prefill and training share;
 //! - `graphs`: CUDA-graph capture and replay;
 //! - `model`: `CudaModel`, what the engine's `Model` calls;
-//! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step;
+//! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step
+//!   (`MAMBA3_TIMELINE=2`, `crate::timeline`, times every step instead);
 //! - `train`: training on the GPU (`CudaTrainer`, a `train::Backend`).
 //!
 //! Every kernel has a CPU twin of the same name in `crate::cpu` (`embed` → the embedding

@@ -46,8 +46,8 @@ impl CudaModel {
     pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
-        let gw = GpuWeights::upload(&gpu, &weights)?;
-        let lt = Lt::new(&gpu)?;
+        let gw = crate::timeline::stage("weights uploaded", || GpuWeights::upload(&gpu, &weights))?;
+        let lt = crate::timeline::stage("cuBLASLt opened", || Lt::new(&gpu))?;
         let m = CudaModel {
             gpu,
             weights,
@@ -66,6 +66,7 @@ impl CudaModel {
         let opts = inner.opts;
         m.kernels(&mut inner, opts)?;
         drop(inner);
+        crate::timeline::mark(|| "kernels ready".into());
         Ok(m)
     }
 
@@ -154,6 +155,7 @@ impl CudaModel {
             dtype: self.weights.dtype,
             opts,
             probe: super::probe::enabled(),
+            timed: crate::timeline::level() >= 2,
             lane: 0,
             background: false,
         }
@@ -293,6 +295,7 @@ impl CudaModel {
                 .rounded_up();
             inner.work = None;
             inner.work = Some(Work::new(&self.gpu, &d, self.weights.dtype.size(), c)?);
+            crate::timeline::mark(|| format!("work buffers allocated ({} rows)", c.rows));
         }
         let work = inner.work.as_ref().expect("allocated above");
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
@@ -313,6 +316,14 @@ impl CudaModel {
         if picked == 0 {
             self.gpu.sync()?;
         }
+        crate::timeline::mark(|| {
+            let what = if decode { "decode step" } else { "prefill" };
+            format!(
+                "{what} of {} token(s) over {} sequence(s)",
+                tokens.len(),
+                seqs.len()
+            )
+        });
         Ok(out)
     }
 

@@ -108,8 +108,14 @@ impl Model {
         if let Device::Cuda(ordinal) = device {
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other.
-            let gpu = std::thread::spawn(move || crate::cuda::context::Gpu::new(ordinal));
-            let weights = Weights::load(path, dtype);
+            let gpu = std::thread::spawn(move || {
+                crate::timeline::stage("CUDA device opened (thread)", || {
+                    crate::cuda::context::Gpu::new(ordinal)
+                })
+            });
+            let weights = crate::timeline::stage("checkpoint read and converted", || {
+                Weights::load(path, dtype)
+            });
             let gpu = gpu
                 .join()
                 .map_err(|_| Error::Device("opening the CUDA device panicked".into()))?;
@@ -121,7 +127,10 @@ impl Model {
                 backend: Backend::Cuda(Box::new(model)),
             });
         }
-        Self::from_weights(Weights::load(path, dtype)?, device)
+        let weights = crate::timeline::stage("checkpoint read and converted", || {
+            Weights::load(path, dtype)
+        })?;
+        Self::from_weights(weights, device)
     }
 
     pub fn from_weights(weights: Weights, device: Device) -> Result<Model> {
