@@ -1,7 +1,8 @@
 //! What the GPU's synchronisation and shared-memory primitives cost, for sizing the decode
 //! step (kernels/probes.cu says why): per call, the time of a thread-block cluster barrier,
 //! of an exchange of one vector through distributed shared memory, of a grid-wide hand-over
-//! through one global counter (the fused decode's, kernels/decode_layers.cu), and the rate
+//! through one global counter (the fused decode's, kernels/decode_layers.cu) and through
+//! arrivals spread over many addresses (a flag per block, split counters), and the rate
 //! at which each SM fills its shared memory from DRAM and from L2 while all do. Also how
 //! many clusters of each size fit at once with one block per SM, and how fast a large
 //! batch's f32 decode state can stream through at all (read and written once per layer,
@@ -99,16 +100,7 @@ fn main() -> Result<()> {
         );
     }
 
-    println!("\ngrid-wide hand-over (fence, one atomic add, acquire polls; cooperative launch):");
-    println!("{:>8} {:>16}", "blocks", "hand-over µs");
-    let count = gpu.alloc::<u64>(1)?;
-    for blocks in [24u32, 48, 96, 120, gpu.sms as u32] {
-        let t = per_iter(&gpu, 20_000, &|n: i32| {
-            gpu.zero(count.ptr, 8)?;
-            gpu.launch_cooperative(&handover, blocks, THREADS, ONE_PER_SM, &[&n, &count.ptr])
-        })?;
-        println!("{blocks:>8} {:>16.3}", t * 1e6);
-    }
+    handovers(&gpu, &m, &handover)?;
 
     println!("\nshared-memory fill by 16-byte cp.async (every block at once):");
     println!(
@@ -139,6 +131,56 @@ fn main() -> Result<()> {
         }
     }
     state_stream(&gpu, &m.kernel("probe_state_stream")?)
+}
+
+/// The grid-wide hand-over of the fused decode (one counter) against two ways of spreading
+/// the arrivals over many addresses: a flag per block (packed, or a 128-byte line each),
+/// and the counter split in 4 or 16. µs per hand-over, cooperative launches.
+fn handovers(gpu: &Gpu, m: &Module, one_counter: &Kernel) -> Result<()> {
+    let kernel = |name| -> Result<Kernel> {
+        let k = m.kernel(name)?;
+        k.allow_smem(ONE_PER_SM as usize)?;
+        Ok(k)
+    };
+    let (flags_k, split_k) = (
+        kernel("probe_grid_handover_flags")?,
+        kernel("probe_grid_handover_split")?,
+    );
+    println!(
+        "\ngrid-wide hand-over, µs (a fence and an arrival; warp 1 polls with acquire loads):"
+    );
+    println!(
+        "{:>8} {:>12} {:>14} {:>14} {:>12} {:>12}",
+        "blocks", "one counter", "flags packed", "flags 128 B", "4 counters", "16 counters"
+    );
+    let words = gpu.sms * 32;
+    let buf = gpu.alloc::<u64>(words)?;
+    let zeroed = |launch: &dyn Fn(i32) -> Result<()>| {
+        per_iter(gpu, 20_000, &|n: i32| {
+            gpu.zero(buf.ptr, words * 8)?;
+            launch(n)
+        })
+    };
+    for blocks in [24u32, 48, 96, 120, gpu.sms as u32] {
+        let coop = |k: &Kernel, n: i32, third: Option<i32>| match third {
+            None => gpu.launch_cooperative(k, blocks, THREADS, ONE_PER_SM, &[&n, &buf.ptr]),
+            Some(x) => gpu.launch_cooperative(k, blocks, THREADS, ONE_PER_SM, &[&n, &buf.ptr, &x]),
+        };
+        let one = zeroed(&|n| coop(one_counter, n, None))?;
+        let packed = zeroed(&|n| coop(&flags_k, n, Some(1)))?;
+        let lines = zeroed(&|n| coop(&flags_k, n, Some(32)))?;
+        let split4 = zeroed(&|n| coop(&split_k, n, Some(4)))?;
+        let split16 = zeroed(&|n| coop(&split_k, n, Some(16)))?;
+        println!(
+            "{blocks:>8} {:>12.3} {:>14.3} {:>14.3} {:>12.3} {:>12.3}",
+            one * 1e6,
+            packed * 1e6,
+            lines * 1e6,
+            split4 * 1e6,
+            split16 * 1e6
+        );
+    }
+    Ok(())
 }
 
 /// The decode state of the benchmark shape (24 layers, 24 heads × 64 × 128 f32) at

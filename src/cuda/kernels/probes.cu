@@ -1,6 +1,7 @@
 // Hardware probes for sizing the decode step (benches/gpu_floors.rs): what a thread-block
 // cluster barrier, an exchange through distributed shared memory, a grid-wide hand-over
-// through one global counter, and a block filling its shared memory cost on this GPU. They
+// (through one global counter, as the fused decode does it, or spread over a flag per block
+// or several counters), and a block filling its shared memory cost on this GPU. They
 // compute nothing of the model (so they have no CPU twin). Each loops `iters` times; the
 // host times two iteration counts and divides the difference.
 //
@@ -64,6 +65,63 @@ extern "C" __global__ void probe_grid_handover(int iters, unsigned long long* co
             const unsigned long long all = (unsigned long long)(i + 1) * gridDim.x;
             while (probe_load_acquire(count) < all) {
             }
+        }
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ unsigned probe_load_acquire_u32(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The same hand-over with a flag per block instead of one counter: a block arrives by a
+// release store of the round number to its own word, `stride` words after the previous
+// block's (1: packed, 32: one 128-byte line each), so that arrivals do not queue at one
+// address; warp 1 polls, each lane the flags of blocks lane, lane + 32, …, until all show
+// the round. Flags zeroed by the host.
+extern "C" __global__ void probe_grid_handover_flags(int iters, unsigned* flags, int stride) {
+    const int lane = threadIdx.x & 31;
+    for (int i = 0; i < iters; ++i) {
+        const unsigned round = (unsigned)i + 1;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + (size_t)blockIdx.x * stride),
+                         "r"(round)
+                         : "memory");
+        }
+        if (threadIdx.x >= 32 && threadIdx.x < 64) {
+            bool seen;
+            do {
+                seen = true;
+                for (int b = lane; b < (int)gridDim.x; b += 32)
+                    seen &= probe_load_acquire_u32(flags + (size_t)b * stride) >= round;
+            } while (!__all_sync(0xffffffffu, seen));
+        }
+        __syncthreads();
+    }
+}
+
+// The same with the counter split in `parts` counters 16 words (128 bytes) apart: block b
+// adds to counter b mod parts, and lane j < parts of warp 1 polls counter j until it holds
+// its share of the round. Counters zeroed by the host.
+extern "C" __global__ void probe_grid_handover_split(int iters, unsigned long long* counts, int parts) {
+    const int lane = threadIdx.x & 31;
+    const int mine = lane < parts ? ((int)gridDim.x - lane + parts - 1) / parts : 0;  // blocks of counter lane
+    for (int i = 0; i < iters; ++i) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(counts + (size_t)(blockIdx.x % parts) * 16, 1ull);
+        }
+        if (threadIdx.x >= 32 && threadIdx.x < 64) {
+            const unsigned long long all = (unsigned long long)(i + 1) * mine;
+            bool seen;
+            do {
+                seen = lane >= parts || probe_load_acquire(counts + (size_t)lane * 16) >= all;
+            } while (!__all_sync(0xffffffffu, seen));
         }
         __syncthreads();
     }
