@@ -386,8 +386,8 @@ pub struct Work {
     /// final-normed picked rows (act) and their logits (f32)
     pub hfin: DevBuf,
     pub logits: DevBuf,
-    /// the fused decode's two phase counters (kernels/decode_layers.cu), zero between
-    /// launches
+    /// the fused decode's phase counters (kernels/decode_layers.cu: up to 32, a 128-byte
+    /// line apart) and its count of finished blocks, zero between launches
     pub sync: DevBuf,
 }
 
@@ -423,7 +423,7 @@ impl Work {
             hfin: a(c.picked * d.d_model)?,
             logits: f(c.picked * d.vocab_padded)?,
             sync: {
-                let b = gpu.alloc::<u64>(2)?;
+                let b = gpu.alloc::<u64>(32 * 16)?;
                 gpu.zero(b.ptr, b.bytes)?;
                 b
             },

@@ -17,8 +17,12 @@
 // Counting: `sync[0]` counts the arrivals of the step so far. A phase with W workers
 // (blocks that have tiles or heads in it) adds W; the workers of the next phase wait until
 // the count reaches the sum over all earlier phases — every block computes the same sums.
-// `sync[1]` counts the blocks that are done; the last one resets both for the next launch
-// (at that point no block is waiting on them any more).
+// `sync[1]` counts the blocks that are done; the last one resets the counts for the next
+// launch (at that point no block is waiting on them any more). With FUSED_SYNC_PARTS = P
+// > 1 the count is split in P counters a 128-byte line apart (block b arrives at counter
+// b mod P, and lane j < P of the polling warp waits for counter j's share), so that the
+// arrivals and the polls of 132 blocks do not all queue at one address — an experiment
+// sized by the hand-over probes of benches/gpu_floors.rs.
 
 #if ACT != 0 && D_MODEL % 8 == 0 && D_INNER % 8 == 0 && (MLP_HIDDEN == 0 || MLP_HIDDEN % 8 == 0)
 #ifndef FUSED_PREFETCH
@@ -34,6 +38,13 @@
 // are an L2 round trip on the way to its first wait. Later layers read them from global.
 #ifndef FUSED_TABLE
 #define FUSED_TABLE 64
+#endif
+#ifndef FUSED_SYNC_PARTS
+#define FUSED_SYNC_PARTS 1
+#endif
+#define FUSED_SYNC_STRIDE 16  // words from one counter to the next (src/cuda/work.rs sizes them)
+#if FUSED_SYNC_PARTS < 1 || FUSED_SYNC_PARTS > 32 || (FUSED_SYNC_PARTS > 1 && FUSED_POLLER % 32 != 0)
+#error "FUSED_SYNC_PARTS: 1 … 32 counters, polled by a whole warp"
 #endif
 
 // Device addresses of one layer's parameters, as src/cuda/weights.rs lays them out.
@@ -59,9 +70,15 @@ __device__ __forceinline__ unsigned long long global_ns() {
     return t;
 }
 
+// Blocks b < n with b mod FUSED_SYNC_PARTS = part.
+__device__ __forceinline__ unsigned long long part_blocks(int n, int part) {
+    return n > part ? (unsigned long long)((n - part + FUSED_SYNC_PARTS - 1) / FUSED_SYNC_PARTS) : 0ull;
+}
+
 struct Phases {
     unsigned long long* count;
-    unsigned long long before;  // arrivals of every earlier phase
+    // arrivals of every earlier phase (split counters: at the counter of this thread's lane)
+    unsigned long long before;
     // when not null: per (phase, block) the times (ns) of entering the phase, of the end of
     // the wait, of the arrival and of one or two points in between (MAMBA3_GPU_TRACE, a
     // diagnostic)
@@ -74,11 +91,22 @@ struct Phases {
     // The poller marks the end of its wait itself: a timer read just after the barrier
     // can run before the barrier resolves (seen in the traces).
     __device__ __forceinline__ void wait() const {
+#if FUSED_SYNC_PARTS == 1
         if (threadIdx.x == FUSED_POLLER) {
             while (load_acquire(count) < before) {
             }
             mark(1, FUSED_POLLER);
         }
+#else
+        if ((threadIdx.x >> 5) == (FUSED_POLLER >> 5)) {
+            const int lane = threadIdx.x & 31;
+            bool seen;
+            do {
+                seen = lane >= FUSED_SYNC_PARTS || load_acquire(count + lane * FUSED_SYNC_STRIDE) >= before;
+            } while (!__all_sync(0xffffffffu, seen));
+            mark(1, FUSED_POLLER);
+        }
+#endif
         __syncthreads();
     }
     // This block's part of the phase is written.
@@ -87,11 +115,18 @@ struct Phases {
         if (threadIdx.x == 0) {
             mark(2);
             __threadfence();
-            atomicAdd(count, 1ull);
+            atomicAdd(count + (blockIdx.x % FUSED_SYNC_PARTS) * FUSED_SYNC_STRIDE, 1ull);
         }
     }
-    __device__ __forceinline__ void next(int workers) {
+    // The phase had `workers` workers: the first blocks, or with `last` the last ones.
+    __device__ __forceinline__ void next(int workers, bool last = false) {
+#if FUSED_SYNC_PARTS == 1
+        (void)last;
         before += (unsigned long long)workers;
+#else
+        const int part = threadIdx.x & 31, lo = last ? (int)gridDim.x - workers : 0;
+        before += part_blocks(lo + workers, part) - part_blocks(lo, part);
+#endif
         ++phase;
     }
 };
@@ -138,7 +173,7 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
         }
         ph.arrive();  // (its mark 2 is also the end of the tiles)
     }
-    ph.next(min(tiles, G));
+    ph.next(min(tiles, G), reverse);  // (reversed, the tiles' blocks are the last ones)
 }
 
 // Blocks per head in the mixer phase: with few (head, sequence) pairs most SMs would idle
@@ -301,7 +336,7 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(sync + 1, 1ull) == gridDim.x - 1) {
-            atomicExch(sync, 0ull);
+            for (int j = 0; j < FUSED_SYNC_PARTS; ++j) atomicExch(sync + j * FUSED_SYNC_STRIDE, 0ull);
             atomicExch(sync + 1, 0ull);
         }
     }
