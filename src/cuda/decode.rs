@@ -188,6 +188,7 @@ impl Pipe<'_> {
                 &nb_i,
                 &work.sync.ptr,
                 &trace.ptr(),
+                &work.tagged.ptr,
             ],
         )?;
         trace.write(self.gpu)?;

@@ -387,8 +387,12 @@ pub struct Work {
     pub hfin: DevBuf,
     pub logits: DevBuf,
     /// the fused decode's phase counters (kernels/decode_layers.cu: up to 32, a 128-byte
-    /// line apart) and its count of finished blocks, zero between launches
+    /// line apart), its count of finished blocks (zero between launches) and its count of
+    /// launches (word 2)
     pub sync: DevBuf,
+    /// the fused decode's tagged values (`FUSED_TAGGED`; `TG_*` in kernels/decode_layers.cu),
+    /// zeroed once: no tag is 0
+    pub tagged: DevBuf,
 }
 
 impl Work {
@@ -424,6 +428,18 @@ impl Work {
             logits: f(c.picked * d.vocab_padded)?,
             sync: {
                 let b = gpu.alloc::<u64>(32 * 16)?;
+                gpu.zero(b.ptr, b.bytes)?;
+                b
+            },
+            tagged: {
+                // rows of up to 16 sequences: residual, in_proj row, mixer outputs, MLP row,
+                // a flag per head
+                let row = d.d_model
+                    + super::kernels::proj_ld(d)
+                    + d.d_inner
+                    + 2 * d.mlp_hidden
+                    + d.nheads;
+                let b = gpu.alloc::<u64>(super::decode::GEMV_MAX_ROWS * row)?;
                 gpu.zero(b.ptr, b.bytes)?;
                 b
             },

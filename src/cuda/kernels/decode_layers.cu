@@ -23,6 +23,23 @@
 // b mod P, and lane j < P of the polling warp waits for counter j's share), so that the
 // arrivals and the polls of 132 blocks do not all queue at one address — an experiment
 // sized by the hand-over probes of benches/gpu_floors.rs.
+//
+// With FUSED_TAGGED = 1 there are no counters: every value a phase writes for other blocks
+// (in_proj's row, the mixer's outputs, the residual, the MLP's hidden row) also goes, with a
+// tag naming the launch, the layer and the buffer, into `tagged` (tagged values:
+// common.cuh), and a block that needs them loads them there until they carry the tag. A
+// counter costs a hand-over three memory round trips after the last block's work: the
+// writer's fence, the poll that sees the count, and the load of the data; the tags leave
+// one, and each block waits only for the values it reads (the mixer for its head's row,
+// not for every tile of in_proj). The residual is also written as plain f32 (the next
+// layer's accumulation reads it back in the same thread; the LM head after the launch);
+// layer 0 reads it plain (the embedding, written before the launch). Overwriting a buffer
+// in the next layer is safe without counters: a block writes it only after reading data
+// that every reader of the old values had to produce first (the residual needs every
+// out_proj tile, each tile every mixer output, each mixer some in_proj tile of every
+// block that reads the residual). One race is left, a split head's states, and a flag
+// closes it (`first_mixer_head`). Tags: `sync[2]` counts the launches (the last block
+// adds one); tag = launch · 6L + 6l + buffer + 1, so a stale value never matches.
 
 #if ACT != 0 && D_MODEL % 8 == 0 && D_INNER % 8 == 0 && (MLP_HIDDEN == 0 || MLP_HIDDEN % 8 == 0)
 #ifndef FUSED_PREFETCH
@@ -43,6 +60,25 @@
 #define FUSED_SYNC_PARTS 1
 #endif
 #define FUSED_SYNC_STRIDE 16  // words from one counter to the next (src/cuda/work.rs sizes them)
+#ifndef FUSED_TAGGED
+#define FUSED_TAGGED 0
+#endif
+// The tagged buffers, in 8-byte words, rows of the batch (≤ 16) apart: the residual, the
+// in_proj row, the mixer's outputs, the MLP's [v | g] row, and a flag per (sequence, head).
+// src/cuda/work.rs sizes them by the same sum.
+#define TAG_ROWS 16
+#define TG_RES 0
+#define TG_PROJ (TG_RES + TAG_ROWS * D_MODEL)
+#define TG_Y (TG_PROJ + TAG_ROWS * PROJ_LD)
+#define TG_VG (TG_Y + TAG_ROWS * D_INNER)
+#define TG_FLAG (TG_VG + TAG_ROWS * 2 * MLP_HIDDEN)
+// buffers of a layer's tags
+#define TG_K_PROJ 0
+#define TG_K_Y 1
+#define TG_K_RES 2  // after out_proj
+#define TG_K_VG 3
+#define TG_K_RES_MLP 4  // after the MLP
+#define TG_K_FLAG 5
 #if FUSED_SYNC_PARTS < 1 || FUSED_SYNC_PARTS > 32 || (FUSED_SYNC_PARTS > 1 && FUSED_POLLER % 32 != 0)
 #error "FUSED_SYNC_PARTS: 1 … 32 counters, polled by a whole warp"
 #endif
@@ -91,7 +127,9 @@ struct Phases {
     // The poller marks the end of its wait itself: a timer read just after the barrier
     // can run before the barrier resolves (seen in the traces).
     __device__ __forceinline__ void wait() const {
-#if FUSED_SYNC_PARTS == 1
+#if FUSED_TAGGED
+        mark(1, FUSED_POLLER);  // (nothing to wait for here: the loads wait for their tags)
+#elif FUSED_SYNC_PARTS == 1
         if (threadIdx.x == FUSED_POLLER) {
             while (load_acquire(count) < before) {
             }
@@ -107,16 +145,22 @@ struct Phases {
             mark(1, FUSED_POLLER);
         }
 #endif
+#if !FUSED_TAGGED
         __syncthreads();
+#endif
     }
     // This block's part of the phase is written.
     __device__ __forceinline__ void arrive() const {
+#if FUSED_TAGGED
+        mark(2);
+#else
         __syncthreads();
         if (threadIdx.x == 0) {
             mark(2);
             __threadfence();
             atomicAdd(count + (blockIdx.x % FUSED_SYNC_PARTS) * FUSED_SYNC_STRIDE, 1ull);
         }
+#endif
     }
     // The phase had `workers` workers: the first blocks, or with `last` the last ones.
     __device__ __forceinline__ void next(int workers, bool last = false) {
@@ -131,6 +175,15 @@ struct Phases {
     }
 };
 
+// The tagged buffers and this launch's tags (FUSED_TAGGED).
+struct LaunchTags {
+    unsigned long long* words;  // `tagged`: TG_* words in
+    unsigned base;              // this launch's number · 6 · layers
+    __device__ __forceinline__ unsigned of(int layer, int buffer) const {
+        return base + 6u * (unsigned)layer + (unsigned)buffer + 1u;
+    }
+};
+
 // This block's first tile of a GEMV; its others follow gridDim.x apart.
 __device__ __forceinline__ int first_tile(bool reverse) {
     return reverse ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
@@ -138,10 +191,14 @@ __device__ __forceinline__ int first_tile(bool reverse) {
 
 // out (+)= transform(in) · Wᵀ over N rows in 16-row tiles; tile t goes to block t mod G,
 // or to block G − 1 − (t mod G) with `reverse` (so that a small GEMV lands on other blocks
-// than the heavy ones of the GEMV before it).
-template <int K, int NT, int mode>
+// than the heavy ones of the GEMV before it). With TIN the input is read from `in_tag`
+// until it carries `tin`; with TOUT the outputs are also written to `out_tag`, tagged `tout`
+// (FUSED_TAGGED).
+template <int K, int NT, int mode, bool TIN = false, bool TOUT = false>
 __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const float* nw, const w_t* W,
-                                           float* out, int ldo, int nb, int N, int acc, bool reverse) {
+                                           float* out, int ldo, int nb, int N, int acc, bool reverse,
+                                           const unsigned long long* in_tag = nullptr, unsigned tin = 0,
+                                           unsigned long long* out_tag = nullptr, unsigned tout = 0) {
     // Two tiles' weights are loaded ahead when both fit in TC_PF k blocks per warp.
     constexpr int PFT = Tc<K>::PFW == Tc<K>::KBW && 2 * Tc<K>::KBW <= TC_PF ? 2 : 1;
     const int tiles = (N + 15) / 16, G = gridDim.x;
@@ -160,16 +217,17 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
         act_t *xhi, *xlo;
         float* red;
         tc_smem_parts<K, NT>(xhi, xlo, red);
-        tc_stage<K, NT, mode>(in, nwr, nb, xhi, xlo);
+        tc_stage<K, NT, mode, TIN>(in, nwr, nb, xhi, xlo, in_tag, tin);
         ph.mark(3);
 #pragma unroll
         for (int j = 0; j < PFT; ++j)
             if (first + j * G < tiles)
-                tc_tile<K, NT>(pf[j], W, N, 16 * (first + j * G), xhi, xlo, red, out, ldo, nb, acc, prev,
-                               j == 0);
+                tc_tile<K, NT, TOUT>(pf[j], W, N, 16 * (first + j * G), xhi, xlo, red, out, ldo, nb, acc, prev,
+                                     j == 0, out_tag, tout);
         for (int t = first + PFT * G; t < tiles; t += G) {
             tc_prefetch<K>(pf[0], W, N, 16 * t);
-            tc_tile<K, NT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc);
+            tc_tile<K, NT, TOUT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc, 0.f, false, out_tag,
+                                 tout);
         }
         ph.arrive();  // (its mark 2 is also the end of the tiles)
     }
@@ -183,6 +241,9 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
 // benchmarks.md): ≈ 287 → 271 µs per step; four blocks per head were no better.
 #ifndef FUSED_MIXER_SPLIT
 #define FUSED_MIXER_SPLIT 1  // log2 of the most blocks per head
+#endif
+#if FUSED_TAGGED && FUSED_MIXER_SPLIT > 1
+#error "FUSED_TAGGED: a split head's flag is for two blocks (FUSED_MIXER_SPLIT ≤ 1)"
 #endif
 // log2 of the blocks per head for a batch of nb
 __device__ __forceinline__ int mixer_split(int nb) {
@@ -204,13 +265,21 @@ struct MixItem {
 
 // The head states of this block's first mixer item of a layer, loaded before the block
 // arrives at the in_proj phase: with a split head, the block of rows 0 … writes them in the
-// mixer phase, which the other block's arrival then precedes. (A later item of a block
-// comes only without the split: its head is this block's alone.)
+// mixer phase, which the other block's arrival then precedes — or, with FUSED_TAGGED,
+// which waits for the flag that the other block raises here once it has read them. (A
+// later item of a block comes only without the split: its head is this block's alone.)
 __device__ __forceinline__ void first_mixer_head(StepHead& hd, float* const* __restrict__ states, int layer,
-                                                 int nb, int split) {
+                                                 int nb, int split, const LaunchTags& lt) {
     if ((int)blockIdx.x < NHEADS * nb << split) {
         const MixItem it(blockIdx.x, split);
         mixer_head(hd, states, layer, it.h, it.b);
+        if (FUSED_TAGGED && it.p0 > 0) {
+            __syncthreads();  // every thread's loads, then the flag (released by the fence)
+            if (threadIdx.x == 0) {
+                __threadfence();
+                tag_store(lt.words + TG_FLAG + it.b * NHEADS + it.h, 0.f, lt.of(layer, TG_K_FLAG));
+            }
+        }
     }
 }
 
@@ -218,7 +287,7 @@ __device__ __forceinline__ void first_mixer_head(StepHead& hd, float* const* __r
 // `hd`: the first item's head states (first_mixer_head); `split` as mixer_split gives it.
 __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const MixerW& w, const float* proj,
                                             float* const* __restrict__ states, int layer, int nb, int split,
-                                            float* yf, StepHead& hd) {
+                                            float* yf, StepHead& hd, const LaunchTags& lt) {
     const int items = NHEADS * nb << split, G = gridDim.x;
     int i = blockIdx.x;
     ph.mark(0);
@@ -228,8 +297,15 @@ __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const Mixe
         mixer_ahead(ah, w, states, layer, it.h, it.b, it.p0, it.p1);
         ph.wait();
         for (;;) {
-            mixer_run(sm, ah, hd, w, proj, states, layer, it.h, it.b, yf, nullptr, [&](int k) { ph.mark(k); },
-                      it.p0, it.p1);
+            const auto mark = [&](int k) { ph.mark(k); };
+#if FUSED_TAGGED
+            const MixTags tg = {lt.words + TG_PROJ, lt.words + TG_Y,
+                                split > 0 ? lt.words + TG_FLAG + it.b * NHEADS + it.h : nullptr,
+                                lt.of(layer, TG_K_PROJ), lt.of(layer, TG_K_Y), lt.of(layer, TG_K_FLAG)};
+            mixer_run<true>(sm, ah, hd, w, proj, states, layer, it.h, it.b, yf, nullptr, mark, it.p0, it.p1, tg);
+#else
+            mixer_run(sm, ah, hd, w, proj, states, layer, it.h, it.b, yf, nullptr, mark, it.p0, it.p1);
+#endif
             i += G;
             if (i >= items) break;
             it = MixItem(i, split);
@@ -284,8 +360,10 @@ template <int NT>
 __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const LayerW* __restrict__ layers,
                                              const LayerW* tab, int n_layers, float* res, float* proj,
                                              float* yf, float* vg, float* const* __restrict__ states,
-                                             int nb) {
+                                             int nb, const LaunchTags& lt) {
     auto layer = [&](int l) { return l < FUSED_TABLE ? tab[l] : layers[l]; };
+    constexpr bool T = FUSED_TAGGED;
+    unsigned long long* const tg = lt.words;
     const int split = mixer_split(nb);
     if (FUSED_PREFETCH) prefetch_layer(layer(0), states, 0, nb, split);
     for (int l = 0; l < n_layers; ++l) {
@@ -294,13 +372,25 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
         // Let the head's GEMV (launched next, with PDL) start loading its weights.
         if (l == n_layers - 1) griddep_launch();
         StepHead hd;
-        first_mixer_head(hd, states, l, nb, split);
-        fused_gemv<D_MODEL, NT, 1>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
-        fused_mixer(ph, sm, w.mix, proj, states, l, nb, split, yf, hd);
-        fused_gemv<D_INNER, NT, 0>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true);
+        first_mixer_head(hd, states, l, nb, split, lt);
+        // (tagged: layer 0 reads the embedding plain; a later one the residual tagged by the
+        // layer before)
+        if (T && l > 0)
+            fused_gemv<D_MODEL, NT, 1, T, T>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false,
+                                             tg + TG_RES, lt.of(l - 1, MLP_HIDDEN > 0 ? TG_K_RES_MLP : TG_K_RES),
+                                             tg + TG_PROJ, lt.of(l, TG_K_PROJ));
+        else
+            fused_gemv<D_MODEL, NT, 1, false, T>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0,
+                                                 false, nullptr, 0, tg + TG_PROJ, lt.of(l, TG_K_PROJ));
+        fused_mixer(ph, sm, w.mix, proj, states, l, nb, split, yf, hd, lt);
+        fused_gemv<D_INNER, NT, 0, T, T>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true,
+                                         tg + TG_Y, lt.of(l, TG_K_Y), tg + TG_RES, lt.of(l, TG_K_RES));
 #if MLP_HIDDEN > 0
-        fused_gemv<D_MODEL, NT, 1>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0, false);
-        fused_gemv<MLP_HIDDEN, NT, 2>(ph, vg, nullptr, w.fc2, res, D_MODEL, nb, D_MODEL, 1, true);
+        fused_gemv<D_MODEL, NT, 1, T, T>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0,
+                                         false, tg + TG_RES, lt.of(l, TG_K_RES), tg + TG_VG, lt.of(l, TG_K_VG));
+        fused_gemv<MLP_HIDDEN, NT, 2, T, T>(ph, vg, nullptr, w.fc2, res, D_MODEL, nb, D_MODEL, 1, true,
+                                            tg + TG_VG, lt.of(l, TG_K_VG), tg + TG_RES,
+                                            lt.of(l, TG_K_RES_MLP));
 #endif
     }
 }
@@ -314,13 +404,15 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
 #define FUSED_TABLE_AT(NT) ((FUSED_SMEM(NT) + 15) / 16 * 16)  // the layer table, after the GEMVs'
 
 // res: the embedded rows (nb × D_MODEL f32), left as the last layer's output; proj, yf, vg:
-// the unfused decode's buffers; sync: two zeroed counters owned by this launch's buffers.
+// the unfused decode's buffers; sync: the zeroed counters owned by this launch's buffers
+// (and the count of launches, word 2); tagged: the tagged buffers (TG_*, zeroed once).
 // One entry point per row tile (nb ≤ 8, ≤ 16): registers are allotted per kernel.
 template <int NT>
 __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ layers, int n_layers, float* res,
                                                    float* proj, float* yf, float* vg,
                                                    float* const* __restrict__ states, int nb,
-                                                   unsigned long long* sync, unsigned long long* trace) {
+                                                   unsigned long long* sync, unsigned long long* trace,
+                                                   unsigned long long* tagged) {
     __shared__ StepSmem sm;
     extern __shared__ __align__(16) unsigned char fused_dyn[];
     LayerW* tab = reinterpret_cast<LayerW*>(fused_dyn + FUSED_TABLE_AT(NT));
@@ -331,13 +423,15 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
     __syncthreads();
     griddep_wait();
     Phases ph = {sync, 0ull, trace, 0};
-    fused_layers<NT>(ph, sm, layers, tab, n_layers, res, proj, yf, vg, states, nb);
+    const LaunchTags lt = {tagged, (unsigned)(sync[2] * 6ull * (unsigned long long)n_layers)};
+    fused_layers<NT>(ph, sm, layers, tab, n_layers, res, proj, yf, vg, states, nb, lt);
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(sync + 1, 1ull) == gridDim.x - 1) {
             for (int j = 0; j < FUSED_SYNC_PARTS; ++j) atomicExch(sync + j * FUSED_SYNC_STRIDE, 0ull);
             atomicExch(sync + 1, 0ull);
+            if (FUSED_TAGGED) atomicAdd(sync + 2, 1ull);  // the next launch's tags
         }
     }
 }
@@ -346,8 +440,8 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 1)                                  \
         name(const LayerW* __restrict__ layers, int n_layers, float* res, float* proj, float* yf,     \
              float* vg, float* const* __restrict__ states, int nb, unsigned long long* sync,          \
-             unsigned long long* trace) {                                                            \
-        decode_layers_body<NT>(layers, n_layers, res, proj, yf, vg, states, nb, sync, trace);       \
+             unsigned long long* trace, unsigned long long* tagged) {                                \
+        decode_layers_body<NT>(layers, n_layers, res, proj, yf, vg, states, nb, sync, trace, tagged); \
     }                                                                                                \
     extern "C" __device__ int name##_smem = FUSED_TABLE_AT(NT) + FUSED_TABLE * (int)sizeof(LayerW);
 DECODE_LAYERS_ENTRY(decode_layers8, 1)
