@@ -33,25 +33,41 @@ fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
     if w.dtype == DType::F32 {
         return Ok(None);
     }
+    use rayon::prelude::*;
+    // The host side (a pass over every in_proj weight, then a converted or doubled copy)
+    // is most of a model's upload when done on one thread: layers in parallel, uploads in
+    // order.
     let bound = (w.dims.d_model as f64).sqrt();
-    let fits = w.layers.iter().all(|l| {
+    let fits = w.layers.par_iter().all(|l| {
         let wmax = max_abs(&l.norm);
         let inmax = l.in_proj.data.max_abs();
         bound * wmax < F16_SAFE && inmax < F16_SAFE
     });
-    let mut out = Vec::with_capacity(w.layers.len());
-    for l in &w.layers {
-        out.push(if fits {
-            InProjInput::F16(gpu.upload(l.in_proj.data.convert(DType::F16).as_bytes())?)
-        } else {
-            let row = l.in_proj.cols * w.dtype.size();
-            let src = l.in_proj.data.as_bytes();
-            let mut twice = Vec::with_capacity(src.len() * 2);
-            for r in src.chunks(row) {
-                twice.extend_from_slice(r);
-                twice.extend_from_slice(r);
+    let host: Vec<Vec<u8>> = w
+        .layers
+        .par_iter()
+        .map(|l| {
+            if fits {
+                l.in_proj.data.convert(DType::F16).as_bytes().to_vec()
+            } else {
+                let row = l.in_proj.cols * w.dtype.size();
+                let src = l.in_proj.data.as_bytes();
+                let mut twice = Vec::with_capacity(src.len() * 2);
+                for r in src.chunks(row) {
+                    twice.extend_from_slice(r);
+                    twice.extend_from_slice(r);
+                }
+                twice
             }
-            InProjInput::Split(gpu.upload(&twice)?)
+        })
+        .collect();
+    let mut out = Vec::with_capacity(w.layers.len());
+    for bytes in &host {
+        let b = gpu.upload(bytes)?;
+        out.push(if fits {
+            InProjInput::F16(b)
+        } else {
+            InProjInput::Split(b)
         });
     }
     Ok(Some(out))
@@ -161,6 +177,7 @@ impl GpuWeights {
         let vec = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(w.layers.len());
         let mut inputs = in_proj_input(gpu, w)?.map(|v| v.into_iter());
+        crate::timeline::mark(|| "in_proj input weights prepared and queued".into());
         let mut input_bytes = 0;
         for l in &w.layers {
             let input = inputs.as_mut().and_then(|it| it.next());

@@ -129,6 +129,15 @@ __device__ __forceinline__ void tag_store(unsigned long long* p, float v, unsign
     const unsigned long long w = ((unsigned long long)tag << 32) | __float_as_uint(v);
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
 }
+// Nanoseconds a reader of tagged values sleeps between attempts (0: none).
+#ifndef FUSED_TAG_SLEEP
+#define FUSED_TAG_SLEEP 0
+#endif
+__device__ __forceinline__ void tag_backoff() {
+#if FUSED_TAG_SLEEP > 0
+    __nanosleep(FUSED_TAG_SLEEP);
+#endif
+}
 // One attempt at four tagged values (32-byte aligned) into v: whether all carry `tag`.
 __device__ __forceinline__ bool tag_try4(const unsigned long long* p, unsigned tag, float4& v) {
     unsigned long long a, b, c, d;

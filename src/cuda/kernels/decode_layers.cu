@@ -40,6 +40,8 @@
 // block that reads the residual). One race is left, a split head's states, and a flag
 // closes it (`first_mixer_head`). Tags: `sync[2]` counts the launches (the last block
 // adds one); tag = launch · 6L + 6l + buffer + 1, so a stale value never matches.
+// FUSED_TAGGED = 2 keeps the counter to say when to start reading, but arrives without the
+// fence and polls without acquiring: the tags make the data safe.
 
 #if ACT != 0 && D_MODEL % 8 == 0 && D_INNER % 8 == 0 && (MLP_HIDDEN == 0 || MLP_HIDDEN % 8 == 0)
 #ifndef FUSED_PREFETCH
@@ -62,6 +64,9 @@
 #define FUSED_SYNC_STRIDE 16  // words from one counter to the next (src/cuda/work.rs sizes them)
 #ifndef FUSED_TAGGED
 #define FUSED_TAGGED 0
+#endif
+#if FUSED_TAGGED == 2 && FUSED_SYNC_PARTS != 1
+#error "FUSED_TAGGED=2 counts arrivals on one counter"
 #endif
 // The tagged buffers, in 8-byte words, rows of the batch (≤ 16) apart: the residual, the
 // in_proj row, the mixer's outputs, the MLP's [v | g] row, and a flag per (sequence, head).
@@ -127,8 +132,17 @@ struct Phases {
     // The poller marks the end of its wait itself: a timer read just after the barrier
     // can run before the barrier resolves (seen in the traces).
     __device__ __forceinline__ void wait() const {
-#if FUSED_TAGGED
+#if FUSED_TAGGED == 1
         mark(1, FUSED_POLLER);  // (nothing to wait for here: the loads wait for their tags)
+#elif FUSED_TAGGED == 2
+        // the count says when to start; the tags, not this load, make the data safe to read
+        if (threadIdx.x == FUSED_POLLER) {
+            unsigned long long v;
+            do {
+                asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(count) : "memory");
+            } while (v < before);
+            mark(1, FUSED_POLLER);
+        }
 #elif FUSED_SYNC_PARTS == 1
         if (threadIdx.x == FUSED_POLLER) {
             while (load_acquire(count) < before) {
@@ -145,19 +159,19 @@ struct Phases {
             mark(1, FUSED_POLLER);
         }
 #endif
-#if !FUSED_TAGGED
+#if FUSED_TAGGED != 1
         __syncthreads();
 #endif
     }
     // This block's part of the phase is written.
     __device__ __forceinline__ void arrive() const {
-#if FUSED_TAGGED
+#if FUSED_TAGGED == 1
         mark(2);
 #else
         __syncthreads();
         if (threadIdx.x == 0) {
             mark(2);
-            __threadfence();
+            if (!FUSED_TAGGED) __threadfence();  // (tagged data need no fence before the count)
             atomicAdd(count + (blockIdx.x % FUSED_SYNC_PARTS) * FUSED_SYNC_STRIDE, 1ull);
         }
 #endif

@@ -270,6 +270,7 @@ __device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc
                         if (mode == 2) g = ok ? __ldcg(row + K / 4) : zero;
                     }
                 }
+            if (TAGGED && !ready) tag_backoff();
         } while (TAGGED && !ready);
         float scale[4] = {1.f, 1.f, 1.f, 1.f};
         if (mode == 1) {

@@ -147,6 +147,7 @@ __device__ __forceinline__ void mixer_row_tagged(const MixTags& tg, int h, int b
         load(true, DT_OFF + h, raw_dt);
         load(true, A_OFF + h, raw_a);
         load(true, TRAP_OFF + h, raw_trap);
+        if (!ready) tag_backoff();
     } while (!ready);
 }
 
