@@ -46,8 +46,20 @@ impl CudaModel {
     pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
-        let gw = crate::timeline::stage("weights uploaded", || GpuWeights::upload(&gpu, &weights))?;
-        let lt = crate::timeline::stage("cuBLASLt opened", || Lt::new(&gpu))?;
+        // cuBLASLt (loading the library, a handle) opens on a thread of its own while the
+        // weights go up: the two took 116–150 and 267–284 ms one after the other at
+        // start-up on the H200 (docs/gpu-check.md, 07:30).
+        let (gw, lt) = std::thread::scope(|s| {
+            let lt =
+                s.spawn(|| crate::timeline::stage("cuBLASLt opened (thread)", || Lt::new(&gpu)));
+            let gw =
+                crate::timeline::stage("weights uploaded", || GpuWeights::upload(&gpu, &weights));
+            let lt = lt
+                .join()
+                .unwrap_or_else(|_| Err(Error::Device("opening cuBLASLt panicked".into())));
+            (gw, lt)
+        });
+        let (gw, lt) = (gw?, lt?);
         let m = CudaModel {
             gpu,
             weights,
