@@ -67,8 +67,9 @@ impl Pipe<'_> {
         buf.ptr + (elems * self.act().size()) as u64
     }
 
-    /// With `timed` on: wait, and mark the step on the timeline. With `probe` on: wait, and check `rows × cols` values (rows `ld` apart, f32 or the
-    /// activation dtype) that `what` wrote.
+    /// With `timed` on: wait, and mark the step on the timeline. With `probe` on: wait, and
+    /// check `rows × cols` values (rows `ld` apart, f32 or the activation dtype) that `what`
+    /// wrote.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn look(
         &self,

@@ -34,21 +34,21 @@ fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
         return Ok(None);
     }
     use rayon::prelude::*;
-    // The host side (a pass over every in_proj weight, then a converted or doubled copy)
-    // is most of a model's upload when done on one thread: layers in parallel, uploads in
-    // order.
+    // Layers in parallel: the host side (a pass over every in_proj weight, then a converted
+    // or doubled copy) is long on one thread, and each copy goes up as soon as it is made
+    // (`Gpu::upload` binds the context on the calling thread; the order is kept).
     let bound = (w.dims.d_model as f64).sqrt();
     let fits = w.layers.par_iter().all(|l| {
         let wmax = max_abs(&l.norm);
         let inmax = l.in_proj.data.max_abs();
         bound * wmax < F16_SAFE && inmax < F16_SAFE
     });
-    let host: Vec<Vec<u8>> = w
+    let out = w
         .layers
         .par_iter()
         .map(|l| {
-            if fits {
-                l.in_proj.data.convert(DType::F16).as_bytes().to_vec()
+            Ok(if fits {
+                InProjInput::F16(gpu.upload(l.in_proj.data.convert(DType::F16).as_bytes())?)
             } else {
                 let row = l.in_proj.cols * w.dtype.size();
                 let src = l.in_proj.data.as_bytes();
@@ -57,19 +57,10 @@ fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
                     twice.extend_from_slice(r);
                     twice.extend_from_slice(r);
                 }
-                twice
-            }
+                InProjInput::Split(gpu.upload(&twice)?)
+            })
         })
-        .collect();
-    let mut out = Vec::with_capacity(w.layers.len());
-    for bytes in &host {
-        let b = gpu.upload(bytes)?;
-        out.push(if fits {
-            InProjInput::F16(b)
-        } else {
-            InProjInput::Split(b)
-        });
-    }
+        .collect::<Result<Vec<_>>>()?;
     Ok(Some(out))
 }
 

@@ -120,6 +120,13 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// A 64-bit load that acquires at GPU scope (a flag or count another block released).
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // ---- tagged values: the fused decode's hand-over by the data itself (FUSED_TAGGED) -------
 // A value and the tag of the write that produced it share one 8-byte word, which is read
 // and written whole (single-copy atomic). A reader that loads until every word carries the

@@ -194,12 +194,9 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         raw_a = __ldcg(row + A_OFF + h);
         raw_trap = __ldcg(row + TRAP_OFF + h);
     }
-    if (TAGGED && head_states && tg.partner && tid == 0) {
-        unsigned long long f;
-        do {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(f) : "l"(tg.partner) : "memory");
-        } while ((unsigned)(f >> 32) != tg.partner_tag);
-    }
+    if (TAGGED && head_states && tg.partner && tid == 0)
+        while ((unsigned)(load_acquire(tg.partner) >> 32) != tg.partner_tag) {
+        }
     float ssb = 0.f, ssc = 0.f;
 #pragma unroll
     for (int j = 0; j < STEP_PER(DSTATE); ++j) {
