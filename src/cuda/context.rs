@@ -135,8 +135,17 @@ impl Gpu {
     }
 
     pub fn sync(&self) -> Result<()> {
-        self.stream
-            .synchronize()
+        self.sync_lane(0)
+    }
+
+    /// Wait for the stream of lane `lane` (0: the main stream).
+    pub fn sync_lane(&self, lane: usize) -> Result<()> {
+        let s = if lane == 0 {
+            &self.stream
+        } else {
+            &self.side[lane - 1]
+        };
+        s.synchronize()
             .map_err(|e| dev_err("synchronizing the stream (a kernel failed)", e))
     }
 

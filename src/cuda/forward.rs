@@ -23,13 +23,91 @@ use super::gemm::{ElemType, GemmOp, GemmSpec, Lt};
 use super::kernels::{proj_ld, Kernels, ScanMath};
 use super::probe::Region;
 use super::scan::{ChunkScan, ScanArgs};
-use super::weights::{GpuWeights, InProjInput};
+use super::weights::{GpuWeights, InProjInput, InProjKind};
 use super::work::{Layout, Work};
 use crate::engine::GpuOptions as CudaOptions;
 use crate::error::Result;
 use crate::model::{DType, Dims};
 
 pub use super::decode::GEMV_MAX_ROWS;
+
+/// The in_proj GEMM's operand type, its K and the norm's output mode (`NORM_*`) for a
+/// layer whose prefill input is of kind `kind` (`weights::InProjInput`).
+fn in_proj_operands(
+    kind: Option<InProjKind>,
+    fast: bool,
+    act: ElemType,
+    d_model: usize,
+) -> (ElemType, usize, i32) {
+    match (kind, fast) {
+        (Some(InProjKind::F16), _) => (ElemType::F16, d_model, NORM_F16),
+        (Some(InProjKind::Split), false) => (act, 2 * d_model, NORM_SPLIT),
+        _ => (act, d_model, NORM_ACT),
+    }
+}
+
+/// The spec of D (+)= A·Wᵀ: A `rows × k`, W `n × k`, both of type `ab`, packed.
+#[allow(clippy::too_many_arguments)]
+fn linear_spec(
+    rows: usize,
+    n: usize,
+    k: usize,
+    ab: ElemType,
+    d: ElemType,
+    ldd: usize,
+    accumulate: bool,
+    tf32: bool,
+) -> GemmSpec {
+    GemmSpec {
+        op: GemmOp::Linear,
+        rows,
+        n,
+        k,
+        ldd,
+        lda: 0,
+        ldw: 0,
+        a: ab,
+        w: ab,
+        d,
+        accumulate,
+        tf32,
+    }
+}
+
+/// The cuBLASLt products of a prefill of `rows` tokens that wants the last token's logits
+/// (in_proj, out_proj, the MLP's two, the head), as the `Pipe` methods below make them:
+/// what `Lt::warm` runs at start-up, so that the first prefill does not pay for loading
+/// their kernels.
+pub fn prefill_gemm_specs(
+    d: &Dims,
+    dtype: DType,
+    opts: CudaOptions,
+    in_proj: Option<InProjKind>,
+    rows: usize,
+) -> Vec<GemmSpec> {
+    let act = ElemType::of(dtype);
+    let f32 = ElemType::F32;
+    let (ab, k, _) = in_proj_operands(in_proj, opts.fast, act, d.d_model);
+    let spec = |rows, n, k, ab, ldd, acc| linear_spec(rows, n, k, ab, f32, ldd, acc, opts.tf32);
+    let mut specs = vec![
+        spec(rows, d.d_in_proj, k, ab, proj_ld(d), false),
+        spec(rows, d.d_model, d.d_inner, act, d.d_model, true),
+    ];
+    let hid = d.mlp_hidden;
+    if hid > 0 {
+        specs.push(spec(rows, 2 * hid, d.d_model, act, 2 * hid, false));
+        specs.push(spec(rows, d.d_model, hid, act, d.d_model, true));
+    }
+    specs.push(spec(
+        1,
+        d.vocab_padded,
+        d.d_model,
+        act,
+        d.vocab_padded,
+        false,
+    ));
+    specs
+}
 
 /// `rms_norm_rows` output modes (kernels/dense.cu).
 const NORM_ACT: i32 = 0;
@@ -135,12 +213,14 @@ impl Pipe<'_> {
     /// How the in_proj input of layer `l` is written (`rms_norm_rows`' `mode`): the weight,
     /// the input's element type and width, and the mode.
     fn in_proj_route(&self, l: usize) -> (u64, ElemType, usize, i32) {
-        let (lw, dm) = (&self.w.layers[l], self.d.d_model);
-        match (&lw.in_proj_input, self.opts.fast) {
-            (Some(InProjInput::F16(w)), _) => (w.ptr, ElemType::F16, dm, NORM_F16),
-            (Some(InProjInput::Split(w)), false) => (w.ptr, self.act(), 2 * dm, NORM_SPLIT),
-            _ => (lw.in_proj.ptr, self.act(), dm, NORM_ACT),
-        }
+        let lw = &self.w.layers[l];
+        let kind = lw.in_proj_input.as_ref().map(InProjInput::kind);
+        let (ab, k, mode) = in_proj_operands(kind, self.opts.fast, self.act(), self.d.d_model);
+        let w = match (&lw.in_proj_input, mode) {
+            (Some(InProjInput::F16(w) | InProjInput::Split(w)), NORM_F16 | NORM_SPLIT) => w.ptr,
+            _ => lw.in_proj.ptr,
+        };
+        (w, ab, k, mode)
     }
 
     /// D (+)= A·Wᵀ with A and W in the activation type; D f32 (`d_f32`) or in that type.
@@ -178,7 +258,6 @@ impl Pipe<'_> {
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
-    /// The spec of D (+)= A·Wᵀ: A `rows × k`, W `n × k`, both of type `ab`, packed.
     #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
@@ -190,20 +269,7 @@ impl Pipe<'_> {
         ldd: usize,
         accumulate: bool,
     ) -> GemmSpec {
-        GemmSpec {
-            op: GemmOp::Linear,
-            rows,
-            n,
-            k,
-            ldd,
-            lda: 0,
-            ldw: 0,
-            a: ab,
-            w: ab,
-            d,
-            accumulate,
-            tf32: self.opts.tf32,
-        }
+        linear_spec(rows, n, k, ab, d, ldd, accumulate, self.opts.tf32)
     }
 
     pub(super) fn launch(

@@ -223,6 +223,33 @@ impl Lt {
         })
     }
 
+    /// Make the plans of `specs` and run each once on lane `lane`'s stream over scratch
+    /// operands, waiting for them. cuBLASLt loads a kernel on its first use, ≈ 50 ms each
+    /// on the H200 (docs/benchmarks.md); a thread can pay that while the weights upload
+    /// rather than the first prefill after it.
+    pub fn warm(&self, gpu: &Gpu, lane: usize, specs: &[GemmSpec]) -> Result<()> {
+        for s in specs {
+            let ld = |given: usize, packed: usize| given.max(packed);
+            let (a, w) = match s.op {
+                GemmOp::Linear => (s.rows * ld(s.lda, s.k), s.n * ld(s.ldw, s.k)),
+                GemmOp::Dx => (s.rows * ld(s.lda, s.k), s.k * ld(s.ldw, s.n)),
+                GemmOp::Dw => (s.k * ld(s.lda, s.rows), s.k * ld(s.ldw, s.n)),
+            };
+            let a = gpu.alloc::<u8>(a * s.a.size())?;
+            let w = gpu.alloc::<u8>(w * s.w.size())?;
+            let d = gpu.alloc::<u8>(s.rows * s.ldd * s.d.size())?;
+            self.gemm_on(gpu, lane, s, a.ptr, w.ptr, d.ptr)?;
+            gpu.sync_lane(lane)?; // before the scratch is freed
+            crate::timeline::mark(|| {
+                format!(
+                    "cuBLASLt warmed: {}×{}×{} ({:?}·{:?} → {:?})",
+                    s.rows, s.n, s.k, s.a, s.w, s.d
+                )
+            });
+        }
+        Ok(())
+    }
+
     /// `D (+)= op(A, W)` on the GPU's stream. Device addresses; `spec` gives the shape.
     pub fn gemm(&self, gpu: &Gpu, s: &GemmSpec, a: u64, w: u64, d: u64) -> Result<()> {
         self.gemm_on(gpu, 0, s, a, w, d)
@@ -289,6 +316,13 @@ impl Lt {
     }
 }
 
+impl Lt {
+    /// How many shapes have a plan (a diagnostic for tests).
+    pub fn plan_count(&self) -> usize {
+        self.plans.lock().map_or(0, |p| p.len())
+    }
+}
+
 impl Drop for Lt {
     fn drop(&mut self) {
         if let Ok(plans) = self.plans.get_mut() {
@@ -302,5 +336,40 @@ impl Drop for Lt {
             }
         }
         let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::LogitsWant;
+    use crate::cuda::CudaModel;
+    use crate::model::{Config, DType, Weights};
+    use std::sync::Arc;
+
+    /// The start-up's warm-up runs the very products of a 16-token prefill: that prefill
+    /// makes no plan of its own (`forward::prefill_gemm_specs` agrees with the `Pipe`).
+    /// `cargo test --release --features cuda --lib warm -- --include-ignored`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn warm_up_covers_a_short_prefill() {
+        for (dtype, mlp) in [(DType::BF16, true), (DType::F16, false), (DType::F32, true)] {
+            let mut cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);
+            cfg.d_intermediate = if mlp { 96 } else { 0 };
+            let w = Weights::synthetic(cfg, dtype, 3).unwrap();
+            let m = CudaModel::new(Arc::new(w), 0).unwrap();
+            let warmed = m.lt.plan_count();
+            assert_eq!(warmed, if mlp { 5 } else { 3 }, "{dtype:?}");
+            let prompt: Vec<u32> = (0..16).map(|t| (t * 7 + 3) % 300).collect();
+            let mut state = m.new_state(0);
+            let logits = m
+                .forward(&[&prompt], &mut [&mut state], LogitsWant::Last)
+                .unwrap();
+            assert!(logits[0].iter().all(|v| v.is_finite()), "{dtype:?}");
+            assert_eq!(
+                m.lt.plan_count(),
+                warmed,
+                "{dtype:?}: the prefill made new plans"
+            );
+        }
     }
 }

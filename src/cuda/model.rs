@@ -3,12 +3,13 @@
 //! for `Device::Cuda`; states are already on the device when `forward` is called.
 
 use super::context::Gpu;
+use super::forward::prefill_gemm_specs;
 use super::forward::Pipe;
 use super::gemm::Lt;
 use super::graphs::Graphs;
 use super::kernels::{KernelConfig, Kernels, ScanMath};
 use super::state::CudaState;
-use super::weights::GpuWeights;
+use super::weights::{in_proj_kind, GpuWeights};
 use super::work::{Caps, Layout, Work};
 use crate::cpu::{LogitsWant, SeqState};
 use crate::engine::state::{State, StateData};
@@ -46,14 +47,26 @@ impl CudaModel {
     pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
-        // cuBLASLt (loading the library, a handle) opens on a thread of its own while the
-        // weights go up: the two took 116–150 and 267–284 ms one after the other at
-        // start-up on the H200 (docs/gpu-check.md, 07:30).
+        // cuBLASLt (loading the library, a handle, then the kernels of a short prefill's
+        // products, `Lt::warm`) opens on a thread of its own while the weights go up: the
+        // library and the upload took 116–150 and 267–284 ms one after the other at
+        // start-up on the H200, and the first prefill ≈ 100 ms more for the kernels
+        // (docs/gpu-check.md, 07:30).
+        let opts = GpuOptions::from_env();
+        let in_proj = in_proj_kind(&weights);
+        let specs = match warm_rows()? {
+            0 => Vec::new(),
+            rows => prefill_gemm_specs(&weights.dims, weights.dtype, opts, in_proj, rows),
+        };
         let (gw, lt) = std::thread::scope(|s| {
-            let lt =
-                s.spawn(|| crate::timeline::stage("cuBLASLt opened (thread)", || Lt::new(&gpu)));
-            let gw =
-                crate::timeline::stage("weights uploaded", || GpuWeights::upload(&gpu, &weights));
+            let lt = s.spawn(|| {
+                let lt = crate::timeline::stage("cuBLASLt opened (thread)", || Lt::new(&gpu))?;
+                lt.warm(&gpu, 1, &specs)?;
+                Ok(lt)
+            });
+            let gw = crate::timeline::stage("weights uploaded", || {
+                GpuWeights::upload(&gpu, &weights, in_proj)
+            });
             let lt = lt
                 .join()
                 .unwrap_or_else(|_| Err(Error::Device("opening cuBLASLt panicked".into())));
@@ -66,7 +79,7 @@ impl CudaModel {
             gw,
             lt,
             inner: Mutex::new(Inner {
-                opts: GpuOptions::from_env(),
+                opts,
                 kernels: HashMap::new(),
                 last: None,
                 work: None,
@@ -341,6 +354,20 @@ impl CudaModel {
 
     pub(crate) fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+}
+
+/// How many rows the start-up's warm-up products have (`MAMBA3_GPU_LT_WARM`, default 16;
+/// 0: none). A prefill of another length may need other kernels; a short prompt's first
+/// prefill is the one a user waits for.
+fn warm_rows() -> Result<usize> {
+    match std::env::var("MAMBA3_GPU_LT_WARM") {
+        Err(_) => Ok(16),
+        Ok(v) => v.trim().parse().map_err(|_| {
+            Error::Input(format!(
+                "MAMBA3_GPU_LT_WARM: expected a number of rows (0: no warm-up), found {v:?}"
+            ))
+        }),
     }
 }
 

@@ -20,6 +20,42 @@ pub enum InProjInput {
     Split(DevBuf),
 }
 
+impl InProjInput {
+    pub fn kind(&self) -> InProjKind {
+        match self {
+            InProjInput::F16(_) => InProjKind::F16,
+            InProjInput::Split(_) => InProjKind::Split,
+        }
+    }
+}
+
+/// Which [`InProjInput`] a model gets, known from the host weights before any upload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InProjKind {
+    F16,
+    Split,
+}
+
+/// The in_proj input of a 16-bit model's layers (`None` for f32 models): f16 when the
+/// normed input is sure to stay inside f16's range, |rmsnorm(x)ᵢ·wᵢ| ≤ √d_model·max|w|.
+pub fn in_proj_kind(w: &Weights) -> Option<InProjKind> {
+    if w.dtype == DType::F32 {
+        return None;
+    }
+    use rayon::prelude::*;
+    let bound = (w.dims.d_model as f64).sqrt();
+    let fits = w.layers.par_iter().all(|l| {
+        let wmax = max_abs(&l.norm);
+        let inmax = l.in_proj.data.max_abs();
+        bound * wmax < F16_SAFE && inmax < F16_SAFE
+    });
+    Some(if fits {
+        InProjKind::F16
+    } else {
+        InProjKind::Split
+    })
+}
+
 /// The largest |v| (0 for an empty vector).
 fn max_abs(v: &[f32]) -> f64 {
     v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()))
@@ -28,26 +64,24 @@ fn max_abs(v: &[f32]) -> f64 {
 /// Largest normed value allowed on the f16 path (half of f16's maximum, for margin).
 const F16_SAFE: f64 = 32752.0;
 
-/// The in_proj input of a 16-bit model (`None` for f32 models).
-fn in_proj_input(gpu: &Gpu, w: &Weights) -> Result<Option<Vec<InProjInput>>> {
-    if w.dtype == DType::F32 {
+/// The in_proj input of a 16-bit model (`None` for f32 models) of kind `kind`.
+fn in_proj_input(
+    gpu: &Gpu,
+    w: &Weights,
+    kind: Option<InProjKind>,
+) -> Result<Option<Vec<InProjInput>>> {
+    let Some(kind) = kind else {
         return Ok(None);
-    }
+    };
     use rayon::prelude::*;
-    // Layers in parallel: the host side (a pass over every in_proj weight, then a converted
-    // or doubled copy) is long on one thread, and each copy goes up as soon as it is made
+    // Layers in parallel: the host side (a converted or doubled copy of every in_proj
+    // weight) is long on one thread, and each copy goes up as soon as it is made
     // (`Gpu::upload` binds the context on the calling thread; the order is kept).
-    let bound = (w.dims.d_model as f64).sqrt();
-    let fits = w.layers.par_iter().all(|l| {
-        let wmax = max_abs(&l.norm);
-        let inmax = l.in_proj.data.max_abs();
-        bound * wmax < F16_SAFE && inmax < F16_SAFE
-    });
     let out = w
         .layers
         .par_iter()
         .map(|l| {
-            Ok(if fits {
+            Ok(if kind == InProjKind::F16 {
                 InProjInput::F16(gpu.upload(l.in_proj.data.convert(DType::F16).as_bytes())?)
             } else {
                 let row = l.in_proj.cols * w.dtype.size();
@@ -153,7 +187,8 @@ fn layer_table(layers: &[GpuLayer]) -> Vec<u64> {
 }
 
 impl GpuWeights {
-    pub fn upload(gpu: &Gpu, w: &Weights) -> Result<GpuWeights> {
+    /// `w` on the device; `input` is `in_proj_kind(w)`, which the caller may need before.
+    pub fn upload(gpu: &Gpu, w: &Weights, input: Option<InProjKind>) -> Result<GpuWeights> {
         if w.dtype == DType::F64 {
             return Err(Error::Device(
                 "the GPU runs f32, bf16 or f16 models, not f64".into(),
@@ -167,7 +202,7 @@ impl GpuWeights {
         };
         let vec = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(w.layers.len());
-        let mut inputs = in_proj_input(gpu, w)?.map(|v| v.into_iter());
+        let mut inputs = in_proj_input(gpu, w, input)?.map(|v| v.into_iter());
         crate::timeline::mark(|| "in_proj input weights prepared and queued".into());
         let mut input_bytes = 0;
         for l in &w.layers {
