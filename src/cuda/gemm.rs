@@ -111,16 +111,36 @@ fn blas_err(what: &str, e: lt::CublasError) -> Error {
 }
 
 impl Lt {
-    pub fn new(gpu: &Gpu) -> Result<Lt> {
-        let present =
-            std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
-        if !present {
-            return Err(Error::Device(
+    /// Load libcublasLt (a large library: opening cuBLASLt took 116–150 ms at start-up on
+    /// the H200), once per process. It needs no device, so `Model::load` starts it on a
+    /// thread of its own at once; `Lt::new` waits for that if it is still under way.
+    pub fn load_library() -> Result<()> {
+        static LOADED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let loaded = *LOADED.get_or_init(|| {
+            // (`is_culib_present` closes what it opened; `culib` keeps it open, and panics
+            // where `is_culib_present` said no)
+            let ok = std::panic::catch_unwind(|| unsafe {
+                sys::is_culib_present() && {
+                    sys::culib();
+                    true
+                }
+            });
+            crate::timeline::mark(|| "cuBLASLt library loaded".into());
+            ok.unwrap_or(false)
+        });
+        if loaded {
+            Ok(())
+        } else {
+            Err(Error::Device(
                 "libcublasLt was not found: put the CUDA toolkit's lib directory \
                  (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH"
                     .into(),
-            ));
+            ))
         }
+    }
+
+    pub fn new(gpu: &Gpu) -> Result<Lt> {
+        Self::load_library()?;
         gpu.bind()?;
         let handle = lt::create_handle().map_err(|e| blas_err("handle", e))?;
         Ok(Lt {

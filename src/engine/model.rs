@@ -107,7 +107,9 @@ impl Model {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(ordinal) = device {
             // Open the device while the checkpoint is read and converted: the two take
-            // comparable times at start-up, and neither needs the other.
+            // comparable times at start-up, and neither needs the other. Nor does loading
+            // the cuBLASLt library (`Lt::new` waits for it; an error shows there).
+            std::thread::spawn(crate::cuda::gemm::Lt::load_library);
             let gpu = std::thread::spawn(move || {
                 crate::timeline::stage("CUDA device opened (thread)", || {
                     crate::cuda::context::Gpu::new(ordinal)
