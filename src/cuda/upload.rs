@@ -113,3 +113,49 @@ impl Drop for Uploader<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Uploader, STAGES, STAGE_BYTES};
+    use crate::cuda::context::Gpu;
+
+    /// Buffers larger than all the staging buffers together, odd sizes and empty ones, from
+    /// several threads at once, arrive intact.
+    /// `cargo test --release --features cuda --lib staged_upload -- --include-ignored`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn staged_upload_round_trips() {
+        let gpu = Gpu::new(0).unwrap();
+        let up = Uploader::new(&gpu).unwrap();
+        let sizes = [
+            0,
+            1,
+            4097,
+            STAGE_BYTES - 3,
+            STAGE_BYTES + 5,
+            STAGES * STAGE_BYTES + 77,
+        ];
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (j * 31 + i * 7 + j / 4099) as u8).collect())
+            .collect();
+        let bufs: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = data
+                .iter()
+                .map(|d| s.spawn(|| up.upload(d).unwrap()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        up.finish().unwrap();
+        for (d, b) in data.iter().zip(&bufs) {
+            let mut back = vec![0u8; d.len()];
+            gpu.dtoh(b.ptr, &mut back).unwrap();
+            assert!(
+                back == *d,
+                "a buffer of {} bytes came back changed",
+                d.len()
+            );
+        }
+    }
+}
