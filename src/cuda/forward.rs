@@ -237,7 +237,7 @@ impl Pipe<'_> {
         acc: bool,
     ) -> Result<()> {
         let d_type = if d_f32 { ElemType::F32 } else { self.act() };
-        let spec = self.linear(rows, n, k, self.act(), d_type, n, acc);
+        let spec = linear_spec(rows, n, k, self.act(), d_type, n, acc, self.opts.tf32);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
@@ -254,22 +254,8 @@ impl Pipe<'_> {
         d: u64,
         ldd: usize,
     ) -> Result<()> {
-        let spec = self.linear(rows, n, k, ab, ElemType::F32, ldd, false);
+        let spec = linear_spec(rows, n, k, ab, ElemType::F32, ldd, false, self.opts.tf32);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn linear(
-        &self,
-        rows: usize,
-        n: usize,
-        k: usize,
-        ab: ElemType,
-        d: ElemType,
-        ldd: usize,
-        accumulate: bool,
-    ) -> GemmSpec {
-        linear_spec(rows, n, k, ab, d, ldd, accumulate, self.opts.tf32)
     }
 
     pub(super) fn launch(
