@@ -362,21 +362,26 @@ impl Drop for Lt {
 #[cfg(test)]
 mod tests {
     use crate::cpu::LogitsWant;
+    use crate::cuda::forward::prefill_gemm_specs;
+    use crate::cuda::weights::in_proj_kind;
     use crate::cuda::CudaModel;
     use crate::model::{Config, DType, Weights};
     use std::sync::Arc;
 
-    /// The start-up's warm-up runs the very products of a 16-token prefill: that prefill
-    /// makes no plan of its own (`forward::prefill_gemm_specs` agrees with the `Pipe`).
-    /// `cargo test --release --features cuda --lib warm -- --include-ignored`.
+    /// The start-up's warm-up (`Lt::warm` over `forward::prefill_gemm_specs`) runs the very
+    /// products of a 16-token prefill: that prefill makes no plan of its own.
+    /// `cargo test --release --features cuda --lib warm_up -- --include-ignored`.
     #[test]
     #[ignore = "needs a CUDA device"]
     fn warm_up_covers_a_short_prefill() {
         for (dtype, mlp) in [(DType::BF16, true), (DType::F16, false), (DType::F32, true)] {
             let mut cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);
             cfg.d_intermediate = if mlp { 96 } else { 0 };
-            let w = Weights::synthetic(cfg, dtype, 3).unwrap();
-            let m = CudaModel::new(Arc::new(w), 0).unwrap();
+            let w = Arc::new(Weights::synthetic(cfg, dtype, 3).unwrap());
+            let m = CudaModel::new(w.clone(), 0).unwrap();
+            let opts = m.options().unwrap();
+            let specs = prefill_gemm_specs(&w.dims, dtype, opts, in_proj_kind(&w), 16);
+            m.lt.warm(&m.gpu, 1, &specs).unwrap();
             let warmed = m.lt.plan_count();
             assert_eq!(warmed, if mlp { 5 } else { 3 }, "{dtype:?}");
             let prompt: Vec<u32> = (0..16).map(|t| (t * 7 + 3) % 300).collect();

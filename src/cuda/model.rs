@@ -47,11 +47,11 @@ impl CudaModel {
     pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
-        // cuBLASLt (loading the library, a handle, then the kernels of a short prefill's
-        // products, `Lt::warm`) opens on a thread of its own while the weights go up: the
-        // library and the upload took 116–150 and 267–284 ms one after the other at
-        // start-up on the H200, and the first prefill ≈ 100 ms more for the kernels
-        // (docs/gpu-check.md, 07:30).
+        // cuBLASLt (a handle, and with `MAMBA3_GPU_LT_WARM=rows` the kernels of a short
+        // prefill's products, `Lt::warm`) opens on a thread of its own while the weights go
+        // up: the two took 116–150 and 267–284 ms one after the other at start-up on the
+        // H200, and the first prefill ≈ 100 ms more for the kernels (docs/gpu-check.md,
+        // 2026-12-05 07:30).
         let opts = GpuOptions::from_env();
         let in_proj = in_proj_kind(&weights);
         let specs = match warm_rows()? {
@@ -357,12 +357,13 @@ impl CudaModel {
     }
 }
 
-/// How many rows the start-up's warm-up products have (`MAMBA3_GPU_LT_WARM`, default 16;
-/// 0: none). A prefill of another length may need other kernels; a short prompt's first
-/// prefill is the one a user waits for.
+/// How many rows the start-up's warm-up products have (`MAMBA3_GPU_LT_WARM`; 0, the default,
+/// none: it stays off until it is measured on the GPU — built 2026-12-05, when no machine
+/// was lent). A prefill of another length may need other kernels; a short prompt's first
+/// prefill (16 rows, say) is the one a user waits for.
 fn warm_rows() -> Result<usize> {
     match std::env::var("MAMBA3_GPU_LT_WARM") {
-        Err(_) => Ok(16),
+        Err(_) => Ok(0),
         Ok(v) => v.trim().parse().map_err(|_| {
             Error::Input(format!(
                 "MAMBA3_GPU_LT_WARM: expected a number of rows (0: no warm-up), found {v:?}"

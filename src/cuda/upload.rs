@@ -5,8 +5,9 @@
 //! with the in_proj input copies of the benchmark model) took 267–284 ms that way on the
 //! H200 (docs/gpu-check.md, 2026-12-05 07:30). Here the host copies each tensor into one of
 //! `STAGES` pinned buffers while the DMA engine empties the others, so the two overlap and
-//! the copy to the device runs at the bus's speed. `MAMBA3_GPU_STAGED_UPLOAD=0` keeps the
-//! driver's staging (a diagnostic for A/B runs).
+//! the copy to the device runs at the bus's speed. Off until it is measured on the GPU
+//! (built 2026-12-05, when no machine was lent): `MAMBA3_GPU_STAGED_UPLOAD=1` turns it on;
+//! otherwise every tensor goes up through `Gpu::upload` as before.
 
 use super::context::{dev_err, DevBuf, Gpu, PinnedBuf};
 use crate::error::{Error, Result};
@@ -35,11 +36,16 @@ pub struct Uploader<'a> {
 unsafe impl Send for Stage {}
 
 impl<'a> Uploader<'a> {
+    /// Staged when `MAMBA3_GPU_STAGED_UPLOAD=1` (module doc), else the driver's copies.
     pub fn new(gpu: &'a Gpu) -> Result<Uploader<'a>> {
-        let staged = std::env::var("MAMBA3_GPU_STAGED_UPLOAD").map_or(true, |v| v != "0");
-        if !staged {
-            return Ok(Uploader { gpu, stages: None });
+        match std::env::var("MAMBA3_GPU_STAGED_UPLOAD").as_deref() {
+            Ok("1") => Self::staged(gpu),
+            _ => Ok(Uploader { gpu, stages: None }),
         }
+    }
+
+    /// Through pinned staging buffers.
+    pub fn staged(gpu: &'a Gpu) -> Result<Uploader<'a>> {
         gpu.bind()?;
         let stages = (0..STAGES)
             .map(|_| {
@@ -126,7 +132,7 @@ mod tests {
     #[ignore = "needs a CUDA device"]
     fn staged_upload_round_trips() {
         let gpu = Gpu::new(0).unwrap();
-        let up = Uploader::new(&gpu).unwrap();
+        let up = Uploader::staged(&gpu).unwrap();
         let sizes = [
             0,
             1,
