@@ -87,6 +87,29 @@ pub struct GemmSpec {
     pub tf32: bool,
 }
 
+impl GemmSpec {
+    /// Whether cuBLAS transposes them, and the column-major shapes (rows, cols, ld), of
+    /// cuBLAS's D = op(A)·op(B) with A = our W, B = our A (module doc).
+    fn operands(&self) -> ([i32; 2], [(usize, usize, usize); 2]) {
+        let s = self;
+        let ld = |given: usize, packed: usize| if given == 0 { packed } else { given };
+        match s.op {
+            GemmOp::Linear => (
+                [1, 0],
+                [(s.k, s.n, ld(s.ldw, s.k)), (s.k, s.rows, ld(s.lda, s.k))],
+            ),
+            GemmOp::Dx => (
+                [0, 0],
+                [(s.n, s.k, ld(s.ldw, s.n)), (s.k, s.rows, ld(s.lda, s.k))],
+            ),
+            GemmOp::Dw => (
+                [0, 1],
+                [(s.n, s.k, ld(s.ldw, s.n)), (s.rows, s.k, ld(s.lda, s.rows))],
+            ),
+        }
+    }
+}
+
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
@@ -163,29 +186,7 @@ impl Lt {
             lt::set_matmul_desc_attribute(desc, attr, (&v as *const i32).cast(), 4)
         };
         use sys::cublasLtMatmulDescAttributes_t as D;
-        // Column-major operands (rows × cols, ld) of cuBLAS's D = op(A)·op(B) with
-        // A = our W, B = our A (module doc).
-        let ld = |given: usize, packed: usize| if given == 0 { packed } else { given };
-        let (ta, a_shape, tb, b_shape) = match s.op {
-            GemmOp::Linear => (
-                1,
-                (s.k, s.n, ld(s.ldw, s.k)),
-                0,
-                (s.k, s.rows, ld(s.lda, s.k)),
-            ),
-            GemmOp::Dx => (
-                0,
-                (s.n, s.k, ld(s.ldw, s.n)),
-                0,
-                (s.k, s.rows, ld(s.lda, s.k)),
-            ),
-            GemmOp::Dw => (
-                0,
-                (s.n, s.k, ld(s.ldw, s.n)),
-                1,
-                (s.rows, s.k, ld(s.lda, s.rows)),
-            ),
-        };
+        let ([ta, tb], [a_shape, b_shape]) = s.operands();
         set(D::CUBLASLT_MATMUL_DESC_TRANSA, ta).map_err(|e| blas_err("transa", e))?;
         set(D::CUBLASLT_MATMUL_DESC_TRANSB, tb).map_err(|e| blas_err("transb", e))?;
         let lay = |t: ElemType, (r, c, ld): (usize, usize, usize)| {
@@ -249,14 +250,9 @@ impl Lt {
     /// rather than the first prefill after it.
     pub fn warm(&self, gpu: &Gpu, lane: usize, specs: &[GemmSpec]) -> Result<()> {
         for s in specs {
-            let ld = |given: usize, packed: usize| given.max(packed);
-            let (a, w) = match s.op {
-                GemmOp::Linear => (s.rows * ld(s.lda, s.k), s.n * ld(s.ldw, s.k)),
-                GemmOp::Dx => (s.rows * ld(s.lda, s.k), s.k * ld(s.ldw, s.n)),
-                GemmOp::Dw => (s.k * ld(s.lda, s.rows), s.k * ld(s.ldw, s.n)),
-            };
-            let a = gpu.alloc::<u8>(a * s.a.size())?;
-            let w = gpu.alloc::<u8>(w * s.w.size())?;
+            let (_, [(_, w_cols, w_ld), (_, a_cols, a_ld)]) = s.operands();
+            let a = gpu.alloc::<u8>(a_cols * a_ld * s.a.size())?;
+            let w = gpu.alloc::<u8>(w_cols * w_ld * s.w.size())?;
             let d = gpu.alloc::<u8>(s.rows * s.ldd * s.d.size())?;
             self.gemm_on(gpu, lane, s, a.ptr, w.ptr, d.ptr)?;
             gpu.sync_lane(lane)?; // before the scratch is freed
@@ -334,9 +330,7 @@ impl Lt {
         }
         .map_err(|e| blas_err(&format!("GEMM {}×{}×{}", s.rows, s.n, s.k), e))
     }
-}
 
-impl Lt {
     /// How many shapes have a plan (a diagnostic for tests).
     pub fn plan_count(&self) -> usize {
         self.plans.lock().map_or(0, |p| p.len())
