@@ -101,9 +101,13 @@ impl<'a> Uploader<'a> {
         Ok(b)
     }
 
-    /// Wait for every copy.
+    /// Wait for every staged copy (the driver's copies have left the host memory when
+    /// `upload` returns, and later work on the stream comes after them).
     pub fn finish(self) -> Result<()> {
-        self.gpu.sync()
+        match self.stages {
+            Some(_) => self.gpu.sync(),
+            None => Ok(()),
+        }
     }
 }
 
