@@ -3,7 +3,7 @@
 //! tokens (never all zeros).
 
 use super::{PathArg, RunOpts};
-use crate::engine::{LogitsWant, Model, State};
+use crate::engine::{LogitsWant, Model, State, StepLogits};
 use crate::error::Result;
 use crate::model::rng::Rng;
 use crate::model::{Config, Weights};
@@ -107,10 +107,12 @@ pub fn measure(
     }
     let mut decode_times = Vec::new();
     let mut tokens: Vec<u32> = (0..batch).map(|_| rng.below(vocab) as u32).collect();
+    // One buffer for every step, as generation and the server keep it (pinned on a GPU).
+    let mut logits = StepLogits::new();
     for i in 0..a.decode_steps + a.warmup.max(1) {
         let mut st: Vec<&mut State> = states.iter_mut().collect();
         let t0 = Instant::now();
-        let logits = model.decode(&tokens, &mut st)?;
+        model.decode_into(&tokens, &mut st, &mut logits)?;
         model.synchronize()?;
         if i >= a.warmup.max(1) {
             decode_times.push(t0.elapsed().as_secs_f64());

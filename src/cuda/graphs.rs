@@ -38,6 +38,8 @@ struct Captured {
     /// padding rows' state (decode)
     scratch: CudaState,
     layout: Layout,
+    /// the state addresses in `work.states` now (a decode loop rarely changes them)
+    state_ptrs: Vec<u64>,
 }
 
 #[derive(Default)]
@@ -117,6 +119,7 @@ impl CudaModel {
             key: self.capture_key(opts, &k),
             scratch,
             layout: lay,
+            state_ptrs: vec![sp; n],
         })
     }
 
@@ -194,11 +197,14 @@ impl CudaModel {
         let opts = inner.opts;
         let k = self.kernels(&mut inner, opts)?;
         let key = self.capture_key(opts, &k);
-        let buckets = inner.graphs.decode_buckets();
+        let no_bucket = |g: &Graphs| {
+            Error::Device(format!(
+                "no decode graph holds a batch of {b}: captured buckets {:?}",
+                g.decode_buckets()
+            ))
+        };
         let Some((&bucket, cap)) = inner.graphs.decode.range_mut(b..).next() else {
-            return Err(Error::Device(format!(
-                "no decode graph holds a batch of {b}: captured buckets {buckets:?}"
-            )));
+            return Err(no_bucket(&inner.graphs));
         };
         check_key(&cap.key, &key, &format!("decode graph for batch {bucket}"))?;
         let sp = cap.scratch.unique_ptr()?;
@@ -259,10 +265,19 @@ impl CudaModel {
     }
 
     /// Launch `cap` on these tokens and states; its first `dst.len()` logits land in `dst`.
-    fn replay(&self, cap: &Captured, tokens: &[u32], ptrs: &[u64], dst: &mut [f32]) -> Result<()> {
+    fn replay(
+        &self,
+        cap: &mut Captured,
+        tokens: &[u32],
+        ptrs: &[u64],
+        dst: &mut [f32],
+    ) -> Result<()> {
         let gpu = self.gpu();
         gpu.htod(tokens, cap.work.tokens.ptr)?;
-        gpu.htod(ptrs, cap.work.states.ptr)?;
+        if cap.state_ptrs != ptrs {
+            gpu.htod(ptrs, cap.work.states.ptr)?;
+            cap.state_ptrs = ptrs.to_vec();
+        }
         gpu.bind()?;
         cap.graph
             .launch()
