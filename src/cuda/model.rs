@@ -9,7 +9,7 @@ use super::gemm::Lt;
 use super::graphs::Graphs;
 use super::kernels::{KernelConfig, Kernels, ScanMath};
 use super::state::CudaState;
-use super::weights::{in_proj_kind, GpuWeights};
+use super::weights::{in_proj_kind, scan_f16, GpuWeights};
 use super::work::{Caps, Layout, Work};
 use crate::cpu::{LogitsWant, SeqState};
 use crate::engine::state::{State, StateData};
@@ -47,30 +47,40 @@ impl CudaModel {
     pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
-        // cuBLASLt (a handle, and with `MAMBA3_GPU_LT_WARM=rows` the kernels of a short
-        // prefill's products, `Lt::warm`) opens on a thread of its own while the weights go
-        // up: the two took 116–150 and 267–284 ms one after the other at start-up on the
-        // H200, and the first prefill ≈ 100 ms more for the kernels (docs/gpu-check.md,
-        // 2026-12-05 07:30).
+        // Three threads while the weights go up: cuBLASLt (a handle, and the kernels of a
+        // short prefill's products, `Lt::warm`), and the inference kernels from the cache.
+        // One after the other they took 116–150 ms, 267–284 ms, ≈ 20 ms and the first
+        // prefill ≈ 100 ms more for cuBLASLt's kernels (docs/benchmarks.md, 2026-12-05).
         let opts = GpuOptions::from_env();
         let in_proj = in_proj_kind(&weights);
         let specs = match warm_rows()? {
             0 => Vec::new(),
             rows => prefill_gemm_specs(&weights.dims, weights.dtype, opts, in_proj, rows),
         };
-        let (gw, lt) = std::thread::scope(|s| {
+        let warm_parallel = std::env::var("MAMBA3_GPU_LT_WARM_PAR").as_deref() == Ok("1");
+        let scan_f16 = scan_f16(&weights);
+        let kernel_cfg = kernel_config(&weights, scan_math(weights.dtype, scan_f16, opts))?;
+        let kernels_early = std::env::var("MAMBA3_GPU_KERNELS_THREAD").as_deref() != Ok("0");
+        let (gw, lt, kernels) = std::thread::scope(|s| {
             let lt = s.spawn(|| {
                 let lt = crate::timeline::stage("cuBLASLt opened (thread)", || Lt::new(&gpu))?;
-                lt.warm(&gpu, 1, &specs)?;
+                lt.warm(&gpu, 1, &specs, warm_parallel)?;
                 Ok(lt)
             });
+            let kernels =
+                kernels_early.then(|| s.spawn(|| Kernels::load(&gpu, &kernel_cfg).map(Arc::new)));
             let gw = crate::timeline::stage("weights uploaded", || {
-                GpuWeights::upload(&gpu, &weights, in_proj)
+                GpuWeights::upload(&gpu, &weights, in_proj, scan_f16)
             });
+            let panicked = |what: &str| Error::Device(format!("{what} panicked"));
             let lt = lt
                 .join()
-                .unwrap_or_else(|_| Err(Error::Device("opening cuBLASLt panicked".into())));
-            (gw, lt)
+                .unwrap_or_else(|_| Err(panicked("opening cuBLASLt")));
+            let kernels = kernels.map(|k| {
+                k.join()
+                    .unwrap_or_else(|_| Err(panicked("loading the kernels")))
+            });
+            (gw, lt, kernels)
         });
         let (gw, lt) = (gw?, lt?);
         let m = CudaModel {
@@ -86,10 +96,18 @@ impl CudaModel {
                 graphs: Graphs::default(),
             }),
         };
-        // Compile (or load) the kernels now, so that the first request is not the slow one.
         let mut inner = m.lock()?;
-        let opts = inner.opts;
-        m.kernels(&mut inner, opts)?;
+        match kernels {
+            Some(k) => {
+                let k = k?;
+                inner.kernels.insert(kernel_cfg, k.clone());
+                inner.last = Some((opts, k));
+            }
+            // Compile (or load) the kernels now, so that the first request is not the slow one.
+            None => {
+                m.kernels(&mut inner, opts)?;
+            }
+        }
         drop(inner);
         crate::timeline::mark(|| "kernels ready".into());
         Ok(m)
@@ -129,23 +147,6 @@ impl CudaModel {
         Ok(())
     }
 
-    fn scan_math(&self, o: GpuOptions) -> ScanMath {
-        match (self.weights.dtype, o.fast, o.tf32) {
-            (DType::F32, _, true) => ScanMath::Tf32,
-            (DType::F32, _, false) => ScanMath::F32,
-            (_, true, _) => ScanMath::Half,
-            // f16 operands: TF32's mantissa at the cost of 16 bits (docs/benchmarks.md);
-            // `MAMBA3_GPU_SCAN_F16=0` keeps TF32, a diagnostic for A/B runs
-            (_, false, _)
-                if self.gw.scan_f16
-                    && std::env::var("MAMBA3_GPU_SCAN_F16").map_or(true, |v| v != "0") =>
-            {
-                ScanMath::F16
-            }
-            (_, false, _) => ScanMath::Tf32,
-        }
-    }
-
     /// The kernels for options `o`, compiled or loaded once.
     pub(crate) fn kernels(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
         if let Some((lo, k)) = &inner.last {
@@ -160,8 +161,7 @@ impl CudaModel {
 
     fn kernels_for(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
         let w = &self.weights;
-        let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, self.scan_math(o))?
-            .with_embedding(w.embedding.dtype());
+        let cfg = kernel_config(w, scan_math(w.dtype, self.gw.scan_f16, o))?;
         if let Some(k) = inner.kernels.get(&cfg) {
             return Ok(k.clone());
         }
@@ -370,6 +370,27 @@ fn warm_rows() -> Result<usize> {
             ))
         }),
     }
+}
+
+/// How the prefill scan multiplies for these options (kernels/scan_tiles.cuh).
+fn scan_math(dtype: DType, scan_f16: bool, o: GpuOptions) -> ScanMath {
+    match (dtype, o.fast, o.tf32) {
+        (DType::F32, _, true) => ScanMath::Tf32,
+        (DType::F32, _, false) => ScanMath::F32,
+        (_, true, _) => ScanMath::Half,
+        // f16 operands: TF32's mantissa at the cost of 16 bits (docs/benchmarks.md);
+        // `MAMBA3_GPU_SCAN_F16=0` keeps TF32, a diagnostic for A/B runs
+        (_, false, _)
+            if scan_f16 && std::env::var("MAMBA3_GPU_SCAN_F16").map_or(true, |v| v != "0") =>
+        {
+            ScanMath::F16
+        }
+        (_, false, _) => ScanMath::Tf32,
+    }
+}
+
+fn kernel_config(w: &Weights, math: ScanMath) -> Result<KernelConfig> {
+    Ok(KernelConfig::new(&w.config, &w.dims, w.dtype, math)?.with_embedding(w.embedding.dtype()))
 }
 
 /// Cut the picked rows' logits into per-sequence vectors as `LogitsWant` says.

@@ -103,6 +103,12 @@ fn in_proj_input(
 /// the biases, rotated) stay below 2¹⁴ whatever the input, so that a 16-bit model's scan
 /// may take f16 operands (kernels/scan.cu scales the data-dependent ones itself): a normed
 /// entry is at most √d_state·max|w|, and a rotation mixes two entries, ×√2.
+/// Whether the scan may take f16 operands: a 16-bit model whose scan operands fit
+/// (`scan_operands_fit_f16`). Decided from the host weights, before any upload.
+pub fn scan_f16(w: &Weights) -> bool {
+    w.dtype != DType::F32 && scan_operands_fit_f16(w)
+}
+
 fn scan_operands_fit_f16(w: &Weights) -> bool {
     let root_n = (w.dims.d_state as f64).sqrt();
     w.layers.iter().all(|l| {
@@ -188,8 +194,14 @@ fn layer_table(layers: &[GpuLayer]) -> Vec<u64> {
 }
 
 impl GpuWeights {
-    /// `w` on the device; `input` is `in_proj_kind(w)`, which the caller may need before.
-    pub fn upload(gpu: &Gpu, w: &Weights, input: Option<InProjKind>) -> Result<GpuWeights> {
+    /// `w` on the device; `input` is `in_proj_kind(w)` and `scan_f16` is `scan_f16(w)`,
+    /// which the caller needs before the upload ends (for the warm-up and the kernels).
+    pub fn upload(
+        gpu: &Gpu,
+        w: &Weights,
+        input: Option<InProjKind>,
+        scan_f16: bool,
+    ) -> Result<GpuWeights> {
         if w.dtype == DType::F64 {
             return Err(Error::Device(
                 "the GPU runs f32, bf16 or f16 models, not f64".into(),
@@ -249,7 +261,7 @@ impl GpuWeights {
             lm_head,
             layer_table,
             layers,
-            scan_f16: w.dtype != DType::F32 && scan_operands_fit_f16(w),
+            scan_f16,
             bytes: bytes + input_bytes,
         })
     }

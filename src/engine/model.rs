@@ -109,11 +109,18 @@ impl Model {
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other. Nor does loading
             // the cuBLASLt library (`Lt::new` waits for it; an error shows there).
-            std::thread::spawn(crate::cuda::gemm::Lt::load_library);
+            let preload = crate::cuda::gemm::LtPreload::from_env()?;
+            if preload == crate::cuda::gemm::LtPreload::Start {
+                std::thread::spawn(crate::cuda::gemm::Lt::load_library);
+            }
             let gpu = std::thread::spawn(move || {
-                crate::timeline::stage("CUDA device opened (thread)", || {
+                let gpu = crate::timeline::stage("CUDA device opened (thread)", || {
                     crate::cuda::context::Gpu::new(ordinal)
-                })
+                });
+                if preload == crate::cuda::gemm::LtPreload::AfterContext {
+                    std::thread::spawn(crate::cuda::gemm::Lt::load_library);
+                }
+                gpu
             });
             let weights = crate::timeline::stage("checkpoint read and converted", || {
                 Weights::load(path, dtype)
