@@ -496,11 +496,6 @@ impl PinnedBuf {
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
-
-    /// The buffer as bytes (a staging buffer for copies to the device).
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<u8>(), self.len * 4) }
-    }
 }
 
 impl Drop for PinnedBuf {

@@ -110,9 +110,6 @@ impl GemmSpec {
     }
 }
 
-// (descriptors made once and only read by `cublasLtMatmul`, which may run on several
-// threads at once; destroyed with the `Lt`)
-#[derive(Clone, Copy)]
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
@@ -134,32 +131,6 @@ unsafe impl Sync for Lt {}
 
 fn blas_err(what: &str, e: lt::CublasError) -> Error {
     dev_err(&format!("cuBLASLt {what}"), e)
-}
-
-/// When `Model::load` starts loading libcublasLt on a thread (`MAMBA3_GPU_LT_PRELOAD`).
-/// The load holds the dynamic loader's lock for ≈ 150 ms on the H200, and creating the
-/// CUDA context waits for that lock (docs/benchmarks.md, 2026-12-05 13:22).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LtPreload {
-    /// `start`: at once, beside the context
-    Start,
-    /// `context` (the default): once the context exists, beside the weights upload
-    AfterContext,
-    /// `off`: `Lt::new` loads it, on the cuBLASLt thread
-    Off,
-}
-
-impl LtPreload {
-    pub fn from_env() -> Result<LtPreload> {
-        match std::env::var("MAMBA3_GPU_LT_PRELOAD").as_deref() {
-            Err(_) | Ok("context") => Ok(LtPreload::AfterContext),
-            Ok("start") => Ok(LtPreload::Start),
-            Ok("off") => Ok(LtPreload::Off),
-            Ok(v) => Err(Error::Input(format!(
-                "MAMBA3_GPU_LT_PRELOAD: expected start, context or off, found {v:?}"
-            ))),
-        }
-    }
 }
 
 impl Lt {
@@ -276,11 +247,10 @@ impl Lt {
     /// Make the plans of `specs` and run each once on lane `lane`'s stream over scratch
     /// operands, waiting for them. cuBLASLt loads a kernel on its first use, ≈ 50 ms each
     /// on the H200 (docs/benchmarks.md); a thread can pay that while the weights upload
-    /// rather than the first prefill after it. `parallel`: each product from a thread of
-    /// its own, so that the kernels load side by side where the driver allows it.
-    pub fn warm(&self, gpu: &Gpu, lane: usize, specs: &[GemmSpec], parallel: bool) -> Result<()> {
-        let one = |s: &GemmSpec| -> Result<()> {
-            gpu.bind()?;
+    /// rather than the first prefill after it. (From a thread per product they took as
+    /// long: docs/benchmarks.md, 2026-12-05 14:03.)
+    pub fn warm(&self, gpu: &Gpu, lane: usize, specs: &[GemmSpec]) -> Result<()> {
+        for s in specs {
             let (_, [(_, w_cols, w_ld), (_, a_cols, a_ld)]) = s.operands();
             let a = gpu.alloc::<u8>(a_cols * a_ld * s.a.size())?;
             let w = gpu.alloc::<u8>(w_cols * w_ld * s.w.size())?;
@@ -293,18 +263,8 @@ impl Lt {
                     s.rows, s.n, s.k, s.a, s.w, s.d
                 )
             });
-            Ok(())
-        };
-        if !parallel {
-            return specs.iter().try_for_each(one);
         }
-        std::thread::scope(|sc| {
-            let threads: Vec<_> = specs.iter().map(|s| sc.spawn(move || one(s))).collect();
-            threads.into_iter().try_for_each(|t| {
-                t.join()
-                    .unwrap_or_else(|_| Err(Error::Device("a cuBLASLt warm-up panicked".into())))
-            })
-        })
+        Ok(())
     }
 
     /// `D (+)= op(A, W)` on the GPU's stream. Device addresses; `spec` gives the shape.
@@ -345,9 +305,7 @@ impl Lt {
             let p = self.plan(s)?;
             plans.insert(*s, p);
         }
-        // not held over the product: the warm-up's threads load kernels side by side there
-        let p = plans[s];
-        drop(plans);
+        let p = &plans[s];
         let alpha = 1.0f32;
         let beta = if s.accumulate { 1.0f32 } else { 0.0 };
         gpu.bind()?;
@@ -411,13 +369,7 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA device"]
     fn warm_up_covers_a_short_prefill() {
-        let cases = [
-            (DType::BF16, true, false),
-            (DType::BF16, true, true),
-            (DType::F16, false, true),
-            (DType::F32, true, false),
-        ];
-        for (dtype, mlp, parallel) in cases {
+        for (dtype, mlp) in [(DType::BF16, true), (DType::F16, false), (DType::F32, true)] {
             let mut cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);
             // 200 rounds up to a hidden width of 256, not d_inner's 128: fc2's product is
             // then not out_proj's (which would share its plan)
@@ -426,7 +378,7 @@ mod tests {
             let m = CudaModel::new(w.clone(), 0).unwrap();
             let opts = m.options().unwrap();
             let specs = prefill_gemm_specs(&w.dims, dtype, opts, in_proj_kind(&w), 16);
-            m.lt.warm(&m.gpu, 1, &specs, parallel).unwrap();
+            m.lt.warm(&m.gpu, 1, &specs).unwrap();
             let warmed = m.lt.plan_count();
             let distinct: std::collections::HashSet<_> = specs.iter().collect();
             assert_eq!(distinct.len(), if mlp { 5 } else { 3 }, "{dtype:?}");

@@ -5,8 +5,7 @@
 //! - `kernels`: the CUDA C sources (`kernels/*.cu`), compiled by NVRTC per model shape and
 //!   cached on disk;
 //! - `gemm`: the projections through cuBLASLt;
-//! - `weights`, `state`, `work`: what lives on the device; `upload`: how the weights get
-//!   there;
+//! - `weights`, `state`, `work`: what lives on the device;
 //! - `forward`: the prefill launch sequence; `decode`: the decode step's; `scan`: the
 //!   chunked mixer's launches, which the prefill and training share;
 //! - `graphs`: CUDA-graph capture and replay;
@@ -32,7 +31,6 @@ pub mod probe;
 pub mod scan;
 pub mod state;
 pub mod train;
-pub mod upload;
 pub mod weights;
 pub mod work;
 

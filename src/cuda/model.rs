@@ -47,28 +47,30 @@ impl CudaModel {
     pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
-        // Three threads while the weights go up: cuBLASLt (a handle, and the kernels of a
-        // short prefill's products, `Lt::warm`), and the inference kernels from the cache.
-        // One after the other they took 116–150 ms, 267–284 ms, ≈ 20 ms and the first
-        // prefill ≈ 100 ms more for cuBLASLt's kernels (docs/benchmarks.md, 2026-12-05).
+        // Two threads beside the weights upload: cuBLASLt (a handle, then the kernels of a
+        // short prefill's products, `Lt::warm`), and the inference kernels (from the disk
+        // cache, or NVRTC). One after the other, the upload, cuBLASLt and the kernels took
+        // 267–284, 116–150 and ≈ 20 ms, and the first prefill ≈ 100 ms more for cuBLASLt's
+        // kernels (docs/benchmarks.md, 2026-12-05).
         let opts = GpuOptions::from_env();
         let in_proj = in_proj_kind(&weights);
         let specs = match warm_rows()? {
             0 => Vec::new(),
             rows => prefill_gemm_specs(&weights.dims, weights.dtype, opts, in_proj, rows),
         };
-        let warm_parallel = std::env::var("MAMBA3_GPU_LT_WARM_PAR").as_deref() == Ok("1");
         let scan_f16 = scan_f16(&weights);
         let kernel_cfg = kernel_config(&weights, scan_math(weights.dtype, scan_f16, opts))?;
-        let kernels_early = std::env::var("MAMBA3_GPU_KERNELS_THREAD").as_deref() != Ok("0");
         let (gw, lt, kernels) = std::thread::scope(|s| {
             let lt = s.spawn(|| {
                 let lt = crate::timeline::stage("cuBLASLt opened (thread)", || Lt::new(&gpu))?;
-                lt.warm(&gpu, 1, &specs, warm_parallel)?;
+                // Only a head start: the products plan and load their kernels when first
+                // used anyway, so a warm-up that fails (scratch memory, say) is no error.
+                if let Err(e) = lt.warm(&gpu, 1, &specs) {
+                    eprintln!("warning: cuBLASLt warm-up skipped: {e}");
+                }
                 Ok(lt)
             });
-            let kernels =
-                kernels_early.then(|| s.spawn(|| Kernels::load(&gpu, &kernel_cfg).map(Arc::new)));
+            let kernels = s.spawn(|| Kernels::load(&gpu, &kernel_cfg).map(Arc::new));
             let gw = crate::timeline::stage("weights uploaded", || {
                 GpuWeights::upload(&gpu, &weights, in_proj, scan_f16)
             });
@@ -76,10 +78,9 @@ impl CudaModel {
             let lt = lt
                 .join()
                 .unwrap_or_else(|_| Err(panicked("opening cuBLASLt")));
-            let kernels = kernels.map(|k| {
-                k.join()
-                    .unwrap_or_else(|_| Err(panicked("loading the kernels")))
-            });
+            let kernels = kernels
+                .join()
+                .unwrap_or_else(|_| Err(panicked("loading the kernels")));
             (gw, lt, kernels)
         });
         let (gw, lt) = (gw?, lt?);
@@ -96,18 +97,11 @@ impl CudaModel {
                 graphs: Graphs::default(),
             }),
         };
+        // (compiled or loaded now, so that the first request is not the slow one)
+        let kernels = kernels?;
         let mut inner = m.lock()?;
-        match kernels {
-            Some(k) => {
-                let k = k?;
-                inner.kernels.insert(kernel_cfg, k.clone());
-                inner.last = Some((opts, k));
-            }
-            // Compile (or load) the kernels now, so that the first request is not the slow one.
-            None => {
-                m.kernels(&mut inner, opts)?;
-            }
-        }
+        inner.kernels.insert(kernel_cfg, kernels.clone());
+        inner.last = Some((opts, kernels));
         drop(inner);
         crate::timeline::mark(|| "kernels ready".into());
         Ok(m)
@@ -357,13 +351,13 @@ impl CudaModel {
     }
 }
 
-/// How many rows the start-up's warm-up products have (`MAMBA3_GPU_LT_WARM`; 0, the default,
-/// none: it stays off until it is measured on the GPU — built 2026-12-05, when no machine
-/// was lent). A prefill of another length may need other kernels; a short prompt's first
-/// prefill (16 rows, say) is the one a user waits for.
+/// How many rows the start-up's warm-up products have (`MAMBA3_GPU_LT_WARM`, default 16; 0
+/// none). A prefill of another length may need other kernels; a short prompt's first
+/// prefill is the one a user waits for. It brought the first token 36–70 ms sooner
+/// (docs/benchmarks.md, 2026-12-05 13:22 and 14:03).
 fn warm_rows() -> Result<usize> {
     match std::env::var("MAMBA3_GPU_LT_WARM") {
-        Err(_) => Ok(0),
+        Err(_) => Ok(16),
         Ok(v) => v.trim().parse().map_err(|_| {
             Error::Input(format!(
                 "MAMBA3_GPU_LT_WARM: expected a number of rows (0: no warm-up), found {v:?}"

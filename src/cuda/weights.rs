@@ -3,7 +3,6 @@
 //! matched to its input (see [`InProjInput`]).
 
 use super::context::{DevBuf, Gpu};
-use super::upload::Uploader;
 use crate::error::{Error, Result};
 use crate::model::weights::Matrix;
 use crate::model::{DType, LayerWeights, Weights};
@@ -67,7 +66,7 @@ const F16_SAFE: f64 = 32752.0;
 
 /// The in_proj input of a 16-bit model (`None` for f32 models) of kind `kind`.
 fn in_proj_input(
-    up: &Uploader,
+    gpu: &Gpu,
     w: &Weights,
     kind: Option<InProjKind>,
 ) -> Result<Option<Vec<InProjInput>>> {
@@ -77,13 +76,13 @@ fn in_proj_input(
     use rayon::prelude::*;
     // Layers in parallel: the host side (a converted or doubled copy of every in_proj
     // weight) is long on one thread, and each copy goes up as soon as it is made
-    // (`Uploader::upload` binds the context on the calling thread; the order is kept).
+    // (`Gpu::upload` binds the context on the calling thread; the order is kept).
     let out = w
         .layers
         .par_iter()
         .map(|l| {
             Ok(if kind == InProjKind::F16 {
-                InProjInput::F16(up.upload(l.in_proj.data.convert(DType::F16).as_bytes())?)
+                InProjInput::F16(gpu.upload(l.in_proj.data.convert(DType::F16).as_bytes())?)
             } else {
                 let row = l.in_proj.cols * w.dtype.size();
                 let src = l.in_proj.data.as_bytes();
@@ -92,7 +91,7 @@ fn in_proj_input(
                     twice.extend_from_slice(r);
                     twice.extend_from_slice(r);
                 }
-                InProjInput::Split(up.upload(&twice)?)
+                InProjInput::Split(gpu.upload(&twice)?)
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -207,16 +206,15 @@ impl GpuWeights {
                 "the GPU runs f32, bf16 or f16 models, not f64".into(),
             ));
         }
-        let up = Uploader::new(gpu)?;
         let mut bytes = 0usize;
         let mut mat = |m: &Matrix| -> Result<DevBuf> {
-            let b = up.upload(m.data.as_bytes())?;
+            let b = gpu.upload(m.data.as_bytes())?;
             bytes += b.bytes;
             Ok(b)
         };
-        let vec = |v: &[f32]| up.upload(v);
+        let vec = |v: &[f32]| gpu.upload(v);
         let mut layers = Vec::with_capacity(w.layers.len());
-        let mut inputs = in_proj_input(&up, w, input)?.map(|v| v.into_iter());
+        let mut inputs = in_proj_input(gpu, w, input)?.map(|v| v.into_iter());
         crate::timeline::mark(|| "in_proj input weights prepared and queued".into());
         let mut input_bytes = 0;
         for l in &w.layers {
@@ -251,10 +249,9 @@ impl GpuWeights {
         let lm_head = w.lm_head.as_ref().map(&mut mat).transpose()?;
         let layer_table = match w.dtype {
             DType::F32 => None,
-            _ => Some(up.upload(&layer_table(&layers))?),
+            _ => Some(gpu.upload(&layer_table(&layers))?),
         };
-        let norm_f = up.upload(&w.norm_f)?;
-        up.finish()?;
+        let norm_f = gpu.upload(&w.norm_f)?;
         Ok(GpuWeights {
             embedding,
             norm_f,

@@ -108,19 +108,15 @@ impl Model {
         if let Device::Cuda(ordinal) = device {
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other. Nor does loading
-            // the cuBLASLt library (`Lt::new` waits for it; an error shows there).
-            let preload = crate::cuda::gemm::LtPreload::from_env()?;
-            if preload == crate::cuda::gemm::LtPreload::Start {
-                std::thread::spawn(crate::cuda::gemm::Lt::load_library);
-            }
+            // the cuBLASLt library (`Lt::new` waits for it; an error shows there). That
+            // load holds the context's creation back ≈ 150 ms, but loaded once the context
+            // exists it holds the weights upload back as long, and loaded by `Lt::new` it
+            // was slower still (docs/benchmarks.md, 2026-12-05 14:03).
+            std::thread::spawn(crate::cuda::gemm::Lt::load_library);
             let gpu = std::thread::spawn(move || {
-                let gpu = crate::timeline::stage("CUDA device opened (thread)", || {
+                crate::timeline::stage("CUDA device opened (thread)", || {
                     crate::cuda::context::Gpu::new(ordinal)
-                });
-                if preload == crate::cuda::gemm::LtPreload::AfterContext {
-                    std::thread::spawn(crate::cuda::gemm::Lt::load_library);
-                }
-                gpu
+                })
             });
             let weights = crate::timeline::stage("checkpoint read and converted", || {
                 Weights::load(path, dtype)
