@@ -353,7 +353,7 @@ impl CudaModel {
 
 /// How many rows the start-up's warm-up products have (`MAMBA3_GPU_LT_WARM`, default 16; 0
 /// none). A prefill of another length may need other kernels; a short prompt's first
-/// prefill is the one a user waits for. It brought the first token 36–70 ms sooner
+/// prefill is the one a user waits for. It brought the first token 36–60 ms sooner
 /// (docs/benchmarks.md, 2026-12-05 13:22 and 14:03).
 fn warm_rows() -> Result<usize> {
     match std::env::var("MAMBA3_GPU_LT_WARM") {
