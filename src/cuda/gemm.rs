@@ -250,7 +250,10 @@ impl Lt {
     /// rather than the first prefill after it. (From a thread per product they took as
     /// long: docs/benchmarks.md, 2026-12-05 14:03.)
     pub fn warm(&self, gpu: &Gpu, lane: usize, specs: &[GemmSpec]) -> Result<()> {
-        for s in specs {
+        for (i, s) in specs.iter().enumerate() {
+            if specs[..i].contains(s) {
+                continue; // (fc2's product is out_proj's when the MLP is d_inner wide)
+            }
             let (_, [(_, w_cols, w_ld), (_, a_cols, a_ld)]) = s.operands();
             let a = gpu.alloc::<u8>(a_cols * a_ld * s.a.size())?;
             let w = gpu.alloc::<u8>(w_cols * w_ld * s.w.size())?;

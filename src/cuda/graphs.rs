@@ -197,14 +197,11 @@ impl CudaModel {
         let opts = inner.opts;
         let k = self.kernels(&mut inner, opts)?;
         let key = self.capture_key(opts, &k);
-        let no_bucket = |g: &Graphs| {
-            Error::Device(format!(
-                "no decode graph holds a batch of {b}: captured buckets {:?}",
-                g.decode_buckets()
-            ))
-        };
         let Some((&bucket, cap)) = inner.graphs.decode.range_mut(b..).next() else {
-            return Err(no_bucket(&inner.graphs));
+            return Err(Error::Device(format!(
+                "no decode graph holds a batch of {b}: captured buckets {:?}",
+                inner.graphs.decode_buckets()
+            )));
         };
         check_key(&cap.key, &key, &format!("decode graph for batch {bucket}"))?;
         let sp = cap.scratch.unique_ptr()?;

@@ -23,6 +23,8 @@ pub struct CudaModel {
     pub(crate) gpu: Arc<Gpu>,
     pub(crate) weights: Arc<Weights>,
     pub(crate) gw: GpuWeights,
+    /// the scan may take f16 operands (`weights::scan_f16`)
+    scan_f16: bool,
     pub(crate) lt: Lt,
     inner: Mutex<Inner>,
 }
@@ -72,7 +74,7 @@ impl CudaModel {
             });
             let kernels = s.spawn(|| Kernels::load(&gpu, &kernel_cfg).map(Arc::new));
             let gw = crate::timeline::stage("weights uploaded", || {
-                GpuWeights::upload(&gpu, &weights, in_proj, scan_f16)
+                GpuWeights::upload(&gpu, &weights, in_proj)
             });
             let panicked = |what: &str| Error::Device(format!("{what} panicked"));
             let lt = lt
@@ -88,6 +90,7 @@ impl CudaModel {
             gpu,
             weights,
             gw,
+            scan_f16,
             lt,
             inner: Mutex::new(Inner {
                 opts,
@@ -155,7 +158,7 @@ impl CudaModel {
 
     fn kernels_for(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
         let w = &self.weights;
-        let cfg = kernel_config(w, scan_math(w.dtype, self.gw.scan_f16, o))?;
+        let cfg = kernel_config(w, scan_math(w.dtype, self.scan_f16, o))?;
         if let Some(k) = inner.kernels.get(&cfg) {
             return Ok(k.clone());
         }

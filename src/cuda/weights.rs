@@ -98,16 +98,16 @@ fn in_proj_input(
     Ok(Some(out))
 }
 
-/// Whether the scan's q̃ and k̃ (spec §2.5: RMS-normed B, C times their norm weights, plus
-/// the biases, rotated) stay below 2¹⁴ whatever the input, so that a 16-bit model's scan
-/// may take f16 operands (kernels/scan.cu scales the data-dependent ones itself): a normed
-/// entry is at most √d_state·max|w|, and a rotation mixes two entries, ×√2.
 /// Whether the scan may take f16 operands: a 16-bit model whose scan operands fit
 /// (`scan_operands_fit_f16`). Decided from the host weights, before any upload.
 pub fn scan_f16(w: &Weights) -> bool {
     w.dtype != DType::F32 && scan_operands_fit_f16(w)
 }
 
+/// Whether the scan's q̃ and k̃ (spec §2.5: RMS-normed B, C times their norm weights, plus
+/// the biases, rotated) stay below 2¹⁴ whatever the input, so that a 16-bit model's scan
+/// may take f16 operands (kernels/scan.cu scales the data-dependent ones itself): a normed
+/// entry is at most √d_state·max|w|, and a rotation mixes two entries, ×√2.
 fn scan_operands_fit_f16(w: &Weights) -> bool {
     let root_n = (w.dims.d_state as f64).sqrt();
     w.layers.iter().all(|l| {
@@ -159,8 +159,6 @@ pub struct GpuWeights {
     /// 16-bit models: every layer's parameter addresses, `LayerW` of
     /// kernels/decode_layers.cu (13 per layer; 0 for what the layer lacks)
     pub layer_table: Option<DevBuf>,
-    /// 16-bit models: the scan may take f16 operands (`scan_operands_fit_f16`)
-    pub scan_f16: bool,
     pub bytes: usize,
 }
 
@@ -193,14 +191,9 @@ fn layer_table(layers: &[GpuLayer]) -> Vec<u64> {
 }
 
 impl GpuWeights {
-    /// `w` on the device; `input` is `in_proj_kind(w)` and `scan_f16` is `scan_f16(w)`,
-    /// which the caller needs before the upload ends (for the warm-up and the kernels).
-    pub fn upload(
-        gpu: &Gpu,
-        w: &Weights,
-        input: Option<InProjKind>,
-        scan_f16: bool,
-    ) -> Result<GpuWeights> {
+    /// `w` on the device; `input` is `in_proj_kind(w)`, which the caller needs before the
+    /// upload ends (for the warm-up).
+    pub fn upload(gpu: &Gpu, w: &Weights, input: Option<InProjKind>) -> Result<GpuWeights> {
         if w.dtype == DType::F64 {
             return Err(Error::Device(
                 "the GPU runs f32, bf16 or f16 models, not f64".into(),
@@ -258,7 +251,6 @@ impl GpuWeights {
             lm_head,
             layer_table,
             layers,
-            scan_f16,
             bytes: bytes + input_bytes,
         })
     }
