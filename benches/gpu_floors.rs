@@ -163,8 +163,10 @@ fn handovers(gpu: &Gpu, m: &Module, one_counter: &Kernel) -> Result<()> {
     };
     for blocks in [24u32, 48, 96, 120, gpu.sms as u32] {
         let coop = |k: &Kernel, n: i32, third: Option<i32>| match third {
-            None => gpu.launch_cooperative(k, blocks, THREADS, ONE_PER_SM, &[&n, &buf.ptr]),
-            Some(x) => gpu.launch_cooperative(k, blocks, THREADS, ONE_PER_SM, &[&n, &buf.ptr, &x]),
+            None => gpu.launch_cooperative(k, blocks, THREADS, ONE_PER_SM, false, &[&n, &buf.ptr]),
+            Some(x) => {
+                gpu.launch_cooperative(k, blocks, THREADS, ONE_PER_SM, false, &[&n, &buf.ptr, &x])
+            }
         };
         let one = zeroed(&|n| coop(one_counter, n, None))?;
         let packed = zeroed(&|n| coop(&flags_k, n, Some(1)))?;

@@ -239,27 +239,23 @@ impl Gpu {
     }
 
     /// Launch `k` as a cooperative grid: every block resident at once (the driver refuses
-    /// the launch otherwise), so that blocks may wait for each other.
+    /// the launch otherwise), so that blocks may wait for each other. `pdl` as in
+    /// [`Gpu::launch`].
     pub fn launch_cooperative(
         &self,
         k: &Kernel,
         grid: u32,
         block: u32,
         smem: u32,
+        pdl: bool,
         args: &[&dyn KArg],
     ) -> Result<()> {
+        let mut attrs = launch_attrs(pdl, None);
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attr.value.cooperative = 1;
-        self.launch_with(
-            0,
-            k,
-            (grid, 1, 1),
-            block,
-            smem,
-            std::slice::from_mut(&mut attr),
-            args,
-        )
+        attrs.push(attr);
+        self.launch_with(0, k, (grid, 1, 1), block, smem, &mut attrs, args)
     }
 
     /// Launch `k` as `grid` blocks in clusters of `cluster` consecutive blocks (Hopper
@@ -451,28 +447,34 @@ impl Drop for DevBuf {
     }
 }
 
-/// Page-locked host memory of `f32`s that device → host copies land in directly, by DMA
-/// (into pageable memory the driver stages every copy through a buffer of its own and
-/// then copies again). Cacheable, not write-combined: the host reads it.
-pub struct PinnedBuf {
-    ptr: *mut f32,
+/// Page-locked host memory of `T`s (`f32` by default) that copies between host and device
+/// move by DMA directly (with pageable memory the driver stages every copy through a
+/// buffer of its own and copies again), and that a CUDA graph may copy from or into.
+/// Cacheable, not write-combined: the host reads it.
+pub struct PinnedBuf<T: PinnedElem = f32> {
+    ptr: *mut T,
     len: usize,
     ctx: Arc<CudaContext>,
 }
 
 // The memory is plain host memory owned by this value.
-unsafe impl Send for PinnedBuf {}
-unsafe impl Sync for PinnedBuf {}
+unsafe impl<T: PinnedElem> Send for PinnedBuf<T> {}
+unsafe impl<T: PinnedElem> Sync for PinnedBuf<T> {}
 
-impl PinnedBuf {
+/// The plain number types a [`PinnedBuf`] holds: all-zero bytes are a value of each.
+pub trait PinnedElem: Copy {}
+impl PinnedElem for f32 {}
+impl PinnedElem for u32 {}
+
+impl<T: PinnedElem> PinnedBuf<T> {
     /// `len` zeros.
-    pub fn new(gpu: &Gpu, len: usize) -> Result<PinnedBuf> {
+    pub fn new(gpu: &Gpu, len: usize) -> Result<PinnedBuf<T>> {
         gpu.bind()?;
-        let bytes = len.max(1) * std::mem::size_of::<f32>();
+        let bytes = len.max(1) * std::mem::size_of::<T>();
         // (portable: a buffer stays pinned for every context, whichever model reuses it)
         let what = format!("allocating {bytes} bytes of pinned host memory");
         let ptr = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| dev_err(&what, e))? as *mut f32;
+            .map_err(|e| dev_err(&what, e))? as *mut T;
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
         Ok(PinnedBuf {
             ptr,
@@ -489,16 +491,16 @@ impl PinnedBuf {
         self.len == 0
     }
 
-    pub fn as_slice(&self) -> &[f32] {
+    pub fn as_slice(&self) -> &[T] {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
-    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 
-impl Drop for PinnedBuf {
+impl<T: PinnedElem> Drop for PinnedBuf<T> {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
             let _ = unsafe { result::free_host(self.ptr as *mut c_void) };

@@ -177,6 +177,7 @@ impl Pipe<'_> {
             grid as u32,
             256,
             smem,
+            self.opts.pdl,
             &[
                 &table.ptr,
                 &layers,

@@ -6,12 +6,15 @@
 //! the weights. Replay copies the tokens and the state addresses into the graph's own
 //! tables, launches, and reads the logits back. It refuses, with an error, a batch larger
 //! than the bucket, lengths other than the captured ones, and any change of options,
-//! kernels or weights since the capture. Replay runs exactly the launches of an eager pass
+//! kernels or weights since the capture. The tokens' copy to the device is the graph's
+//! first node, from page-locked memory the graph owns: replay writes the tokens there and
+//! launches, with no copy call of its own (a copy from pageable memory cost the decode step
+//! a staging copy on the host). Replay runs exactly the launches of an eager pass
 //! with the same shapes, so results are bit-identical; a decode batch smaller than its
 //! bucket is padded with a scratch state, and as every kernel of the small-batch decode
 //! treats each row on its own, the padding does not change the other rows' results.
 
-use super::context::dev_err;
+use super::context::{dev_err, PinnedBuf};
 use super::model::{split_logits, CudaModel};
 use super::state::CudaState;
 use super::work::{Caps, Layout, Work};
@@ -34,6 +37,8 @@ struct CaptureKey {
 struct Captured {
     graph: CudaGraph,
     work: Work,
+    /// the tokens of a replay, which the graph copies to `work.tokens` first
+    tokens_in: PinnedBuf<u32>,
     key: CaptureKey,
     /// padding rows' state (decode)
     scratch: CudaState,
@@ -84,15 +89,18 @@ impl CudaModel {
         let sp = scratch.unique_ptr()?;
         let n = lay.seqs.len();
         work.put_layout(gpu, &lay)?;
-        gpu.htod(&vec![0u32; lay.rows], work.tokens.ptr)?;
+        let tokens_in = PinnedBuf::<u32>::new(gpu, lay.rows)?;
         gpu.htod(&vec![sp; n], work.states.ptr)?;
         let mut pipe = self.pipe(&k, opts);
         // no synchronisation inside a capture
         pipe.probe = false;
         pipe.timed = false;
-        let run = |w: &Work| match kind {
-            Kind::Decode => pipe.decode(w, n),
-            Kind::Prefill => pipe.prefill(w, &lay),
+        let run = |w: &Work| {
+            gpu.htod(tokens_in.as_slice(), w.tokens.ptr)?;
+            match kind {
+                Kind::Decode => pipe.decode(w, n),
+                Kind::Prefill => pipe.prefill(w, &lay),
+            }
         };
         // A warm-up pass first: cuBLASLt plans and lazy loading happen outside the capture.
         run(&work)?;
@@ -116,6 +124,7 @@ impl CudaModel {
         Ok(Captured {
             graph,
             work,
+            tokens_in,
             key: self.capture_key(opts, &k),
             scratch,
             layout: lay,
@@ -270,7 +279,16 @@ impl CudaModel {
         dst: &mut [f32],
     ) -> Result<()> {
         let gpu = self.gpu();
-        gpu.htod(tokens, cap.work.tokens.ptr)?;
+        let slot = cap.tokens_in.as_mut_slice();
+        if slot.len() != tokens.len() {
+            return Err(Error::Device(format!(
+                "a graph captured for {} tokens was given {}",
+                slot.len(),
+                tokens.len()
+            )));
+        }
+        // (the graph's last launch is over: `dtoh` below waits for it)
+        slot.copy_from_slice(tokens);
         if cap.state_ptrs != ptrs {
             gpu.htod(ptrs, cap.work.states.ptr)?;
             cap.state_ptrs = ptrs.to_vec();

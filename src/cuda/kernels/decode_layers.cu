@@ -373,7 +373,6 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
     constexpr bool T = FUSED_TAGGED;
     unsigned long long* const tg = lt.words;
     const int split = mixer_split(nb);
-    if (FUSED_PREFETCH) prefetch_layer(layer(0), states, 0, nb, split);
     for (int l = 0; l < n_layers; ++l) {
         const LayerW w = layer(l);
         if (FUSED_PREFETCH && l + 1 < n_layers) prefetch_layer(layer(l + 1), states, l + 1, nb, split);
@@ -429,6 +428,9 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
     for (int i = threadIdx.x; i < words; i += blockDim.x)
         reinterpret_cast<unsigned long long*>(tab)[i] = reinterpret_cast<const unsigned long long*>(layers)[i];
     __syncthreads();
+    // Layer 0's weights and states asked of L2 before the wait for the kernel before (the
+    // embedding, launched with PDL): neither is written by it, and a prefetch is only a hint.
+    if (FUSED_PREFETCH) prefetch_layer(FUSED_TABLE > 0 ? tab[0] : layers[0], states, 0, nb, mixer_split(nb));
     griddep_wait();
     Phases ph = {sync, 0ull, trace, 0};
     const LaunchTags lt = {tagged, (unsigned)(sync[2] * 6ull * (unsigned long long)n_layers)};
