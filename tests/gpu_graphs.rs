@@ -129,6 +129,49 @@ fn prefill_graph_replay_is_bit_identical_to_eager() {
     }
 }
 
+/// A prefill graph that reads no logits back returns without waiting for the GPU; a
+/// second replay straight after, on other tokens, must not overwrite the tokens the first
+/// is copying (each leaves the states its own eager prefill leaves).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefill_graph_replays_back_to_back_keep_their_tokens() {
+    let m = model(DType::BF16);
+    let lens = [300usize, 260];
+    m.capture_prefill_graph(&lens, LogitsWant::None).unwrap();
+    let batch = |seed: u64| -> Vec<Vec<u32>> {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &n)| tokens(n, m.dims().vocab_size, seed + i as u64))
+            .collect()
+    };
+    let (first, second) = (batch(500), batch(600));
+    let fresh = || lens.iter().map(|_| m.new_state()).collect::<Vec<State>>();
+    let (mut g1, mut g2, mut e1, mut e2) = (fresh(), fresh(), fresh(), fresh());
+    for (b, g) in [(&first, &mut g1), (&second, &mut g2)] {
+        let r: Vec<&[u32]> = b.iter().map(|s| s.as_slice()).collect();
+        m.prefill_graph(&r, &mut g.iter_mut().collect::<Vec<_>>(), LogitsWant::None)
+            .unwrap();
+    }
+    for (b, e) in [(&first, &mut e1), (&second, &mut e2)] {
+        let r: Vec<&[u32]> = b.iter().map(|s| s.as_slice()).collect();
+        m.prefill_batch(&r, &mut e.iter_mut().collect::<Vec<_>>(), LogitsWant::None)
+            .unwrap();
+    }
+    assert!(
+        hosts(&g1) == hosts(&e1),
+        "the first replay's states differ from eager"
+    );
+    assert!(
+        hosts(&g2) == hosts(&e2),
+        "the second replay's states differ from eager"
+    );
+    assert!(
+        hosts(&g1) != hosts(&g2),
+        "two batches of other tokens left the same states"
+    );
+    println!("prefill graph {lens:?} None, two replays back to back: bit-identical to eager");
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn replay_refuses_what_differs_from_capture() {

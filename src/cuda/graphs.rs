@@ -39,6 +39,9 @@ struct Captured {
     work: Work,
     /// the tokens of a replay, which the graph copies to `work.tokens` first
     tokens_in: PinnedBuf<u32>,
+    /// a launch may still be running (it read no logits back, so nothing waited for it):
+    /// `tokens_in` must not be written before it is done
+    in_flight: bool,
     key: CaptureKey,
     /// padding rows' state (decode)
     scratch: CudaState,
@@ -125,6 +128,7 @@ impl CudaModel {
             graph,
             work,
             tokens_in,
+            in_flight: false,
             key: self.capture_key(opts, &k),
             scratch,
             layout: lay,
@@ -287,7 +291,10 @@ impl CudaModel {
                 tokens.len()
             )));
         }
-        // (the graph's last launch is over: `dtoh` below waits for it)
+        if cap.in_flight {
+            gpu.sync()?;
+            cap.in_flight = false;
+        }
         slot.copy_from_slice(tokens);
         if cap.state_ptrs != ptrs {
             gpu.htod(ptrs, cap.work.states.ptr)?;
@@ -297,6 +304,8 @@ impl CudaModel {
         cap.graph
             .launch()
             .map_err(|e| dev_err("launching a CUDA graph", e))?;
+        // (`dtoh` waits for the stream, unless there is nothing to copy)
+        cap.in_flight = dst.is_empty();
         gpu.dtoh(cap.work.logits.ptr, dst)
     }
 }
