@@ -6,14 +6,19 @@
 //! at which each SM fills its shared memory from DRAM and from L2 while all do. Also how
 //! many clusters of each size fit at once with one block per SM, and how fast a large
 //! batch's f32 decode state can stream through at all (read and written once per layer,
-//! in mixer_step's blocks: the floor of decode at B=64).
+//! in mixer_step's blocks: the floor of decode at B=64), and what a decode step costs
+//! around its kernels: a CUDA graph shaped like the step (the token copied in, a one-block
+//! kernel, a cooperative grid, a head-sized kernel, the logits copied out) with kernels
+//! that do nothing, launched and waited for from the host.
 //!
 //! `cargo bench --features cuda --bench gpu_floors` (on the GPU machine: the binary that
 //! `scripts/gpu-check pack` builds, run by `scripts/gpu-check run floors`). Each time is
 //! (t(N) − t(N/10)) / (0.9·N) over whole launches, N large, the best of 5: the launch cost
 //! cancels.
 
-use mamba3::cuda::context::{Gpu, KArg, Kernel};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaGraph;
+use mamba3::cuda::context::{dev_err, Gpu, KArg, Kernel, PinnedBuf};
 use mamba3::cuda::kernels::{KernelConfig, Module, Program};
 use mamba3::error::Result;
 use std::time::Instant;
@@ -130,7 +135,8 @@ fn main() -> Result<()> {
             }
         }
     }
-    state_stream(&gpu, &m.kernel("probe_state_stream")?)
+    state_stream(&gpu, &m.kernel("probe_state_stream")?)?;
+    step_round_trip(&gpu, &m, &handover)
 }
 
 /// The grid-wide hand-over of the fused decode (one counter) against two ways of spreading
@@ -225,6 +231,133 @@ f32 decode state, read and written in place (one block per head and sequence, a 
             t * 1e6 * LAYERS as f64,
             2.0 * layer_bytes as f64 / t / 1e12
         );
+    }
+    Ok(())
+}
+
+/// `body`'s launches captured into a graph (after one eager run).
+fn capture(gpu: &Gpu, body: &dyn Fn() -> Result<()>) -> Result<CudaGraph> {
+    body()?;
+    gpu.sync()?;
+    gpu.bind()?;
+    gpu.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| dev_err("beginning a capture", e))?;
+    let ran = body();
+    let ended = gpu
+        .stream
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
+        .map_err(|e| dev_err("ending a capture", e));
+    ran?;
+    let graph = ended?.ok_or_else(|| dev_err("capturing", "nothing recorded"))?;
+    graph
+        .upload()
+        .map_err(|e| dev_err("uploading a graph", e))?;
+    Ok(graph)
+}
+
+/// The median of 2000 timings of `step` (after 200 unrecorded), in seconds.
+fn median_of(step: &dyn Fn() -> Result<()>) -> Result<f64> {
+    for _ in 0..200 {
+        step()?;
+    }
+    let mut t = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        let start = Instant::now();
+        step()?;
+        t.push(start.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// What a decode step at B=1 costs besides its kernels' work: graphs with the step's nodes
+/// (kernels/probes.cu `probe_empty` for the embedding and the head, the hand-over probe
+/// with no rounds as the fused step's cooperative grid, PDL between them), each launched
+/// and waited for from the host, as `mamba3 bench` times a step.
+fn step_round_trip(gpu: &Gpu, m: &Module, coop: &Kernel) -> Result<()> {
+    let empty = m.kernel("probe_empty")?;
+    let mut tokens_in = PinnedBuf::<u32>::new(gpu, 1)?;
+    tokens_in.as_mut_slice()[0] = 7;
+    let mut logits_out = PinnedBuf::<f32>::new(gpu, 256)?;
+    let (tokens, logits, count) = (
+        gpu.alloc::<u32>(1)?,
+        gpu.alloc::<f32>(256)?,
+        gpu.alloc::<u64>(1)?,
+    );
+    gpu.zero(logits.ptr, logits.bytes)?;
+    let zero = 0i32;
+    let kernels = || -> Result<()> {
+        gpu.launch(&empty, (1, 1, 1), THREADS, 0, true, &[&zero])?;
+        gpu.launch_cooperative(
+            coop,
+            gpu.sms as u32,
+            THREADS,
+            ONE_PER_SM,
+            true,
+            &[&zero, &count.ptr],
+        )?;
+        gpu.launch(&empty, (16, 1, 1), THREADS, 0, true, &[&zero])
+    };
+    let copy_in = || gpu.htod(tokens_in.as_slice(), tokens.ptr);
+    let copy_out = |dst: &mut [f32]| -> Result<()> {
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, logits.ptr, gpu.cu_stream()) }
+            .map_err(|e| dev_err("copying from the device", e))
+    };
+    let launch = |g: &CudaGraph| g.launch().map_err(|e| dev_err("launching a graph", e));
+    let out_ptr = logits_out.as_mut_slice().as_mut_ptr();
+    // (the graph that copies the logits out writes them to `logits_out` on every launch)
+    let out = || unsafe { std::slice::from_raw_parts_mut(out_ptr, 256) };
+    let one = capture(gpu, &|| {
+        gpu.launch(&empty, (1, 1, 1), THREADS, 0, true, &[&zero])
+    })?;
+    let bare = capture(gpu, &kernels)?;
+    let replay = capture(gpu, &|| {
+        copy_in()?;
+        kernels()
+    })?;
+    let whole = capture(gpu, &|| {
+        copy_in()?;
+        kernels()?;
+        copy_out(out())
+    })?;
+    println!(
+        "
+a decode step's round trip without its work, µs (launch and wait; median of 2000):"
+    );
+    let rows: [(&str, f64); 4] = [
+        (
+            "one empty kernel",
+            median_of(&|| {
+                launch(&one)?;
+                gpu.sync()
+            })?,
+        ),
+        (
+            "the step's kernels: 1 block, cooperative grid, 16 blocks (PDL)",
+            median_of(&|| {
+                launch(&bare)?;
+                gpu.sync()
+            })?,
+        ),
+        (
+            "+ the token copied in by the graph, logits (1 KB) out by a call (as replay)",
+            median_of(&|| {
+                launch(&replay)?;
+                copy_out(out())?;
+                gpu.sync()
+            })?,
+        ),
+        (
+            "+ both copies inside the graph",
+            median_of(&|| {
+                launch(&whole)?;
+                gpu.sync()
+            })?,
+        ),
+    ];
+    for (what, t) in rows {
+        println!("{:>10.2}  {what}", t * 1e6);
     }
     Ok(())
 }

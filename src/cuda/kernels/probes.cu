@@ -171,3 +171,14 @@ extern "C" __global__ void probe_state_stream(float4* state, int per_block, floa
         }
     }
 }
+
+// Nothing: a node of the step-shaped graphs that price what a decode step costs around its
+// kernels (benches/gpu_floors.rs, `step_round_trip`). Waits for the kernel before and lets
+// the next one start, as every kernel of the step does.
+extern "C" __global__ void probe_empty(int unused) {
+    (void)unused;
+#if __CUDA_ARCH__ >= 900  // (common.cuh's griddep_wait and griddep_launch; not included here)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
