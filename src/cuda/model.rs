@@ -41,6 +41,7 @@ pub(crate) struct Inner {
 
 impl CudaModel {
     pub fn new(weights: Arc<Weights>, ordinal: usize) -> Result<CudaModel> {
+        super::readahead::start();
         Self::on(Gpu::new(ordinal)?, weights)
     }
 

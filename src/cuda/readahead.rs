@@ -1,0 +1,115 @@
+//! Read the CUDA libraries into the page cache ahead of their use, at the start of a GPU
+//! model's load: libcublasLt alone is ≈ 540 MB, and the first process on a freshly booted
+//! machine pages it in by faults, scattered small reads — the likely reason why the first
+//! model load after a boot took 13.1–13.8 s against ≈ 1.1 s for the next (docs/
+//! benchmarks.md; the cause not yet measured, nor this remedy). One sequential read per
+//! file, on a thread of its own, would turn those faults into hits; when the files are
+//! cached already it is a memory copy beside the rest of the load.
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::path::PathBuf;
+
+/// The libraries a GPU model loads, by file-name prefix (any version).
+const STEMS: [&str; 4] = [
+    "libcublasLt.so",
+    "libnvrtc.so",
+    "libnvrtc-builtins.so",
+    "libcuda.so",
+];
+
+/// Where the dynamic loader looks for them: `LD_LIBRARY_PATH`, then the usual places.
+fn search_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    for d in [
+        "/usr/local/cuda/lib64",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ] {
+        dirs.push(PathBuf::from(d));
+    }
+    dirs
+}
+
+/// Each library's file in `dirs` (symbolic links resolved; for each stem, the first
+/// directory that has one).
+fn library_files(dirs: &[PathBuf]) -> BTreeSet<PathBuf> {
+    let mut files = BTreeSet::new();
+    for stem in STEMS {
+        for d in dirs {
+            let Ok(entries) = std::fs::read_dir(d) else {
+                continue;
+            };
+            let found: Vec<PathBuf> = entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with(stem))
+                .filter_map(|e| std::fs::canonicalize(e.path()).ok())
+                .collect();
+            if !found.is_empty() {
+                files.extend(found);
+                break;
+            }
+        }
+    }
+    files
+}
+
+/// Start reading the libraries on a thread (once per process; not with
+/// `MAMBA3_READAHEAD=0`). Nothing waits for it, and a file that cannot be read is skipped:
+/// this only saves time.
+pub fn start() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    if std::env::var("MAMBA3_READAHEAD").as_deref() == Ok("0") {
+        return;
+    }
+    STARTED.call_once(|| {
+        std::thread::spawn(|| {
+            let mut buf = vec![0u8; 8 << 20];
+            let mut bytes = 0usize;
+            for f in library_files(&search_dirs()) {
+                let Ok(mut file) = std::fs::File::open(&f) else {
+                    continue;
+                };
+                while let Ok(n @ 1..) = file.read(&mut buf) {
+                    bytes += n;
+                }
+            }
+            crate::timeline::mark(|| format!("CUDA libraries read ahead ({} MB)", bytes >> 20));
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_each_library_once_in_the_first_directory_that_has_it() {
+        let root = std::env::temp_dir().join(format!("mamba3-readahead-{}", std::process::id()));
+        let (a, b) = (root.join("a"), root.join("b"));
+        for d in [&a, &b] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let write = |p: PathBuf| std::fs::write(p, b"x").unwrap();
+        write(a.join("libnvrtc.so.13.0.88"));
+        std::os::unix::fs::symlink("libnvrtc.so.13.0.88", a.join("libnvrtc.so.13")).unwrap();
+        write(a.join("libnvrtc.alt.so.13")); // another library
+        write(a.join("libcudart.so.13")); // not libcuda
+        write(b.join("libnvrtc.so.12")); // a later directory: not read
+        write(b.join("libcublasLt.so.13"));
+        let found = library_files(&[root.join("missing"), a.clone(), b.clone()]);
+        let names: Vec<String> = found
+            .iter()
+            .map(|p| {
+                p.strip_prefix(std::fs::canonicalize(&root).unwrap())
+                    .unwrap()
+            })
+            .map(|p| p.to_string_lossy().into_owned())
+            .collect();
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(names, ["a/libnvrtc.so.13.0.88", "b/libcublasLt.so.13"]);
+    }
+}
