@@ -57,9 +57,9 @@ fn library_files(dirs: &[PathBuf]) -> BTreeSet<PathBuf> {
     files
 }
 
-/// Start reading the libraries on a thread (once per process; not with
-/// `MAMBA3_READAHEAD=0`). Nothing waits for it, and a file that cannot be read is skipped:
-/// this only saves time.
+/// Start reading the libraries, a thread per file so that a disk that serves several
+/// reads at once serves them all (once per process; not with `MAMBA3_READAHEAD=0`).
+/// Nothing waits for them, and a file that cannot be read is skipped: this only saves time.
 pub fn start() {
     static STARTED: std::sync::Once = std::sync::Once::new();
     if std::env::var("MAMBA3_READAHEAD").as_deref() == Ok("0") {
@@ -67,19 +67,30 @@ pub fn start() {
     }
     STARTED.call_once(|| {
         std::thread::spawn(|| {
-            let mut buf = vec![0u8; 8 << 20];
-            let mut bytes = 0usize;
             for f in library_files(&search_dirs()) {
-                let Ok(mut file) = std::fs::File::open(&f) else {
-                    continue;
-                };
-                while let Ok(n @ 1..) = file.read(&mut buf) {
-                    bytes += n;
-                }
+                std::thread::spawn(move || {
+                    let bytes = read_through(&f);
+                    crate::timeline::mark(|| {
+                        format!("read ahead: {} ({} MB)", f.display(), bytes >> 20)
+                    });
+                });
             }
-            crate::timeline::mark(|| format!("CUDA libraries read ahead ({} MB)", bytes >> 20));
         });
     });
+}
+
+/// Read `path` to its end (into the page cache; the bytes are dropped). Returns how many
+/// bytes were read (0 when it cannot be opened).
+fn read_through(path: &std::path::Path) -> usize {
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return 0;
+    };
+    let mut buf = vec![0u8; 8 << 20];
+    let mut bytes = 0usize;
+    while let Ok(n @ 1..) = file.read(&mut buf) {
+        bytes += n;
+    }
+    bytes
 }
 
 #[cfg(test)]
@@ -111,5 +122,16 @@ mod tests {
             .collect();
         std::fs::remove_dir_all(&root).unwrap();
         assert_eq!(names, ["a/libnvrtc.so.13.0.88", "b/libcublasLt.so.13"]);
+    }
+
+    #[test]
+    fn reads_a_file_to_its_end() {
+        let p = std::env::temp_dir().join(format!("mamba3-read-through-{}", std::process::id()));
+        let len = (8 << 20) + 12_345; // more than one buffer
+        std::fs::write(&p, vec![7u8; len]).unwrap();
+        let read = read_through(&p);
+        std::fs::remove_file(&p).unwrap();
+        assert_eq!(read, len);
+        assert_eq!(read_through(&p), 0, "a file that is gone reads as nothing");
     }
 }
