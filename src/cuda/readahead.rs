@@ -2,9 +2,11 @@
 //! model's load: libcublasLt alone is ≈ 540 MB, and the first process on a freshly booted
 //! machine pages it in by faults, scattered small reads — the likely reason why the first
 //! model load after a boot took 13.1–13.8 s against ≈ 1.1 s for the next (docs/
-//! benchmarks.md; the cause not yet measured, nor this remedy). One sequential read per
-//! file, on a thread of its own, would turn those faults into hits; when the files are
-//! cached already it is a memory copy beside the rest of the load.
+//! benchmarks.md). One sequential read per file would turn those faults into hits; but it
+//! also reads the parts of the libraries that are never touched, so whether it pays on a
+//! cold disk is for a measurement on a fresh machine to say. Until then it is opt-in:
+//! `MAMBA3_READAHEAD=1`. When the files are cached already it is a memory copy beside the
+//! rest of the load.
 
 use std::collections::BTreeSet;
 use std::io::Read;
@@ -57,12 +59,12 @@ fn library_files(dirs: &[PathBuf]) -> BTreeSet<PathBuf> {
     files
 }
 
-/// Start reading the libraries, a thread per file so that a disk that serves several
-/// reads at once serves them all (once per process; not with `MAMBA3_READAHEAD=0`).
-/// Nothing waits for them, and a file that cannot be read is skipped: this only saves time.
+/// With `MAMBA3_READAHEAD=1`, start reading the libraries, a thread per file so that a disk
+/// that serves several reads at once serves them all (once per process). Nothing waits for
+/// them, and a file that cannot be read is skipped: this only saves time.
 pub fn start() {
     static STARTED: std::sync::Once = std::sync::Once::new();
-    if std::env::var("MAMBA3_READAHEAD").as_deref() == Ok("0") {
+    if std::env::var("MAMBA3_READAHEAD").as_deref() != Ok("1") {
         return;
     }
     STARTED.call_once(|| {
