@@ -16,7 +16,6 @@
 //! (t(N) − t(N/10)) / (0.9·N) over whole launches, N large, the best of 5: the launch cost
 //! cancels.
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use mamba3::cuda::context::{dev_err, Gpu, KArg, Kernel, PinnedBuf};
 use mamba3::cuda::kernels::{KernelConfig, Module, Program};
@@ -239,21 +238,7 @@ f32 decode state, read and written in place (one block per head and sequence, a 
 fn capture(gpu: &Gpu, body: &dyn Fn() -> Result<()>) -> Result<CudaGraph> {
     body()?;
     gpu.sync()?;
-    gpu.bind()?;
-    gpu.stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(|e| dev_err("beginning a capture", e))?;
-    let ran = body();
-    let ended = gpu
-        .stream
-        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
-        .map_err(|e| dev_err("ending a capture", e));
-    ran?;
-    let graph = ended?.ok_or_else(|| dev_err("capturing", "nothing recorded"))?;
-    graph
-        .upload()
-        .map_err(|e| dev_err("uploading a graph", e))?;
-    Ok(graph)
+    gpu.capture_graph(body)
 }
 
 /// The median of 2000 timings of `step` (after 200 unrecorded), in seconds.

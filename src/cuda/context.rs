@@ -13,7 +13,8 @@
 //! slots instead of finishing the mixer's queue first.
 
 use crate::error::{Error, Result};
-use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaGraph, CudaStream};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -46,6 +47,7 @@ pub struct Gpu {
 
 impl Gpu {
     pub fn new(ordinal: usize) -> Result<Gpu> {
+        super::readahead::start();
         let n = super::device_count();
         if ordinal >= n {
             return Err(Error::Device(format!(
@@ -236,6 +238,28 @@ impl Gpu {
         };
         let mut attrs = launch_attrs(pdl, priority);
         self.launch_with(lane, k, grid, block, smem, &mut attrs, args)
+    }
+
+    /// What `body` queues on the stream, captured into a graph (instantiated with the node
+    /// priorities, uploaded) instead of run. Nothing in `body` may synchronise.
+    pub fn capture_graph(&self, body: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+        self.bind()?;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| dev_err("beginning a graph capture", e))?;
+        let captured = body();
+        // (ended whatever `body` returned, so that the stream leaves capture mode)
+        let ended = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
+            .map_err(|e| dev_err("ending a graph capture", e));
+        captured?;
+        let graph =
+            ended?.ok_or_else(|| Error::Device("the graph capture recorded nothing".into()))?;
+        graph
+            .upload()
+            .map_err(|e| dev_err("uploading the graph", e))?;
+        Ok(graph)
     }
 
     /// Launch `k` as a cooperative grid: every block resident at once (the driver refuses

@@ -22,7 +22,6 @@ use crate::cpu::LogitsWant;
 use crate::engine::state::State;
 use crate::engine::GpuOptions;
 use crate::error::{Error, Result};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use std::collections::BTreeMap;
 
@@ -108,21 +107,7 @@ impl CudaModel {
         // A warm-up pass first: cuBLASLt plans and lazy loading happen outside the capture.
         run(&work)?;
         gpu.sync()?;
-        gpu.bind()?;
-        gpu.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| dev_err("beginning a graph capture", e))?;
-        let captured = run(&work);
-        let ended = gpu
-            .stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
-            .map_err(|e| dev_err("ending a graph capture", e));
-        captured?;
-        let graph =
-            ended?.ok_or_else(|| Error::Device("the graph capture recorded nothing".into()))?;
-        graph
-            .upload()
-            .map_err(|e| dev_err("uploading the graph", e))?;
+        let graph = gpu.capture_graph(|| run(&work))?;
         gpu.sync()?;
         Ok(Captured {
             graph,

@@ -41,7 +41,6 @@ pub(crate) struct Inner {
 
 impl CudaModel {
     pub fn new(weights: Arc<Weights>, ordinal: usize) -> Result<CudaModel> {
-        super::readahead::start();
         Self::on(Gpu::new(ordinal)?, weights)
     }
 

@@ -1,12 +1,12 @@
-//! Read the CUDA libraries into the page cache ahead of their use, at the start of a GPU
-//! model's load: libcublasLt alone is ≈ 540 MB, and the first process on a freshly booted
-//! machine pages it in by faults, scattered small reads — the likely reason why the first
-//! model load after a boot took 13.1–13.8 s against ≈ 1.1 s for the next (docs/
-//! benchmarks.md). One sequential read per file would turn those faults into hits; but it
-//! also reads the parts of the libraries that are never touched, so whether it pays on a
-//! cold disk is for a measurement on a fresh machine to say. Until then it is opt-in:
-//! `MAMBA3_READAHEAD=1`. When the files are cached already it is a memory copy beside the
-//! rest of the load.
+//! Read the CUDA libraries into the page cache ahead of their use, when a device is
+//! opened (`Gpu::new`, at the start of a model's load): libcublasLt alone is ≈ 540 MB,
+//! and the first process on a freshly booted machine pages it in by faults, scattered
+//! small reads — the likely reason why the first model load after a boot took 13.1–13.8 s
+//! against ≈ 1.1 s for the next (docs/benchmarks.md). One sequential read per file would
+//! turn those faults into hits; but it also reads the parts of the libraries that are
+//! never touched, so whether it pays on a cold disk is for a measurement on a fresh
+//! machine to say. Until then it is opt-in: `MAMBA3_READAHEAD=1`. When the files are
+//! cached already it is a memory copy beside the rest of the load.
 
 use std::collections::BTreeSet;
 use std::io::Read;
