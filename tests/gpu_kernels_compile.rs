@@ -17,7 +17,7 @@
 
 mod gpu;
 use mamba3::cuda::kernels::{
-    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, Program, ScanMath,
+    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, Program, ScanMath, KERNEL_NAMES,
 };
 use mamba3::model::DType;
 use std::path::PathBuf;
@@ -138,6 +138,18 @@ fn every_kernel_compiles_under_nvrtc() {
             "MAMBA3_COMPILE_ONLY={only:?} matches no kernel program"
         );
     }
+    // Each program compiled as the engine compiles it: in its parts (Program::parts).
+    let jobs: Vec<_> = jobs
+        .into_iter()
+        .flat_map(|(what, program, kc, arch)| {
+            program
+                .parts()
+                .iter()
+                .map(move |&part| (what.clone(), program, kc.for_part(part), arch, part))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let entries = std::sync::Mutex::new(Vec::new());
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
         .min(8);
@@ -147,15 +159,23 @@ fn every_kernel_compiles_under_nvrtc() {
         for _ in 0..threads {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let Some((what, program, kc, arch)) = jobs.get(i) else {
+                let Some((what, program, kc, arch, part)) = jobs.get(i) else {
                     break;
                 };
                 match compile_cubin(*program, kc, arch) {
                     Ok((cubin, log)) if !cubin.is_empty() && !log.contains("warning") => {
+                        if *program == Program::Inference {
+                            let names: Vec<&str> = KERNEL_NAMES
+                                .into_iter()
+                                .filter(|n| has_entry(&cubin, n))
+                                .collect();
+                            let key = (what.clone(), *arch, kc.for_part(0));
+                            entries.lock().unwrap().push((key, *part, names));
+                        }
                         // MAMBA3_DUMP_CUBIN=DIR keeps the cubins (for cuobjdump: registers,
                         // spills, SASS) — no GPU needed.
                         if let Some(dir) = std::env::var_os("MAMBA3_DUMP_CUBIN") {
-                            let name = format!("{what} {arch}.cubin").replace(' ', "_");
+                            let name = format!("{what} {arch} part {part}.cubin").replace(' ', "_");
                             let _ = std::fs::write(PathBuf::from(dir).join(name), &cubin);
                         }
                     }
@@ -170,8 +190,57 @@ fn every_kernel_compiles_under_nvrtc() {
     });
     let failures = failures.into_inner().unwrap();
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    // The parts of an inference program hold each of its kernels once, and every kernel
+    // that its shape and dtype need (what `Kernels::load` asks for).
+    let entries = entries.into_inner().unwrap();
+    let mut programs: Vec<_> = entries.iter().map(|(key, ..)| key).collect();
+    programs.dedup();
+    for key in programs {
+        let (what, arch, kc) = key;
+        let parts: Vec<_> = entries.iter().filter(|(k, ..)| k == key).collect();
+        assert_eq!(
+            parts.len(),
+            Program::Inference.parts().len(),
+            "{what} {arch}"
+        );
+        let define = |k: &str| {
+            kc.defines
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+        };
+        let half = define("ACT").as_deref() != Some("0");
+        let mlp = define("MLP_HIDDEN").as_deref() != Some("0");
+        // (the tensor-core kernels tile their input widths by 8)
+        let by8 = |k: &str| define(k).unwrap().parse::<usize>().unwrap() % 8 == 0;
+        for name in KERNEL_NAMES {
+            let held = parts.iter().filter(|(_, _, n)| n.contains(&name)).count();
+            let needed = match name {
+                "swiglu_rows" | "gemv_hidden" => mlp,
+                "gemv_tc_dmodel" => half && by8("D_MODEL"),
+                "gemv_tc_dinner" => half && by8("D_INNER"),
+                "gemv_tc_hidden" => half && mlp && by8("MLP_HIDDEN"),
+                "decode_layers8" | "decode_layers16" => {
+                    half && by8("D_MODEL") && by8("D_INNER") && (!mlp || by8("MLP_HIDDEN"))
+                }
+                _ => true,
+            };
+            assert!(held <= 1, "{what} {arch}: `{name}` is in {held} parts");
+            if needed {
+                assert_eq!(held, 1, "{what} {arch}: `{name}` is in no part");
+            }
+        }
+    }
     let n = jobs.len();
-    println!("{n} kernel programs compiled");
+    println!("{n} kernel programs (parts) compiled");
+}
+
+/// Whether a cubin defines the kernel `name` (its code section is `.text.<name>`).
+fn has_entry(cubin: &[u8], name: &str) -> bool {
+    let section = format!(".text.{name}\0");
+    cubin
+        .windows(section.len())
+        .any(|w| w == section.as_bytes())
 }
 
 /// Shapes the kernels cannot take are refused when the kernels are configured, with the

@@ -9,6 +9,20 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+// The inference program is compiled in parts, each on a thread of its own (the parts of
+// `Program` in src/cuda/kernels.rs): every part reads every source, and a file keeps its
+// entry points only in their part. PART 0 is the whole program.
+#ifndef PART
+#define PART 0
+#endif
+#define IN_PART(p) (PART == 0 || PART == (p))
+#define PART_ROWS 1        // embed, norms, SwiGLU, prefill_pre, angle_pass, scan_pass, mixer_step, CUDA-core GEMVs
+#define PART_SCAN 2        // scan_states, scan_outputs
+#define PART_TC_DMODEL 3   // gemv_tc_dmodel
+#define PART_TC_WIDE 4     // gemv_tc_dinner, gemv_tc_hidden
+#define PART_FUSED8 5      // decode_layers8
+#define PART_FUSED16 6     // decode_layers16
+
 #if ACT == 0
 typedef float act_t;
 #elif ACT == 1

@@ -454,6 +454,10 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
         decode_layers_body<NT>(layers, n_layers, res, proj, yf, vg, states, nb, sync, trace, tagged); \
     }                                                                                                \
     extern "C" __device__ int name##_smem = FUSED_TABLE_AT(NT) + FUSED_TABLE * (int)sizeof(LayerW);
+#if IN_PART(PART_FUSED8)
 DECODE_LAYERS_ENTRY(decode_layers8, 1)
+#endif
+#if IN_PART(PART_FUSED16)
 DECODE_LAYERS_ENTRY(decode_layers16, 2)
+#endif
 #endif

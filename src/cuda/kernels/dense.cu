@@ -8,6 +8,7 @@ typedef float emb_t;
 #else
 typedef w_t emb_t;
 #endif
+#if IN_PART(PART_ROWS)
 extern "C" __global__ void embed(const unsigned* __restrict__ tokens, const emb_t* __restrict__ E,
                                  float* __restrict__ res) {
     griddep_wait();
@@ -16,6 +17,7 @@ extern "C" __global__ void embed(const unsigned* __restrict__ tokens, const emb_
     float* o = res + (size_t)blockIdx.x * D_MODEL;
     for (int i = threadIdx.x; i < D_MODEL; i += blockDim.x) o[i] = to_f(e[i]);
 }
+#endif
 
 // out[r] = x[src_r] / sqrt(mean(x[src_r]²) + eps) ⊙ w, one warp per row
 // (src_r = rows_idx ? rows_idx[r] : r), written as a GEMM input by `mode`:
@@ -23,6 +25,7 @@ extern "C" __global__ void embed(const unsigned* __restrict__ tokens, const emb_
 //   1: [hi | lo] in act_t, 2·D_MODEL wide, hi = round(v), lo = round(v − hi): a GEMM
 //      against [W | W] then sees the f32 value to ~2⁻¹⁶ (16-bit models only);
 //   2: f16, D_MODEL wide (the in_proj input of 16-bit models; see src/cuda/weights.rs).
+#if IN_PART(PART_ROWS)
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w,
                                          void* __restrict__ out, int rows,
                                          const int* __restrict__ rows_idx, int mode) {
@@ -50,9 +53,11 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
         if (mode == 1) o[D_MODEL + i] = from_f<act_t>(v - to_f(hi));
     }
 }
+#endif
 
 #if MLP_HIDDEN > 0
 // GatedMLP activation: act[r][i] = vg[r][i] · silu(vg[r][MLP_HIDDEN + i]).
+#if IN_PART(PART_ROWS)
 extern "C" __global__ void swiglu_rows(const float* __restrict__ vg, act_t* __restrict__ act,
                                        int rows) {
     griddep_wait();
@@ -65,4 +70,5 @@ extern "C" __global__ void swiglu_rows(const float* __restrict__ vg, act_t* __re
         act[e] = from_f<act_t>(row[i] * silu_f(row[MLP_HIDDEN + i]));
     }
 }
+#endif
 #endif

@@ -123,10 +123,12 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ in, const fl
              float* __restrict__ out, int ldo, int nb, int N, int mode, int acc) {            \
         gemv_body<KW>(in, nw, W, out, ldo, nb, N, mode, acc);                                 \
     }
+#if IN_PART(PART_ROWS)
 GEMV_ENTRY(gemv_dmodel, D_MODEL)
 GEMV_ENTRY(gemv_dinner, D_INNER)
 #if MLP_HIDDEN > 0
 GEMV_ENTRY(gemv_hidden, MLP_HIDDEN)
+#endif
 #endif
 
 #if ACT != 0
@@ -431,13 +433,13 @@ __device__ __forceinline__ void gemv_tc_modes(const float* in, const float* __re
     }                                                                                          \
     extern "C" __device__ int name##_smem8 = TC_SMEM(KW, 1);                                   \
     extern "C" __device__ int name##_smem16 = TC_SMEM(KW, 2);
-#if D_MODEL % 8 == 0
+#if D_MODEL % 8 == 0 && IN_PART(PART_TC_DMODEL)
 GEMV_TC_ENTRY(gemv_tc_dmodel, D_MODEL)
 #endif
-#if D_INNER % 8 == 0
+#if D_INNER % 8 == 0 && IN_PART(PART_TC_WIDE)
 GEMV_TC_ENTRY(gemv_tc_dinner, D_INNER)
 #endif
-#if MLP_HIDDEN > 0 && MLP_HIDDEN % 8 == 0
+#if MLP_HIDDEN > 0 && MLP_HIDDEN % 8 == 0 && IN_PART(PART_TC_WIDE)
 GEMV_TC_ENTRY(gemv_tc_hidden, MLP_HIDDEN)
 #endif
 #endif

@@ -14,6 +14,8 @@
 #define PRE_THREADS 256
 #define PRE_ROWS 4
 #define PRE_SMEM_FLOATS ((3 * CHUNK + 2) * NHEADS + CHUNK * NANGLES)
+// Read by the host (cuModuleGetGlobal) to size the launch.
+extern "C" __device__ int prefill_pre_smem_bytes = PRE_SMEM_FLOATS * 4;
 
 __device__ __forceinline__ void head_scalars(const float* row, int h, const float* dt_bias,
                                              float* dt, float* a, float* lam) {
@@ -23,6 +25,7 @@ __device__ __forceinline__ void head_scalars(const float* row, int h, const floa
     *lam = sigmoid_f(row[TRAP_OFF + h]);
 }
 
+#if IN_PART(PART_ROWS)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS)
     prefill_pre(const float* __restrict__ proj, const int4* __restrict__ chunks,
                 const float* __restrict__ b_norm, const float* __restrict__ c_norm,
@@ -111,6 +114,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
         csum[(size_t)blockIdx.x * NHEADS * NANGLES + e] = s;
     }
 }
+#endif
 
 // Angle state passing across chunks (spec §2.4): for each sequence, φ entering each chunk
 // = wrap(φ entering the previous chunk + its advance), seeded from the state's angle; the
@@ -119,6 +123,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
 // waits for memory once per 16 chunks, not once per chunk.
 #define ANGLE_THREADS 128
 #define ANGLE_BATCH 32
+#if IN_PART(PART_ROWS)
 extern "C" __global__ void __launch_bounds__(ANGLE_THREADS)
     angle_pass(const int4* __restrict__ seqs, const float* __restrict__ csum,
                float* __restrict__ phi0, float* const* __restrict__ states, int layer) {
@@ -143,3 +148,4 @@ extern "C" __global__ void __launch_bounds__(ANGLE_THREADS)
     }
     st[e] = phi;
 }
+#endif

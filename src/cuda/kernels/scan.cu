@@ -55,7 +55,6 @@
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int scan_smem_bytes = SCAN_SMEM;
 extern "C" __device__ int scan_threads = SCAN_THREADS;
-extern "C" __device__ int prefill_pre_smem_bytes = PRE_SMEM_FLOATS * 4;
 
 __device__ __forceinline__ float4 add4(float4 a, float4 b) {
     return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
@@ -724,8 +723,10 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     }
 }
 
+#if IN_PART(PART_SCAN)
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_states(ScanArgs a) { scan_body<0>(a); }
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_outputs(ScanArgs a) { scan_body<1>(a); }
+#endif
 
 // Phase B: state passing across segments, seeded with the folded carried state.
 // Grid (sequences, H, tiles of 4·PASS_THREADS state elements). The segments' states and
@@ -733,6 +734,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_outpu
 // Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
 #define PASS_BATCH 16
 #define PASS_THREADS 256
+#if IN_PART(PART_ROWS)
 extern "C" __global__ void __launch_bounds__(PASS_THREADS)
     scan_pass(const int4* __restrict__ seqs, const int4* __restrict__ chunks,
               const float4* __restrict__ tok, float* __restrict__ sbuf,
@@ -780,3 +782,4 @@ extern "C" __global__ void __launch_bounds__(PASS_THREADS)
         }
     }
 }
+#endif

@@ -336,6 +336,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
 }
 
 // One block per (head, sequence).
+#if IN_PART(PART_ROWS)
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
     mixer_step(const float* __restrict__ proj, const float* __restrict__ b_norm,
                const float* __restrict__ c_norm, const float* __restrict__ dt_bias,
@@ -353,3 +354,4 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
     griddep_launch();
     mixer_run(sm, ah, hd, w, proj, states, layer, blockIdx.x, blockIdx.y, y_f32, y_act);
 }
+#endif
