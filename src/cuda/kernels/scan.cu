@@ -50,7 +50,9 @@
 #endif
 #endif
 // Two blocks per SM when they fit (the 16-bit mode at the benchmark shape).
+#ifndef SCAN_MINB
 #define SCAN_MINB (SCAN_SMEM <= 110 * 1024 ? 2 : 1)
+#endif
 
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int scan_smem_bytes = SCAN_SMEM;
