@@ -47,7 +47,6 @@ pub struct Gpu {
 
 impl Gpu {
     pub fn new(ordinal: usize) -> Result<Gpu> {
-        super::readahead::start();
         let n = super::device_count();
         if ordinal >= n {
             return Err(Error::Device(format!(

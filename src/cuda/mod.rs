@@ -10,7 +10,6 @@
 //!   chunked mixer's launches, which the prefill and training share;
 //! - `graphs`: CUDA-graph capture and replay;
 //! - `model`: `CudaModel`, what the engine's `Model` calls;
-//! - `readahead`: the CUDA libraries read into the page cache at the start of a load;
 //! - `probe`: `MAMBA3_GPU_DEBUG=1`, a finite-value check after every step
 //!   (`MAMBA3_TIMELINE=2`, `crate::timeline`, times every step instead);
 //! - `train`: training on the GPU (`CudaTrainer`, a `train::Backend`).
@@ -29,7 +28,6 @@ pub mod graphs;
 pub mod kernels;
 pub mod model;
 pub mod probe;
-pub mod readahead;
 pub mod scan;
 pub mod state;
 pub mod train;
