@@ -267,15 +267,6 @@ template <int ROWS, int COLS> struct Tiling {
         return n < 0 ? 0 : (n < T ? n : T);
     }
 };
-// This thread's warp, read afresh from %tid.x (volatile: not hoisted out of a loop). Counts
-// derived from the warp inside the chunk loop are otherwise hoisted out of it, spilled, and
-// reloaded every chunk right before their use: two such reloads were ≈ 6 % of
-// scan_outputs' stall samples (docs/benchmarks.md); recomputing is three integer ops.
-__device__ __forceinline__ int warp_fresh() {
-    unsigned t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return (int)(t >> 5);
-}
 typedef Tiling<CHP, CHP> TileM;  // M = Q̃K̃ᵀ
 typedef Tiling<CHP, PP> TileY;   // Y
 typedef Tiling<PP, NP> TileS;    // S
