@@ -66,8 +66,8 @@ impl Program {
 
     /// The parts it is compiled in, each on a thread of its own (`PART` in
     /// kernels/common.cuh): NVRTC compiles a program on one core, and the inference
-    /// program's 2 MB of cubin took 6.8 s on a freshly booted H200 machine (≈ 1 s on one
-    /// that had run a process before). Each part keeps its own entry points, so the parts
+    /// program's 2 MB of cubin took ≈ 7.5 s on a freshly booted H200 machine (< 1 s on one
+    /// that had run a process before; docs/benchmarks.md). Each part keeps its own entry points, so the parts
     /// together are the whole program; 0 is the whole program in one piece.
     pub fn parts(self) -> &'static [u32] {
         match self {
@@ -453,15 +453,21 @@ struct PartCubin {
     cpu_s: f64,
 }
 
-/// CPU seconds (user + system) this thread has used so far.
+/// CPU seconds (user + system) this thread has used so far (for the timeline only).
+#[cfg(target_os = "linux")]
 fn thread_cpu_s() -> f64 {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // RUSAGE_THREAD: Linux only; elsewhere the figure is 0 (it only feeds the timeline)
     if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) } != 0 {
         return 0.0;
     }
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
     t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// (no per-thread CPU time outside Linux: the timeline shows 0)
+#[cfg(not(target_os = "linux"))]
+fn thread_cpu_s() -> f64 {
+    0.0
 }
 
 impl<'g> Module<'g> {
