@@ -193,8 +193,13 @@ fn every_kernel_compiles_under_nvrtc() {
     // The parts of an inference program hold each of its kernels once, and every kernel
     // that its shape and dtype need (what `Kernels::load` asks for).
     let entries = entries.into_inner().unwrap();
-    let mut programs: Vec<_> = entries.iter().map(|(key, ..)| key).collect();
-    programs.dedup();
+    // (the parts finish in any order: each program once)
+    let mut programs = Vec::new();
+    for (key, ..) in &entries {
+        if !programs.contains(&key) {
+            programs.push(key);
+        }
+    }
     for key in programs {
         let (what, arch, kc) = key;
         let parts: Vec<_> = entries.iter().filter(|(k, ..)| k == key).collect();
@@ -203,16 +208,10 @@ fn every_kernel_compiles_under_nvrtc() {
             Program::Inference.parts().len(),
             "{what} {arch}"
         );
-        let define = |k: &str| {
-            kc.defines
-                .iter()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.clone())
-        };
-        let half = define("ACT").as_deref() != Some("0");
-        let mlp = define("MLP_HIDDEN").as_deref() != Some("0");
+        let half = kc.define("ACT") != Some("0");
+        let mlp = kc.has_mlp();
         // (the tensor-core kernels tile their input widths by 8)
-        let by8 = |k: &str| define(k).unwrap().parse::<usize>().unwrap() % 8 == 0;
+        let by8 = |k: &str| kc.define(k).unwrap().parse::<usize>().unwrap() % 8 == 0;
         for name in KERNEL_NAMES {
             let held = parts.iter().filter(|(_, _, n)| n.contains(&name)).count();
             let needed = match name {

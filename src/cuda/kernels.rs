@@ -247,7 +247,8 @@ impl KernelConfig {
         }
     }
 
-    fn define(&self, k: &str) -> Option<&str> {
+    /// The value of the constant `k`, if it is set.
+    pub fn define(&self, k: &str) -> Option<&str> {
         self.defines
             .iter()
             .find(|(n, _)| n == k)
