@@ -22,7 +22,8 @@
 //   Y += M·X, then D skip and gate straight from the accumulators;
 //   S ← e^{Lc_end}·S + (wX)ᵀK̃ — S lives in registers, f32, for the whole segment, and a
 //   copy in the operand type feeds the next chunk's Q̃Sᵀ.
-// The products and their operand types (SCAN_MMA) are in scan_tiles.cuh.
+// The products and the SCAN_MMA modes are in scan_tiles.cuh, the rotary phases
+// in scan_phases.cuh.
 //
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
@@ -41,9 +42,10 @@
 #define SCAN_KUNROLL 16
 #endif
 #endif
-// Global loads issued together in the operand builds (registers permitting).
+// Global loads issued together in the operand builds (registers permitting; 16-bit B̄/C̄
+// quads take half the registers of f32 ones).
 #ifndef SCAN_LOAD_BATCH
-#if SCAN_MMA >= 2
+#if SCAN_MMA >= 2 && !BC16
 #define SCAN_LOAD_BATCH 2
 #else
 #define SCAN_LOAD_BATCH 4
@@ -68,81 +70,6 @@ __device__ __forceinline__ void rotate4(float4& v, float4 cs) {
     v.y = a * cs.y + b * cs.x;
     v.z = c * cs.z - d * cs.w;
     v.w = c * cs.w + d * cs.z;
-}
-
-// Phases of one chunk (spec §2.4): φ_j = φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j', as (cos, sin)
-// pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w holds the advances
-// θ·Δ of the tokens [w·PH_TPW, (w+1)·PH_TPW), lane the angles lane + 32q (fetch_phases).
-// Two steps around a block barrier: phase_sums turns them into running sums and leaves the
-// warps' totals in s_ph (SCAN_WARPS × NANGLES); phase_table adds the totals of the warps
-// before and the entering phase, and writes (cos, sin). Only sin and cos are wanted, so the
-// phase is reduced, not wrapped (sincos_unwrapped).
-#define PH_Q ((NANGLES + 31) / 32)
-#define PH_TPW (CHP / SCAN_WARPS)
-__device__ __forceinline__ void phase_sums(float (&adv)[PH_Q][PH_TPW], float* s_ph) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int q = 0; q < PH_Q; ++q) {
-        float run = 0.f;
-#pragma unroll
-        for (int u = 0; u < PH_TPW; ++u) adv[q][u] = run += adv[q][u];
-        if (lane + 32 * q < NANGLES) s_ph[warp * NANGLES + lane + 32 * q] = run;
-    }
-}
-__device__ __forceinline__ void phase_table(const float (&run)[PH_Q][PH_TPW], const float (&phi_enter)[PH_Q],
-                                            int len, float* s_cs, const float* s_ph) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int q = 0; q < PH_Q; ++q) {
-        const int i = lane + 32 * q;
-        if (i >= NANGLES) continue;
-        float base = phi_enter[q];
-#pragma unroll
-        for (int w = 0; w < SCAN_WARPS - 1; ++w) {
-            const float t = s_ph[w * NANGLES + i];  // loaded by every warp: no serial chain
-            if (w < warp) base += t;
-        }
-#pragma unroll
-        for (int u = 0; u < PH_TPW; ++u) {
-            const int j = warp * PH_TPW + u;
-            float sn = 0.f, cs = 1.f;
-            if (j < len) sincos_unwrapped(base + run[q][u], &sn, &cs);
-            s_cs[2 * (j * NANGLES + i)] = cs;
-            s_cs[2 * (j * NANGLES + i) + 1] = sn;
-        }
-    }
-}
-// Both steps, for a caller with nothing to do between them; the caller syncs before
-// reading s_cs.
-__device__ __forceinline__ void chunk_phases(float (&adv)[PH_Q][PH_TPW], const float (&phi_enter)[PH_Q], int len,
-                                             float* s_cs, float* s_ph) {
-    phase_sums(adv, s_ph);
-    __syncthreads();
-    phase_table(adv, phi_enter, len, s_cs, s_ph);
-}
-
-// This thread's advances θ·Δ and entering phases for the phase steps, of the chunk at row
-// `start` and head h (tok: {Δ, γ, c, Lc} per row and head).
-__device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, const float4* __restrict__ tok, int h,
-                                             const float* __restrict__ phi_enter, int start, int len,
-                                             float (&adv)[PH_Q][PH_TPW], float (&phi)[PH_Q]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float dt[PH_TPW];
-#pragma unroll
-    for (int u = 0; u < PH_TPW; ++u) {
-        const int j = warp * PH_TPW + u;
-        dt[u] = j < len ? reinterpret_cast<const float*>(tok + (size_t)(start + j) * NHEADS + h)[0] : 0.f;
-    }
-#pragma unroll
-    for (int q = 0; q < PH_Q; ++q) {
-        const int i = lane + 32 * q;
-        phi[q] = i < NANGLES ? phi_enter[i] : 0.f;
-#pragma unroll
-        for (int u = 0; u < PH_TPW; ++u) {
-            const int j = warp * PH_TPW + u;
-            adv[q][u] = i < NANGLES && j < len ? theta[(size_t)(start + j) * NANGLES + i] * dt[u] : 0.f;
-        }
-    }
 }
 
 // f16 operands (SCAN_MMA 3, and 2 in f16 models) keep TF32's mantissa but overflow past
@@ -197,7 +124,7 @@ template <int T> __device__ __forceinline__ void scale_acc(float (&acc)[T][4], f
 
 struct ScanArgs {
     const float* proj;   // [rows][PROJ_LD]
-    const float* bcn;    // [rows][BC_W]
+    const bc_t* bcn;     // [rows][BC_W]
     const float4* tok;   // [rows][H] {Δ, γ, c, Lc}
     const float* theta;  // [rows][S]
     const float* phi0;   // [chunk][H][S]
@@ -226,6 +153,27 @@ struct ScanArgs {
 #ifndef SCAN_EARLY
 #define SCAN_EARLY (SCAN_MMA < 2)
 #endif
+// SCAN_EARLY_BC: B̄/C̄ alone loaded at the chunk's start (half the registers with BC16).
+#ifndef SCAN_EARLY_BC
+#define SCAN_EARLY_BC SCAN_EARLY
+#endif
+// Four consecutive n of a B̄ or C̄ row as loaded: a float4, or four bc_t in a uint2 (BC16).
+#if BC16
+typedef uint2 bcq_t;
+__device__ __forceinline__ float2 to_f2(unsigned u, __half) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+__device__ __forceinline__ float2 to_f2(unsigned u, __nv_bfloat16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+__device__ __forceinline__ float4 bc_unpack(uint2 v) {
+    const float2 a = to_f2(v.x, bc_t{}), b = to_f2(v.y, bc_t{});
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+#else
+typedef float4 bcq_t;
+__device__ __forceinline__ float4 bc_unpack(float4 v) { return v; }
+#endif
 #define KQ_IT ((CHP * (NP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
 #define X_IT ((CHP * (PP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
 struct ChunkIn {
@@ -233,22 +181,25 @@ struct ChunkIn {
     float4 tok;                  // {Δ, γ, c, Lc} of row tid (tid < len)
     float adv[PH_Q][PH_TPW];     // θ·Δ of the angles and rows the phase steps give this thread
     float phi[PH_Q];             // the phases entering the chunk, of those angles
+#if SCAN_EARLY_BC
+    bcq_t k[KQ_IT], q[KQ_IT];
+#endif
 #if SCAN_EARLY
-    float4 k[KQ_IT], q[KQ_IT], x[X_IT];
+    float4 x[X_IT];
 #endif
 };
 
 // Quad `e` (four consecutive n) of a chunk's B̄ (and C̄) rows, and quad `e` (four
 // consecutive p) of its x rows: zeros past its tokens, the padding and the quads.
 template <bool OUT>
-__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int e, float4& k,
-                                             float4& q) {
+__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int e, bcq_t& k,
+                                             bcq_t& q) {
     const int j = e / (NP / 4), n = 4 * (e % (NP / 4));
-    k = q = make_float4(0.f, 0.f, 0.f, 0.f);
+    k = q = bcq_t{};
     if (e < CHP * (NP / 4) && j < len && n < DSTATE) {
-        const float* bc = A.bcn + (size_t)(start + j) * BC_W;
-        k = *reinterpret_cast<const float4*>(bc + g * DSTATE + n);
-        if (OUT) q = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n);
+        const bc_t* bc = A.bcn + (size_t)(start + j) * BC_W;
+        k = *reinterpret_cast<const bcq_t*>(bc + g * DSTATE + n);
+        if (OUT) q = *reinterpret_cast<const bcq_t*>(bc + (NGROUPS + g) * DSTATE + n);
     }
 }
 __device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int len, int h, int e) {
@@ -304,13 +255,47 @@ __device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, i
     in.tok = make_float4(0.f, 0.f, 0.f, 0.f);
     if (tid < len) in.tok = A.tok[(size_t)(start + tid) * NHEADS + h];
     fetch_phases(A.theta, A.tok, h, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.adv, in.phi);
-#if SCAN_EARLY
+#if SCAN_EARLY_BC
 #pragma unroll
     for (int u = 0; u < KQ_IT; ++u)
         load_bc_quad<OUT>(A, start, len, g, tid + SCAN_THREADS * u, in.k[u], in.q[u]);
+#endif
+#if SCAN_EARLY
 #pragma unroll
     for (int u = 0; u < X_IT; ++u) in.x[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * u);
 #endif
+}
+
+// SCAN_PREFETCH_L1: the lines chunk c's fetch_chunk reads first (its rows' {Δ, γ, c, Lc}
+// and θ, its entering phases; with SCAN_PREFETCH_X its x rows too) asked of L1 while the
+// chunk before computes: latency hidden without registers, which the block has none to
+// spare for. 1: after that chunk's operand builds; 2: before its state update. (Asking L2
+// for all of a chunk's inputs, one piece per thread, was 3–6 % slower: docs/benchmarks.md.)
+#ifndef SCAN_PREFETCH_L1
+#define SCAN_PREFETCH_L1 0
+#endif
+#ifndef SCAN_PREFETCH_X
+#define SCAN_PREFETCH_X 0
+#endif
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+// The lines of a row of N floats at p: one per 32 floats, and its last (rows need not
+// start on a line).
+template <int N> __device__ __forceinline__ const float* row_line(const float* p, int i) {
+    return p + (32 * i < N ? 32 * i : N - 1);
+}
+__device__ __forceinline__ void prefetch_chunk(const ScanArgs& A, int c, int h) {
+    constexpr int TH = (NANGLES + 31) / 32 + 1, XL = SCAN_PREFETCH_X ? (HEADDIM + 31) / 32 + 1 : 0;
+    constexpr int PER_ROW = 1 + TH + XL;
+    const int4 ck = A.chunks[c];
+    for (int e = threadIdx.x; e < CHP * PER_ROW; e += SCAN_THREADS) {
+        const int j = e / PER_ROW, l = e % PER_ROW;
+        if (j >= ck.y) continue;
+        const size_t row = ck.x + j;
+        if (l == 0) prefetch_l1(A.tok + row * NHEADS + h);
+        else if (l <= TH) prefetch_l1(row_line<NANGLES>(A.theta + row * NANGLES, l - 1));
+        else prefetch_l1(row_line<HEADDIM>(A.proj + row * PROJ_LD + X_OFF + h * HEADDIM, l - 1 - TH));
+    }
+    if (threadIdx.x < 2) prefetch_l1(row_line<NANGLES>(A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, threadIdx.x));
 }
 
 template <int PHASE>
@@ -458,13 +443,13 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         // shared stores of the batch (which the compiler would not move them across).
         {
             constexpr int QUADS = CHP * (NP / 4), IT = KQ_IT;
-            constexpr int BATCH = SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
+            constexpr int BATCH = SCAN_EARLY_BC ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
-                float4 kv[BATCH], qv[BATCH];
+                bcq_t kv[BATCH], qv[BATCH];
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-#if SCAN_EARLY
+#if SCAN_EARLY_BC
                     kv[u] = in.k[i0 + u];
                     qv[u] = in.q[i0 + u];
 #else
@@ -475,7 +460,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 for (int u = 0; u < BATCH; ++u) {
                     const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
                     if (i0 + u >= IT || e >= QUADS) break;
-                    float4 k = kv[u], q = qv[u];
+                    float4 k = bc_unpack(kv[u]), q = bc_unpack(qv[u]);
                     if (j < len && n < DSTATE) {
                         k = add4(k, *reinterpret_cast<const float4*>(s_bb + n));
                         if (OUT) q = add4(q, *reinterpret_cast<const float4*>(s_cb + n));
@@ -542,6 +527,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         }
 #endif
         __syncthreads();
+#if SCAN_PREFETCH_L1 == 1
+        if (c + 1 < sg.x + sg.y) prefetch_chunk(A, c + 1, h);
+#endif
         if (OUT) {
             // M = Q̃K̃ᵀ on the lower block triangle, weighted, stored as an operand.
             const int m_rb = TileM::rb(warp), m_first = TileM::first(warp);
@@ -707,6 +695,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 }
             }
         }
+#if SCAN_PREFETCH_L1 == 2
+        if (c + 1 < sg.x + sg.y) prefetch_chunk(A, c + 1, h);
+#endif
         // S ← e^{Lc_end}·S + (wX)ᵀK̃ (the last chunk of a middle segment needs none).
         if (!(OUT && last_chunk && !last_seg)) {
             scale_acc(sacc, expf(lc_end) * pow2(-x_shift));  // w ⊙ x was stored scaled down
