@@ -18,13 +18,14 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::path::PathBuf;
 
 /// Every kernel source, in the order they are concatenated into one program.
-pub const SOURCES: [(&str, &str); 9] = [
+pub const SOURCES: [(&str, &str); 10] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
     ("scan_tiles.cuh", include_str!("kernels/scan_tiles.cuh")),
     ("scan_phases.cuh", include_str!("kernels/scan_phases.cuh")),
+    ("scan_inputs.cuh", include_str!("kernels/scan_inputs.cuh")),
     ("scan.cu", include_str!("kernels/scan.cu")),
     ("step.cu", include_str!("kernels/step.cu")),
     ("decode_layers.cu", include_str!("kernels/decode_layers.cu")),
@@ -32,12 +33,13 @@ pub const SOURCES: [(&str, &str); 9] = [
 
 /// The training program: the forward's row and scan kernels plus the backward and the
 /// optimiser (src/cuda/train).
-pub const TRAIN_SOURCES: [(&str, &str); 8] = [
+pub const TRAIN_SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
     ("scan_tiles.cuh", include_str!("kernels/scan_tiles.cuh")),
     ("scan_phases.cuh", include_str!("kernels/scan_phases.cuh")),
+    ("scan_inputs.cuh", include_str!("kernels/scan_inputs.cuh")),
     ("scan.cu", include_str!("kernels/scan.cu")),
     ("scan_bwd.cu", include_str!("kernels/scan_bwd.cu")),
     ("train.cu", include_str!("kernels/train.cu")),

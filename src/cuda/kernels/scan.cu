@@ -22,8 +22,8 @@
 //   Y += M·X, then D skip and gate straight from the accumulators;
 //   S ← e^{Lc_end}·S + (wX)ᵀK̃ — S lives in registers, f32, for the whole segment, and a
 //   copy in the operand type feeds the next chunk's Q̃Sᵀ.
-// The products and the SCAN_MMA modes are in scan_tiles.cuh, the rotary phases
-// in scan_phases.cuh.
+// The products and the SCAN_MMA modes are in scan_tiles.cuh, the rotary phases in
+// scan_phases.cuh, the loads of a chunk's inputs in scan_inputs.cuh.
 //
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
@@ -122,182 +122,6 @@ template <int T> __device__ __forceinline__ void scale_acc(float (&acc)[T][4], f
         for (int e = 0; e < 4; ++e) acc[i][e] *= f;
 }
 
-struct ScanArgs {
-    const float* proj;   // [rows][PROJ_LD]
-    const bc_t* bcn;     // [rows][BC_W]
-    const float4* tok;   // [rows][H] {Δ, γ, c, Lc}
-    const float* theta;  // [rows][S]
-    const float* phi0;   // [chunk][H][S]
-    const int4* chunks;  // {start, len, seq end, seq}
-    const int4* segs;    // {first chunk, chunks, seq, flags}
-    const int* order;    // segments in launch order
-    const float* b_bias;
-    const float* c_bias;
-    const float* d_skip;
-    const float* out_norm;  // [D_INNER] or null
-    float* sbuf;            // [seg][H][P][N]: S_seg (A), S_enter (B, C)
-    float* sdecay;          // [seg][H]
-    act_t* y;               // [rows][D_INNER]
-    float* y_pre;           // [rows][D_INNER] f32, y before the gate (training), or null
-    float* const* states;   // per sequence
-    int layer;
-    float qk;           // a bound on |⟨q̃, k̃⟩| (the f16 operands' scale of M, SCAN_SCALED)
-    int heads_fastest;  // the grid's shape (below)
-};
-
-// A chunk's scalar inputs as this thread uses them, loaded together at the chunk's start
-// (a loop that loaded each where it is used waited on them one after another).
-// SCAN_EARLY: B̄/C̄ and x too are loaded at the chunk's start, with the scalars — with f32
-// operands (one block per SM, registers to spare); the 16-bit mode's two blocks per SM
-// have no registers for them and load them in the builds.
-#ifndef SCAN_EARLY
-#define SCAN_EARLY (SCAN_MMA < 2)
-#endif
-// SCAN_EARLY_BC: B̄/C̄ alone loaded at the chunk's start (half the registers with BC16).
-#ifndef SCAN_EARLY_BC
-#define SCAN_EARLY_BC SCAN_EARLY
-#endif
-// Four consecutive n of a B̄ or C̄ row as loaded: a float4, or four bc_t in a uint2 (BC16).
-#if BC16
-typedef uint2 bcq_t;
-__device__ __forceinline__ float2 to_f2(unsigned u, __half) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&u));
-}
-__device__ __forceinline__ float2 to_f2(unsigned u, __nv_bfloat16) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-}
-__device__ __forceinline__ float4 bc_unpack(uint2 v) {
-    const float2 a = to_f2(v.x, bc_t{}), b = to_f2(v.y, bc_t{});
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-#else
-typedef float4 bcq_t;
-__device__ __forceinline__ float4 bc_unpack(float4 v) { return v; }
-#endif
-#define KQ_IT ((CHP * (NP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
-#define X_IT ((CHP * (PP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
-struct ChunkIn {
-    float lc_end;                // Lc of the chunk's last token
-    float4 tok;                  // {Δ, γ, c, Lc} of row tid (tid < len)
-    float adv[PH_Q][PH_TPW];     // θ·Δ of the angles and rows the phase steps give this thread
-    float phi[PH_Q];             // the phases entering the chunk, of those angles
-#if SCAN_EARLY_BC
-    bcq_t k[KQ_IT], q[KQ_IT];
-#endif
-#if SCAN_EARLY
-    float4 x[X_IT];
-#endif
-};
-
-// Quad `e` (four consecutive n) of a chunk's B̄ (and C̄) rows, and quad `e` (four
-// consecutive p) of its x rows: zeros past its tokens, the padding and the quads.
-template <bool OUT>
-__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int e, bcq_t& k,
-                                             bcq_t& q) {
-    const int j = e / (NP / 4), n = 4 * (e % (NP / 4));
-    k = q = bcq_t{};
-    if (e < CHP * (NP / 4) && j < len && n < DSTATE) {
-        const bc_t* bc = A.bcn + (size_t)(start + j) * BC_W;
-        k = *reinterpret_cast<const bcq_t*>(bc + g * DSTATE + n);
-        if (OUT) q = *reinterpret_cast<const bcq_t*>(bc + (NGROUPS + g) * DSTATE + n);
-    }
-}
-__device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int len, int h, int e) {
-    const int j = e / (PP / 4), pp = 4 * (e % (PP / 4));
-    if (e < CHP * (PP / 4) && j < len && pp < HEADDIM)
-        return *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp);
-    return make_float4(0.f, 0.f, 0.f, 0.f);
-}
-
-// The output's D skip reads x from its operand copy sX with 16-bit operands (the copy's
-// rounding is below that of the 16-bit output), not from global memory.
-#ifndef SCAN_SKIP_FROM_SX
-#define SCAN_SKIP_FROM_SX (SCAN_MMA >= 2)
-#endif
-
-// This warp's gate inputs for its output tiles (fragment layout): xz[tile][row half][x | z]
-// [column], f32, zero outside the chunk and the head.
-template <int T>
-__device__ __forceinline__ void load_gate_inputs(const ScanArgs& A, int start, int len, int h, int y_rb, int y_first,
-                                                 int y_nt, float (&xz)[T][2][2][2]) {
-    const int lane = threadIdx.x & 31, fg = lane >> 2, ft = lane & 3;
-#pragma unroll
-    for (int i = 0; i < T; ++i)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
-            const float* row = A.proj + (size_t)(start + (r < len ? r : 0)) * PROJ_LD + h * HEADDIM + pp;
-#if HEADDIM % 2 == 0  // the pair (pp, pp + 1) is 8-byte aligned (PROJ_LD and D_INNER are even)
-            const bool ok = i < y_nt && r < len && pp < HEADDIM;
-            const float2 zv = ok ? *reinterpret_cast<const float2*>(row + Z_OFF) : make_float2(0.f, 0.f);
-            xz[i][hf][1][0] = zv.x;
-            xz[i][hf][1][1] = zv.y;
-#if !SCAN_SKIP_FROM_SX
-            const float2 xv = ok ? *reinterpret_cast<const float2*>(row + X_OFF) : make_float2(0.f, 0.f);
-            xz[i][hf][0][0] = xv.x;
-            xz[i][hf][0][1] = xv.y;
-#endif
-#else
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                const bool ok = i < y_nt && r < len && pp + u < HEADDIM;
-                if (!SCAN_SKIP_FROM_SX) xz[i][hf][0][u] = ok ? row[X_OFF + u] : 0.f;
-                xz[i][hf][1][u] = ok ? row[Z_OFF + u] : 0.f;
-            }
-#endif
-        }
-}
-
-template <bool OUT>
-__device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, int h, int g, ChunkIn& in) {
-    const int start = ck.x, len = ck.y, tid = threadIdx.x;
-    in.lc_end = A.tok[(size_t)(start + len - 1) * NHEADS + h].w;
-    in.tok = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (tid < len) in.tok = A.tok[(size_t)(start + tid) * NHEADS + h];
-    fetch_phases(A.theta, A.tok, h, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.adv, in.phi);
-#if SCAN_EARLY_BC
-#pragma unroll
-    for (int u = 0; u < KQ_IT; ++u)
-        load_bc_quad<OUT>(A, start, len, g, tid + SCAN_THREADS * u, in.k[u], in.q[u]);
-#endif
-#if SCAN_EARLY
-#pragma unroll
-    for (int u = 0; u < X_IT; ++u) in.x[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * u);
-#endif
-}
-
-// SCAN_PREFETCH_L1: the lines chunk c's fetch_chunk reads first (its rows' {Δ, γ, c, Lc}
-// and θ, its entering phases; with SCAN_PREFETCH_X its x rows too) asked of L1 while the
-// chunk before computes: latency hidden without registers, which the block has none to
-// spare for. 1: after that chunk's operand builds; 2: before its state update. (Asking L2
-// for all of a chunk's inputs, one piece per thread, was 3–6 % slower: docs/benchmarks.md.)
-#ifndef SCAN_PREFETCH_L1
-#define SCAN_PREFETCH_L1 0
-#endif
-#ifndef SCAN_PREFETCH_X
-#define SCAN_PREFETCH_X 0
-#endif
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-// The lines of a row of N floats at p: one per 32 floats, and its last (rows need not
-// start on a line).
-template <int N> __device__ __forceinline__ const float* row_line(const float* p, int i) {
-    return p + (32 * i < N ? 32 * i : N - 1);
-}
-__device__ __forceinline__ void prefetch_chunk(const ScanArgs& A, int c, int h) {
-    constexpr int TH = (NANGLES + 31) / 32 + 1, XL = SCAN_PREFETCH_X ? (HEADDIM + 31) / 32 + 1 : 0;
-    constexpr int PER_ROW = 1 + TH + XL;
-    const int4 ck = A.chunks[c];
-    for (int e = threadIdx.x; e < CHP * PER_ROW; e += SCAN_THREADS) {
-        const int j = e / PER_ROW, l = e % PER_ROW;
-        if (j >= ck.y) continue;
-        const size_t row = ck.x + j;
-        if (l == 0) prefetch_l1(A.tok + row * NHEADS + h);
-        else if (l <= TH) prefetch_l1(row_line<NANGLES>(A.theta + row * NANGLES, l - 1));
-        else prefetch_l1(row_line<HEADDIM>(A.proj + row * PROJ_LD + X_OFF + h * HEADDIM, l - 1 - TH));
-    }
-    if (threadIdx.x < 2) prefetch_l1(row_line<NANGLES>(A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, threadIdx.x));
-}
-
 template <int PHASE>
 __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     constexpr bool OUT = PHASE == 1;
@@ -368,6 +192,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         }
     if (OUT) max_into(&s_max[sg.x & 1], abs_max(sacc));
     float decay_sum = 0.f;
+#if SCAN_BC_STAGE
+    stage_bc<OUT>(A, sg.x, g, sQ, sS);
+#endif
 
     for (int c = sg.x; c < sg.x + sg.y; ++c) {
         const int4 ck = A.chunks[c];
@@ -383,10 +210,11 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #pragma unroll
         for (int u = 0; u < X_IT; ++u) xq[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * u);
 #endif
-        __syncthreads();  // the previous chunk's readers are done
+        stage_wait();
+        __syncthreads();  // the previous chunk's readers are done (and this one's staged B̄/C̄ in)
         const int par = c & 1;
-        if (OUT) {
-            // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
+        // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
+        const auto store_s = [&]() {
             const float down = pow2(-f16_shift(slot_max(&s_max[par])));
 #pragma unroll
             for (int i = 0; i < TileS::T; ++i) {
@@ -396,7 +224,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 put_pair(row, sacc[i][0] * down, sacc[i][1] * down);
                 put_pair(row + 8 * LDSO, sacc[i][2] * down, sacc[i][3] * down);
             }
-        }
+        };
+        if (OUT && !SCAN_BC_STAGE) store_s();
 #if SCAN_SCALED
         // the next chunk's maxima start from zero (their slots were last read above, one
         // chunk ago, before the barrier)
@@ -449,7 +278,12 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 bcq_t kv[BATCH], qv[BATCH];
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-#if SCAN_EARLY_BC
+#if SCAN_BC_STAGE
+                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
+                    const bool in_rows = e < QUADS && j < len && n < DSTATE;
+                    kv[u] = in_rows ? *reinterpret_cast<const uint2*>(sS + j * LDK + n) : bcq_t{};
+                    qv[u] = OUT && in_rows ? *reinterpret_cast<const uint2*>(sQ + j * LDQ + n) : bcq_t{};
+#elif SCAN_EARLY_BC
                     kv[u] = in.k[i0 + u];
                     qv[u] = in.q[i0 + u];
 #else
@@ -524,6 +358,12 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             if (OUT) put_pair(sX + j * LDX + pp, x0 * x_down, x1 * x_down);
             const float w = s_xw[j] * x_down;
             put_pair(sW + j * LDW + pp, x0 * w, x1 * w);
+        }
+#endif
+#if SCAN_BC_STAGE
+        if (OUT) {
+            __syncthreads();  // every read of the staged B̄ from sS is done
+            store_s();
         }
 #endif
         __syncthreads();
@@ -697,6 +537,10 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         }
 #if SCAN_PREFETCH_L1 == 2
         if (c + 1 < sg.x + sg.y) prefetch_chunk(A, c + 1, h);
+#endif
+#if SCAN_BC_STAGE
+        // (sQ and sS are dead from the barrier after Y = Q̃Sᵀ to the next chunk's build)
+        if (c + 1 < sg.x + sg.y) stage_bc<OUT>(A, c + 1, g, sQ, sS);
 #endif
         // S ← e^{Lc_end}·S + (wX)ᵀK̃ (the last chunk of a middle segment needs none).
         if (!(OUT && last_chunk && !last_seg)) {
