@@ -40,14 +40,11 @@ struct ScanArgs {
 // Four consecutive n of a B̄ or C̄ row as loaded: a float4, or four bc_t in a uint2 (BC16).
 #if BC16
 typedef uint2 bcq_t;
-__device__ __forceinline__ float2 to_f2(unsigned u, __half) {
+__device__ __forceinline__ float2 half2_to_f2(unsigned u) {
     return __half22float2(*reinterpret_cast<const __half2*>(&u));
 }
-__device__ __forceinline__ float2 to_f2(unsigned u, __nv_bfloat16) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-}
 __device__ __forceinline__ float4 bc_unpack(uint2 v) {
-    const float2 a = to_f2(v.x, bc_t{}), b = to_f2(v.y, bc_t{});
+    const float2 a = half2_to_f2(v.x), b = half2_to_f2(v.y);
     return make_float4(a.x, a.y, b.x, b.y);
 }
 #else
