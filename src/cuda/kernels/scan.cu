@@ -43,9 +43,12 @@
 #endif
 #endif
 // Global loads issued together in the operand builds (registers permitting; 16-bit B̄/C̄
-// quads take half the registers of f32 ones).
+// quads take half the registers of f32 ones, and all eight of the bench shape's fit
+// without spilling where four spilled 16 bytes).
 #ifndef SCAN_LOAD_BATCH
-#if SCAN_MMA >= 2 && !BC16
+#if BC16
+#define SCAN_LOAD_BATCH 8
+#elif SCAN_MMA >= 2
 #define SCAN_LOAD_BATCH 2
 #else
 #define SCAN_LOAD_BATCH 4
@@ -208,7 +211,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         // build, from L1
         float4 xq[X_IT];
 #pragma unroll
-        for (int u = 0; u < X_IT; ++u) xq[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * u);
+        for (int u = 0; u < X_IT; ++u) xq[u] = load_x_quad(A, start, len, h, u);
 #endif
         stage_wait();
         __syncthreads();  // the previous chunk's readers are done (and this one's staged B̄/C̄ in)
@@ -271,7 +274,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
         // shared stores of the batch (which the compiler would not move them across).
         {
-            constexpr int QUADS = CHP * (NP / 4), IT = KQ_IT;
+            constexpr int IT = KQ_IT;
             constexpr int BATCH = SCAN_EARLY_BC ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
@@ -279,21 +282,23 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
 #if SCAN_BC_STAGE
-                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
-                    const bool in_rows = e < QUADS && j < len && n < DSTATE;
+                    const QuadN e(i0 + u);
+                    const int j = e.j, n = e.c;
+                    const bool in_rows = e.in_tile() && j < len && n < DSTATE;
                     kv[u] = in_rows ? *reinterpret_cast<const uint2*>(sS + j * LDK + n) : bcq_t{};
                     qv[u] = OUT && in_rows ? *reinterpret_cast<const uint2*>(sQ + j * LDQ + n) : bcq_t{};
 #elif SCAN_EARLY_BC
                     kv[u] = in.k[i0 + u];
                     qv[u] = in.q[i0 + u];
 #else
-                    load_bc_quad<OUT>(A, start, len, g, tid + SCAN_THREADS * (i0 + u), kv[u], qv[u]);
+                    load_bc_quad<OUT>(A, start, len, g, i0 + u, kv[u], qv[u]);
 #endif
                 }
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (NP / 4), n = 4 * (e % (NP / 4));
-                    if (i0 + u >= IT || e >= QUADS) break;
+                    const QuadN e(i0 + u);
+                    const int j = e.j, n = e.c;
+                    if (i0 + u >= IT || !e.in_tile()) break;
                     float4 k = bc_unpack(kv[u]), q = bc_unpack(qv[u]);
                     if (j < len && n < DSTATE) {
                         k = add4(k, *reinterpret_cast<const float4*>(s_bb + n));
@@ -316,7 +321,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         const float x_down = pow2(-x_shift);
 #if HEADDIM % 4 == 0
         {
-            constexpr int QUADS = CHP * (PP / 4), IT = (QUADS + SCAN_THREADS - 1) / SCAN_THREADS;
+            constexpr int IT = X_IT;
             constexpr int BATCH = SCAN_EARLY ? IT : IT < 4 ? IT : 4;
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
@@ -326,13 +331,14 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #if SCAN_EARLY
                     xv[u] = in.x[i0 + u];
 #else
-                    xv[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * (i0 + u));
+                    xv[u] = load_x_quad(A, start, len, h, i0 + u);
 #endif
                 }
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-                    const int e = tid + SCAN_THREADS * (i0 + u), j = e / (PP / 4), pp = 4 * (e % (PP / 4));
-                    if (i0 + u >= IT || e >= QUADS) break;
+                    const QuadP e(i0 + u);
+                    const int j = e.j, pp = e.c;
+                    if (i0 + u >= IT || !e.in_tile()) break;
                     const float4 x = xv[u];
                     if (OUT && j == len - 1 && seq_end && pp < HEADDIM)
                         *reinterpret_cast<float4*>(st + ST_V + h * HEADDIM + pp) = x;

@@ -66,23 +66,46 @@ struct ChunkIn {
 #endif
 };
 
-// Quad `e` (four consecutive n) of a chunk's B̄ (and C̄) rows, and quad `e` (four
-// consecutive p) of its x rows: zeros past its tokens, the padding and the quads.
+// This thread's quad of pass `it` over a tile of CHP rows of W quads (four consecutive
+// elements each), taken in the order tid + SCAN_THREADS·it: its row j and first column c.
+// When a pass covers whole rows, c is the thread's own and j moves by a constant, so that
+// every pass addresses one base plus a constant rather than a register of its own.
+template <int W> struct Quad {
+    int j, c;
+    __device__ __forceinline__ explicit Quad(int it) {
+        const int tid = threadIdx.x;
+        if (SCAN_THREADS % W == 0) {
+            j = tid / W + it * (SCAN_THREADS / W);
+            c = 4 * (tid % W);
+        } else {
+            const int e = tid + SCAN_THREADS * it;
+            j = e / W;
+            c = 4 * (e % W);
+        }
+    }
+    __device__ __forceinline__ bool in_tile() const { return j < CHP; }
+};
+typedef Quad<NP / 4> QuadN;  // of B̄, C̄, K̃, Q̃ rows
+typedef Quad<PP / 4> QuadP;  // of x rows
+
+// A chunk's B̄ (and C̄) quad, and its x quad, of pass `it`: zeros past its tokens, the
+// padding and the tile.
 template <bool OUT>
-__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int e, bcq_t& k,
+__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int it, bcq_t& k,
                                              bcq_t& q) {
-    const int j = e / (NP / 4), n = 4 * (e % (NP / 4));
+    const QuadN e(it);
     k = q = bcq_t{};
-    if (e < CHP * (NP / 4) && j < len && n < DSTATE) {
-        const bc_t* bc = A.bcn + (size_t)(start + j) * BC_W;
-        k = *reinterpret_cast<const bcq_t*>(bc + g * DSTATE + n);
-        if (OUT) q = *reinterpret_cast<const bcq_t*>(bc + (NGROUPS + g) * DSTATE + n);
+    if (e.in_tile() && e.j < len && e.c < DSTATE) {
+        const bc_t* bc = A.bcn + (size_t)(start + e.j) * BC_W;
+        k = *reinterpret_cast<const bcq_t*>(bc + g * DSTATE + e.c);
+        if (OUT) q = *reinterpret_cast<const bcq_t*>(bc + (NGROUPS + g) * DSTATE + e.c);
     }
 }
-__device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int len, int h, int e) {
-    const int j = e / (PP / 4), pp = 4 * (e % (PP / 4));
-    if (e < CHP * (PP / 4) && j < len && pp < HEADDIM)
-        return *reinterpret_cast<const float4*>(A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp);
+__device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int len, int h, int it) {
+    const QuadP e(it);
+    if (e.in_tile() && e.j < len && e.c < HEADDIM)
+        return *reinterpret_cast<const float4*>(A.proj + (size_t)(start + e.j) * PROJ_LD + X_OFF + h * HEADDIM +
+                                                e.c);
     return make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
@@ -135,11 +158,11 @@ __device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, i
 #if SCAN_EARLY_BC
 #pragma unroll
     for (int u = 0; u < KQ_IT; ++u)
-        load_bc_quad<OUT>(A, start, len, g, tid + SCAN_THREADS * u, in.k[u], in.q[u]);
+        load_bc_quad<OUT>(A, start, len, g, u, in.k[u], in.q[u]);
 #endif
 #if SCAN_EARLY
 #pragma unroll
-    for (int u = 0; u < X_IT; ++u) in.x[u] = load_x_quad(A, start, len, h, tid + SCAN_THREADS * u);
+    for (int u = 0; u < X_IT; ++u) in.x[u] = load_x_quad(A, start, len, h, u);
 #endif
 }
 
