@@ -32,31 +32,6 @@ typedef __half act_t;
 #endif
 typedef act_t w_t;
 
-// The chunked scan's operand type (SCAN_MMA, scan_tiles.cuh): f32 for exact FMA and TF32,
-// act_t on 16-bit tensor cores, f16 whatever act_t in SCAN_MMA 3.
-#if SCAN_MMA == 3
-typedef __half op_t;
-#elif SCAN_MMA == 2
-typedef act_t op_t;
-#else
-typedef float op_t;
-#endif
-// B̄ and C̄ as prefill_pre hands them to the scan (`bcn`): f32, or with SCAN_BC16 in the
-// inference program's f16 scan modes, f16 — half the bytes of the scan's most waited-on
-// loads, for one rounding more before the operands' own, 2⁻¹¹ (not bf16's 2⁻⁸: the fast
-// mode's goldens are near their limit already). The host's bound on q̃ and k̃ for f16
-// operands bounds B̄ and C̄ too. The training program's backward reads them in f32.
-#ifndef SCAN_BC16
-#define SCAN_BC16 0
-#endif
-#if SCAN_BC16 && (SCAN_MMA == 3 || (SCAN_MMA == 2 && ACT == 2)) && !defined(PROGRAM_TRAINING)
-#define BC16 1
-typedef __half bc_t;
-#else
-#define BC16 0
-typedef float bc_t;
-#endif
-
 #define PI_F 3.14159265358979323846f
 #define TWO_PI_F 6.28318530717958647692f
 

@@ -3,9 +3,8 @@
 // src/cpu/prefill.rs. One block per chunk of one sequence (≤ CHUNK tokens).
 //
 // Chunk table entry (int4): {start row, tokens in chunk, end row of the sequence (exclusive),
-// sequence index}. Outputs, f32 but for bcn:
-//   bcn  [rows][2][G][N]   B̄ then C̄, RMS-normed with their weights (bias added later);
-//                          bc_t (f32 unless SCAN_BC16, common.cuh)
+// sequence index}. Outputs, all f32:
+//   bcn  [rows][2][G][N]   B̄ then C̄, RMS-normed with their weights (bias added later)
 //   tok  [rows][H][4]      {Δ, γ = λΔ, c = γ + Δ'(1−λ'), Lc = in-chunk inclusive Σ a}
 //                          where Δ', λ' belong to the next token of the same sequence
 //                          (c = γ for the sequence's last token) and a = A·Δ
@@ -30,7 +29,7 @@ __device__ __forceinline__ void head_scalars(const float* row, int h, const floa
 extern "C" __global__ void __launch_bounds__(PRE_THREADS)
     prefill_pre(const float* __restrict__ proj, const int4* __restrict__ chunks,
                 const float* __restrict__ b_norm, const float* __restrict__ c_norm,
-                const float* __restrict__ dt_bias, bc_t* __restrict__ bcn,
+                const float* __restrict__ dt_bias, float* __restrict__ bcn,
                 float* __restrict__ tok, float* __restrict__ theta, float* __restrict__ csum) {
     extern __shared__ float pre_smem[];  // PRE_SMEM_FLOATS
     float(*s_dt)[NHEADS] = reinterpret_cast<float(*)[NHEADS]>(pre_smem);
@@ -70,11 +69,11 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
 #pragma unroll
             for (int q = 0; q < NPL; ++q) ss += v[u][q] * v[u][q];
             const float inv = 1.f / sqrtf(warp_sum(ss) / (float)DSTATE + NORM_EPS);
-            bc_t* dst = bcn + (size_t)(start + j) * BC_W + r * DSTATE;
+            float* dst = bcn + (size_t)(start + j) * BC_W + r * DSTATE;
 #pragma unroll
             for (int q = 0; q < NPL; ++q) {
                 const int n = lane + 32 * q;
-                if (n < DSTATE) dst[n] = from_f<bc_t>(v[u][q] * inv * wn[n]);
+                if (n < DSTATE) dst[n] = v[u][q] * inv * wn[n];
             }
         }
     }

@@ -28,7 +28,7 @@
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
 #define SZ_TOKV ALIGN128(6 * CHP * 4)
-#define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4 + 6 * 4)
+#define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4 + 7 * 4)
 #define SCAN_SMEM (SCAN_TILES + SZ_TOKV + SZ_RED + SZ_BIAS)
 
 // k steps unrolled in the forward's products: all of them on the tensor cores (ldmatrix
@@ -42,13 +42,9 @@
 #define SCAN_KUNROLL 16
 #endif
 #endif
-// Global loads issued together in the operand builds (registers permitting; 16-bit B̄/C̄
-// quads take half the registers of f32 ones, and all eight of the bench shape's fit
-// without spilling where four spilled 16 bytes).
+// Global loads issued together in the operand builds (registers permitting).
 #ifndef SCAN_LOAD_BATCH
-#if BC16
-#define SCAN_LOAD_BATCH 8
-#elif SCAN_MMA >= 2
+#if SCAN_MMA >= 2
 #define SCAN_LOAD_BATCH 2
 #else
 #define SCAN_LOAD_BATCH 4
@@ -155,6 +151,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     // block maxima for the scaled operands (SCAN_SCALED), two of each by chunk parity:
     // [0, 1] |S| entering the chunk, [2, 3] |x|, [4, 5] c and γ
     int* s_max = reinterpret_cast<int*>(s_ph + 2 * SCAN_WARPS * NANGLES);
+    // this head's D (a global load where the skip needs it waited out a round trip, ≈ 4 % of
+    // the stall samples; a register across the chunk loop is one the block does not have)
+    float* s_dskip = reinterpret_cast<float*>(s_max + 6);
     p += SZ_RED;
     float* s_bb = reinterpret_cast<float*>(p);    // this head's B_bias, C_bias
     float* s_cb = s_bb + NP;
@@ -179,6 +178,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         s_bb[n] = n < DSTATE ? A.b_bias[h * DSTATE + n] : 0.f;
         s_cb[n] = n < DSTATE ? A.c_bias[h * DSTATE + n] : 0.f;
     }
+    if (tid == 0) *s_dskip = A.d_skip[h];  // (read after the chunk loop's barriers)
 #if SCAN_SCALED
     if (tid < 6) s_max[tid] = 0;
     __syncthreads();
@@ -195,9 +195,6 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         }
     if (OUT) max_into(&s_max[sg.x & 1], abs_max(sacc));
     float decay_sum = 0.f;
-#if SCAN_BC_STAGE
-    stage_bc<OUT>(A, sg.x, g, sQ, sS);
-#endif
 
     for (int c = sg.x; c < sg.x + sg.y; ++c) {
         const int4 ck = A.chunks[c];
@@ -213,11 +210,10 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #pragma unroll
         for (int u = 0; u < X_IT; ++u) xq[u] = load_x_quad(A, start, len, h, u);
 #endif
-        stage_wait();
-        __syncthreads();  // the previous chunk's readers are done (and this one's staged B̄/C̄ in)
+        __syncthreads();  // the previous chunk's readers are done
         const int par = c & 1;
-        // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
-        const auto store_s = [&]() {
+        if (OUT) {
+            // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
             const float down = pow2(-f16_shift(slot_max(&s_max[par])));
 #pragma unroll
             for (int i = 0; i < TileS::T; ++i) {
@@ -227,8 +223,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 put_pair(row, sacc[i][0] * down, sacc[i][1] * down);
                 put_pair(row + 8 * LDSO, sacc[i][2] * down, sacc[i][3] * down);
             }
-        };
-        if (OUT && !SCAN_BC_STAGE) store_s();
+        }
 #if SCAN_SCALED
         // the next chunk's maxima start from zero (their slots were last read above, one
         // chunk ago, before the barrier)
@@ -239,8 +234,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         // e^{−Lc_s} cannot overflow (as the CPU twin does), else per pair.
         const float lc_end = in.lc_end;
         const bool split = -lc_end < 60.f;
-        if (tid < CHP) {
-            const int j = tid;
+        const int tok_row = scalar_row();
+        if (lane < PH_TPW) {
+            const int j = tok_row;
             const float4 v = j < len ? in.tok : make_float4(0.f, 0.f, 0.f, lc_end);
             s_gam[j] = v.y;
             s_sc[j] = v.z;
@@ -256,10 +252,15 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             for (int u = 0; u < X_IT; ++u)
                 m = fmaxf(m, fmaxf(fmaxf(fabsf(xq[u].x), fabsf(xq[u].y)), fmaxf(fabsf(xq[u].z), fabsf(xq[u].w))));
             max_into(&s_max[2 + par], m);
-            max_into(&s_max[4 + par], tid < len ? fmaxf(fabsf(in.tok.y), fabsf(in.tok.z)) : 0.f);
+            max_into(&s_max[4 + par], lane < PH_TPW && tok_row < len ? fmaxf(fabsf(in.tok.y), fabsf(in.tok.z)) : 0.f);
         }
 #endif
-        phase_sums(in.adv, s_ph);
+        {
+            float dt[PH_TPW];  // Δ of this warp's rows, from the lanes that loaded them
+#pragma unroll
+            for (int u = 0; u < PH_TPW; ++u) dt[u] = __shfl_sync(0xffffffffu, in.tok.x, u);
+            phase_sums(in.th, dt, s_ph);
+        }
         __syncthreads();
 #if SCAN_SCALED
         const float cg_max = slot_max(&s_max[4 + par]);
@@ -268,26 +269,20 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #else
         const int x_shift = 0, m_shift = 0;
 #endif
-        phase_table(in.adv, in.phi, len, s_cs, s_ph);
+        phase_table(in.th, in.phi, len, s_cs, s_ph);
         __syncthreads();
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
         // shared stores of the batch (which the compiler would not move them across).
         {
             constexpr int IT = KQ_IT;
-            constexpr int BATCH = SCAN_EARLY_BC ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
+            constexpr int BATCH = SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
-                bcq_t kv[BATCH], qv[BATCH];
+                float4 kv[BATCH], qv[BATCH];
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-#if SCAN_BC_STAGE
-                    const QuadN e(i0 + u);
-                    const int j = e.j, n = e.c;
-                    const bool in_rows = e.in_tile() && j < len && n < DSTATE;
-                    kv[u] = in_rows ? *reinterpret_cast<const uint2*>(sS + j * LDK + n) : bcq_t{};
-                    qv[u] = OUT && in_rows ? *reinterpret_cast<const uint2*>(sQ + j * LDQ + n) : bcq_t{};
-#elif SCAN_EARLY_BC
+#if SCAN_EARLY
                     kv[u] = in.k[i0 + u];
                     qv[u] = in.q[i0 + u];
 #else
@@ -299,7 +294,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     const QuadN e(i0 + u);
                     const int j = e.j, n = e.c;
                     if (i0 + u >= IT || !e.in_tile()) break;
-                    float4 k = bc_unpack(kv[u]), q = bc_unpack(qv[u]);
+                    float4 k = kv[u], q = qv[u];
                     if (j < len && n < DSTATE) {
                         k = add4(k, *reinterpret_cast<const float4*>(s_bb + n));
                         if (OUT) q = add4(q, *reinterpret_cast<const float4*>(s_cb + n));
@@ -366,16 +361,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             put_pair(sW + j * LDW + pp, x0 * w, x1 * w);
         }
 #endif
-#if SCAN_BC_STAGE
-        if (OUT) {
-            __syncthreads();  // every read of the staged B̄ from sS is done
-            store_s();
-        }
-#endif
         __syncthreads();
-#if SCAN_PREFETCH_L1 == 1
-        if (c + 1 < sg.x + sg.y) prefetch_chunk(A, c + 1, h);
-#endif
         if (OUT) {
             // M = Q̃K̃ᵀ on the lower block triangle, weighted, stored as an operand.
             const int m_rb = TileM::rb(warp), m_first = TileM::first(warp);
@@ -471,7 +457,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #if SCAN_SCALED
             if (m_shift + x_shift) scale_acc(yacc, pow2(m_shift + x_shift));  // (block-uniform)
 #endif
-            const float dsk = A.d_skip[h];
+            const float dsk = *s_dskip;
 #if SCAN_SKIP_FROM_SX
             const float x_up = pow2(x_shift);  // sX was stored scaled down
 #endif
@@ -541,13 +527,6 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 }
             }
         }
-#if SCAN_PREFETCH_L1 == 2
-        if (c + 1 < sg.x + sg.y) prefetch_chunk(A, c + 1, h);
-#endif
-#if SCAN_BC_STAGE
-        // (sQ and sS are dead from the barrier after Y = Q̃Sᵀ to the next chunk's build)
-        if (c + 1 < sg.x + sg.y) stage_bc<OUT>(A, c + 1, g, sQ, sS);
-#endif
         // S ← e^{Lc_end}·S + (wX)ᵀK̃ (the last chunk of a middle segment needs none).
         if (!(OUT && last_chunk && !last_seg)) {
             scale_acc(sacc, expf(lc_end) * pow2(-x_shift));  // w ⊙ x was stored scaled down

@@ -154,9 +154,10 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
         }
         __syncthreads();
         {
-            float th[PH_Q][PH_TPW], phi[PH_Q];
-            fetch_phases(A.theta, A.tok, h, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, th, phi);
-            chunk_phases(th, phi, len, s_cs, s_ph);
+            float th[PH_Q][PH_TPW], dt[PH_TPW], phi[PH_Q];
+            fetch_theta(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, th, phi);
+            fetch_dt(A.tok, h, start, len, dt);
+            chunk_phases(th, dt, phi, len, s_cs, s_ph);
         }
         __syncthreads();
         // Q̃, K̃ (biased, rotated); X, dY, dYe. Rows past the chunk are zero.

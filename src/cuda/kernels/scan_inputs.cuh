@@ -1,10 +1,9 @@
-// How a chunk's inputs reach a block of the chunked scan (scan.cu): the launch's arguments,
-// the loads of a chunk's per-token scalars, B̄/C̄ and x quads and gate inputs, and the
-// variants that start them a chunk ahead (L1 prefetch; B̄/C̄ staged in shared memory).
+// How a chunk's inputs reach a block of the chunked scan (scan.cu): the launch's arguments
+// and the loads of a chunk's per-token scalars, B̄/C̄ and x quads, and gate inputs.
 
 struct ScanArgs {
     const float* proj;   // [rows][PROJ_LD]
-    const bc_t* bcn;     // [rows][BC_W]
+    const float* bcn;    // [rows][BC_W]
     const float4* tok;   // [rows][H] {Δ, γ, c, Lc}
     const float* theta;  // [rows][S]
     const float* phi0;   // [chunk][H][S]
@@ -33,36 +32,22 @@ struct ScanArgs {
 #ifndef SCAN_EARLY
 #define SCAN_EARLY (SCAN_MMA < 2)
 #endif
-// SCAN_EARLY_BC: B̄/C̄ alone loaded at the chunk's start (half the registers with BC16).
-#ifndef SCAN_EARLY_BC
-#define SCAN_EARLY_BC SCAN_EARLY
-#endif
-// Four consecutive n of a B̄ or C̄ row as loaded: a float4, or four bc_t in a uint2 (BC16).
-#if BC16
-typedef uint2 bcq_t;
-__device__ __forceinline__ float2 half2_to_f2(unsigned u) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&u));
-}
-__device__ __forceinline__ float4 bc_unpack(uint2 v) {
-    const float2 a = half2_to_f2(v.x), b = half2_to_f2(v.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-#else
-typedef float4 bcq_t;
-__device__ __forceinline__ float4 bc_unpack(float4 v) { return v; }
-#endif
 #define KQ_IT ((CHP * (NP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
 #define X_IT ((CHP * (PP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
+// The row whose scalars {Δ, γ, c, Lc} a thread loads: lane mod PH_TPW of its warp's rows
+// in the phase steps, so that Δ of those rows reaches every lane of the warp by shuffles
+// (Δ loaded per row by every thread and multiplied into θ at once waited a round trip,
+// ≈ 7 % of the stall samples, before the chunk's first barrier). Lanes < PH_TPW store them.
+__device__ __forceinline__ int scalar_row() {
+    return (threadIdx.x >> 5) * PH_TPW + (threadIdx.x & 31) % PH_TPW;
+}
 struct ChunkIn {
     float lc_end;                // Lc of the chunk's last token
-    float4 tok;                  // {Δ, γ, c, Lc} of row tid (tid < len)
-    float adv[PH_Q][PH_TPW];     // θ·Δ of the angles and rows the phase steps give this thread
+    float4 tok;                  // {Δ, γ, c, Lc} of the row scalar_row() (zero past len)
+    float th[PH_Q][PH_TPW];      // θ of the angles and rows the phase steps give this thread
     float phi[PH_Q];             // the phases entering the chunk, of those angles
-#if SCAN_EARLY_BC
-    bcq_t k[KQ_IT], q[KQ_IT];
-#endif
 #if SCAN_EARLY
-    float4 x[X_IT];
+    float4 k[KQ_IT], q[KQ_IT], x[X_IT];
 #endif
 };
 
@@ -91,14 +76,14 @@ typedef Quad<PP / 4> QuadP;  // of x rows
 // A chunk's B̄ (and C̄) quad, and its x quad, of pass `it`: zeros past its tokens, the
 // padding and the tile.
 template <bool OUT>
-__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int it, bcq_t& k,
-                                             bcq_t& q) {
+__device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int len, int g, int it, float4& k,
+                                             float4& q) {
     const QuadN e(it);
-    k = q = bcq_t{};
+    k = q = make_float4(0.f, 0.f, 0.f, 0.f);
     if (e.in_tile() && e.j < len && e.c < DSTATE) {
-        const bc_t* bc = A.bcn + (size_t)(start + e.j) * BC_W;
-        k = *reinterpret_cast<const bcq_t*>(bc + g * DSTATE + e.c);
-        if (OUT) q = *reinterpret_cast<const bcq_t*>(bc + (NGROUPS + g) * DSTATE + e.c);
+        const float* bc = A.bcn + (size_t)(start + e.j) * BC_W;
+        k = *reinterpret_cast<const float4*>(bc + g * DSTATE + e.c);
+        if (OUT) q = *reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + e.c);
     }
 }
 __device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int len, int h, int it) {
@@ -150,93 +135,16 @@ __device__ __forceinline__ void load_gate_inputs(const ScanArgs& A, int start, i
 
 template <bool OUT>
 __device__ __forceinline__ void fetch_chunk(const ScanArgs& A, int c, int4 ck, int h, int g, ChunkIn& in) {
-    const int start = ck.x, len = ck.y, tid = threadIdx.x;
+    const int start = ck.x, len = ck.y;
     in.lc_end = A.tok[(size_t)(start + len - 1) * NHEADS + h].w;
+    const int j = scalar_row();
     in.tok = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (tid < len) in.tok = A.tok[(size_t)(start + tid) * NHEADS + h];
-    fetch_phases(A.theta, A.tok, h, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.adv, in.phi);
-#if SCAN_EARLY_BC
-#pragma unroll
-    for (int u = 0; u < KQ_IT; ++u)
-        load_bc_quad<OUT>(A, start, len, g, u, in.k[u], in.q[u]);
-#endif
+    if (j < len) in.tok = A.tok[(size_t)(start + j) * NHEADS + h];
+    fetch_theta(A.theta, A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, start, len, in.th, in.phi);
 #if SCAN_EARLY
 #pragma unroll
-    for (int u = 0; u < X_IT; ++u) in.x[u] = load_x_quad(A, start, len, h, u);
-#endif
-}
-
-// SCAN_PREFETCH_L1: the lines chunk c's fetch_chunk reads first (its rows' {Δ, γ, c, Lc}
-// and θ, its entering phases; with SCAN_PREFETCH_X its x rows too) asked of L1 while the
-// chunk before computes: latency hidden without registers, which the block has none to
-// spare for. 1: after the operand builds of the chunk before; 2: before its state update. (Asking L2
-// for all of a chunk's inputs, one piece per thread, was 3–6 % slower: docs/benchmarks.md.)
-#ifndef SCAN_PREFETCH_L1
-#define SCAN_PREFETCH_L1 0
-#endif
-#ifndef SCAN_PREFETCH_X
-#define SCAN_PREFETCH_X 0
-#endif
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-// The lines of a row of N floats at p: one per 32 floats, and its last (rows need not
-// start on a line).
-template <int N> __device__ __forceinline__ const float* row_line(const float* p, int i) {
-    return p + (32 * i < N ? 32 * i : N - 1);
-}
-__device__ __forceinline__ void prefetch_chunk(const ScanArgs& A, int c, int h) {
-    constexpr int TH = (NANGLES + 31) / 32 + 1, XL = SCAN_PREFETCH_X ? (HEADDIM + 31) / 32 + 1 : 0;
-    constexpr int PER_ROW = 1 + TH + XL;
-    const int4 ck = A.chunks[c];
-    for (int e = threadIdx.x; e < CHP * PER_ROW; e += SCAN_THREADS) {
-        const int j = e / PER_ROW, l = e % PER_ROW;
-        if (j >= ck.y) continue;
-        const size_t row = ck.x + j;
-        if (l == 0) prefetch_l1(A.tok + row * NHEADS + h);
-        else if (l <= TH) prefetch_l1(row_line<NANGLES>(A.theta + row * NANGLES, l - 1));
-        else prefetch_l1(row_line<HEADDIM>(A.proj + row * PROJ_LD + X_OFF + h * HEADDIM, l - 1 - TH));
-    }
-    if (threadIdx.x < 2) prefetch_l1(row_line<NANGLES>(A.phi0 + ((size_t)c * NHEADS + h) * NANGLES, threadIdx.x));
-}
-
-// SCAN_BC_STAGE (with BC16): chunk c's B̄/C̄ rows copied into shared memory by cp.async
-// while the chunk before computes, into the tiles that are dead from its Y = Q̃Sᵀ on: C̄
-// into sQ's rows, where each thread then turns its quads into Q̃ in place, B̄ into sS's
-// (same row length), which K̃ is built from before S's copy is stored there. The build then
-// waits on shared memory instead of a round trip to L2, for one barrier more per chunk
-// (before S's copy) and no registers or shared memory.
-#ifndef SCAN_BC_STAGE
-#define SCAN_BC_STAGE 0
-#endif
-#if SCAN_BC_STAGE && !(BC16 && DSTATE % 8 == 0 && PP >= CHP && LDSO == LDK)
-#undef SCAN_BC_STAGE
-#define SCAN_BC_STAGE 0
-#endif
-#if SCAN_BC_STAGE
-// A thread copies consecutive 16-byte pieces of one row (SCAN_THREADS / CHP threads a row):
-// one base address each side, the rest immediate offsets.
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-template <bool OUT>
-__device__ __forceinline__ void stage_bc(const ScanArgs& A, int c, int g, op_t* sQ, op_t* sS) {
-    constexpr int PIECES = DSTATE / 8, TPR = SCAN_THREADS / CHP, PPT = (PIECES + TPR - 1) / TPR;
-    const int4 ck = A.chunks[c];
-    const int j = threadIdx.x / TPR, n0 = 8 * PPT * (threadIdx.x % TPR);
-    if (j < ck.y) {
-        const bc_t* row = A.bcn + (size_t)(ck.x + j) * BC_W + g * DSTATE + n0;
-        const unsigned to_b = smem_addr(sS + j * LDK + n0), to_c = smem_addr(sQ + j * LDQ + n0);
+    for (int u = 0; u < KQ_IT; ++u) load_bc_quad<OUT>(A, start, len, g, u, in.k[u], in.q[u]);
 #pragma unroll
-        for (int k = 0; k < PPT; ++k) {
-            if (n0 + 8 * k >= DSTATE) break;
-            cp_async16(to_b + 16 * k, row + 8 * k);
-            if (OUT) cp_async16(to_c + 16 * k, row + NGROUPS * DSTATE + 8 * k);
-        }
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-#endif
-__device__ __forceinline__ void stage_wait() {
-#if SCAN_BC_STAGE
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    for (int u = 0; u < X_IT; ++u) in.x[u] = load_x_quad(A, start, len, h, u);
 #endif
 }

@@ -3,21 +3,24 @@
 // twin: the phases of `scan_head` in src/cpu/prefill.rs.
 //
 // Spec §2.4: φ_j = φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j', as (cos, sin)
-// pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w holds the advances
-// θ·Δ of the tokens [w·PH_TPW, (w+1)·PH_TPW), lane the angles lane + 32q (fetch_phases).
-// Two steps around a block barrier: phase_sums turns them into running sums and leaves the
-// warps' totals in s_ph (SCAN_WARPS × NANGLES); phase_table adds the totals of the warps
-// before and the entering phase, and writes (cos, sin). Only sin and cos are wanted, so the
-// phase is reduced, not wrapped (sincos_unwrapped).
+// pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w holds θ and Δ of the
+// tokens [w·PH_TPW, (w+1)·PH_TPW), lane the angles lane + 32q (fetch_theta). Two steps
+// around a block barrier: phase_sums forms the advances θ·Δ and their running sums and
+// leaves the warps' totals in s_ph (SCAN_WARPS × NANGLES); phase_table adds the totals of
+// the warps before and the entering phase, and writes (cos, sin). Only sin and cos are
+// wanted, so the phase is reduced, not wrapped (sincos_unwrapped). θ and Δ are multiplied
+// in phase_sums, not where they are loaded: a caller that loads them before a barrier then
+// waits for them after it (the product at the load was ≈ 7 % of the scan's stall samples).
 #define PH_Q ((NANGLES + 31) / 32)
 #define PH_TPW (CHP / SCAN_WARPS)
-__device__ __forceinline__ void phase_sums(float (&adv)[PH_Q][PH_TPW], float* s_ph) {
+// th: θ on entry, the running sums of θ·Δ on return.
+__device__ __forceinline__ void phase_sums(float (&th)[PH_Q][PH_TPW], const float (&dt)[PH_TPW], float* s_ph) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int q = 0; q < PH_Q; ++q) {
         float run = 0.f;
 #pragma unroll
-        for (int u = 0; u < PH_TPW; ++u) adv[q][u] = run += adv[q][u];
+        for (int u = 0; u < PH_TPW; ++u) th[q][u] = run += th[q][u] * dt[u];
         if (lane + 32 * q < NANGLES) s_ph[warp * NANGLES + lane + 32 * q] = run;
     }
 }
@@ -46,25 +49,18 @@ __device__ __forceinline__ void phase_table(const float (&run)[PH_Q][PH_TPW], co
 }
 // Both steps, for a caller with nothing to do between them; the caller syncs before
 // reading s_cs.
-__device__ __forceinline__ void chunk_phases(float (&adv)[PH_Q][PH_TPW], const float (&phi_enter)[PH_Q], int len,
-                                             float* s_cs, float* s_ph) {
-    phase_sums(adv, s_ph);
+__device__ __forceinline__ void chunk_phases(float (&th)[PH_Q][PH_TPW], const float (&dt)[PH_TPW],
+                                             const float (&phi_enter)[PH_Q], int len, float* s_cs, float* s_ph) {
+    phase_sums(th, dt, s_ph);
     __syncthreads();
-    phase_table(adv, phi_enter, len, s_cs, s_ph);
+    phase_table(th, phi_enter, len, s_cs, s_ph);
 }
 
-// This thread's advances θ·Δ and entering phases for the phase steps, of the chunk at row
-// `start` and head h (tok: {Δ, γ, c, Lc} per row and head).
-__device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, const float4* __restrict__ tok, int h,
-                                             const float* __restrict__ phi_enter, int start, int len,
-                                             float (&adv)[PH_Q][PH_TPW], float (&phi)[PH_Q]) {
+// This thread's θ and entering phases for the phase steps, of the chunk at row `start`;
+// zeros past the chunk and the angles.
+__device__ __forceinline__ void fetch_theta(const float* __restrict__ theta, const float* __restrict__ phi_enter,
+                                            int start, int len, float (&th)[PH_Q][PH_TPW], float (&phi)[PH_Q]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float dt[PH_TPW];
-#pragma unroll
-    for (int u = 0; u < PH_TPW; ++u) {
-        const int j = warp * PH_TPW + u;
-        dt[u] = j < len ? reinterpret_cast<const float*>(tok + (size_t)(start + j) * NHEADS + h)[0] : 0.f;
-    }
 #pragma unroll
     for (int q = 0; q < PH_Q; ++q) {
         const int i = lane + 32 * q;
@@ -72,7 +68,17 @@ __device__ __forceinline__ void fetch_phases(const float* __restrict__ theta, co
 #pragma unroll
         for (int u = 0; u < PH_TPW; ++u) {
             const int j = warp * PH_TPW + u;
-            adv[q][u] = i < NANGLES && j < len ? theta[(size_t)(start + j) * NANGLES + i] * dt[u] : 0.f;
+            th[q][u] = i < NANGLES && j < len ? theta[(size_t)(start + j) * NANGLES + i] : 0.f;
         }
+    }
+}
+// Δ of this warp's rows for the phase steps (tok: {Δ, γ, c, Lc} per row and head).
+__device__ __forceinline__ void fetch_dt(const float4* __restrict__ tok, int h, int start, int len,
+                                         float (&dt)[PH_TPW]) {
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int u = 0; u < PH_TPW; ++u) {
+        const int j = warp * PH_TPW + u;
+        dt[u] = j < len ? reinterpret_cast<const float*>(tok + (size_t)(start + j) * NHEADS + h)[0] : 0.f;
     }
 }

@@ -17,12 +17,17 @@
 #define PP PADROWS(HEADDIM)
 #define NP PAD16(DSTATE)
 
-// (op_t, the operand type, is in common.cuh: prefill_pre may store B̄/C̄ in it)
 #if SCAN_MMA >= 2
+#if SCAN_MMA == 3
+typedef __half op_t;
+#else
+typedef act_t op_t;
+#endif
 #define KSTEP 16
 #define PADA 8  // row pads (elements) against bank conflicts of the fragment loads
 #define PADB 8
 #else
+typedef float op_t;
 #define KSTEP 8
 #define PADA 4
 #define PADB 8
