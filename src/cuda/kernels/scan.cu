@@ -50,15 +50,6 @@
 #define SCAN_LOAD_BATCH 4
 #endif
 #endif
-// SCAN_CHUNK_BARRIER 0: no barrier at a chunk's start. Until its first barrier a chunk
-// writes only what the previous chunk had read before its last one (the token scalars,
-// the phase sums, S's operand copy's maximum slots) — but S's operand copy reads the
-// maximum that every warp's state update adds into, so that copy moves after the first
-// barrier. A warp that finishes a chunk goes on to the next one's loads and scalars while
-// the others finish their state updates.
-#ifndef SCAN_CHUNK_BARRIER
-#define SCAN_CHUNK_BARRIER 1
-#endif
 // Two blocks per SM when they fit (the 16-bit mode at the benchmark shape).
 #ifndef SCAN_MINB
 #define SCAN_MINB (SCAN_SMEM <= 110 * 1024 ? 2 : 1)
@@ -219,9 +210,10 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #pragma unroll
         for (int u = 0; u < X_IT; ++u) xq[u] = load_x_quad(A, start, len, h, u);
 #endif
+        __syncthreads();  // the previous chunk's readers are done
         const int par = c & 1;
-        // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
-        const auto store_s = [&]() {
+        if (OUT) {
+            // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
             const float down = pow2(-f16_shift(slot_max(&s_max[par])));
 #pragma unroll
             for (int i = 0; i < TileS::T; ++i) {
@@ -231,11 +223,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 put_pair(row, sacc[i][0] * down, sacc[i][1] * down);
                 put_pair(row + 8 * LDSO, sacc[i][2] * down, sacc[i][3] * down);
             }
-        };
-#if SCAN_CHUNK_BARRIER
-        __syncthreads();  // the previous chunk's readers are done
-        if (OUT) store_s();
-#endif
+        }
 #if SCAN_SCALED
         // the next chunk's maxima start from zero (their slots were last read above, one
         // chunk ago, before the barrier)
@@ -282,9 +270,6 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         const int x_shift = 0, m_shift = 0;
 #endif
         phase_table(in.th, in.phi, len, s_cs, s_ph);
-#if !SCAN_CHUNK_BARRIER
-        if (OUT) store_s();
-#endif
         __syncthreads();
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
