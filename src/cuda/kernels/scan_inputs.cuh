@@ -24,6 +24,14 @@ struct ScanArgs {
     int heads_fastest;  // the grid's shape (below)
 };
 
+// The row whose scalars {Δ, γ, c, Lc} a thread loads: lane mod PH_TPW of its warp's rows
+// in the phase steps, so that Δ of those rows reaches every lane of the warp by shuffles
+// (Δ loaded per row by every thread and multiplied into θ at once waited a round trip,
+// ≈ 7 % of the stall samples, before the chunk's first barrier). Lanes < PH_TPW store them.
+__device__ __forceinline__ int scalar_row() {
+    return (threadIdx.x >> 5) * PH_TPW + (threadIdx.x & 31) % PH_TPW;
+}
+
 // A chunk's scalar inputs as this thread uses them, loaded together at the chunk's start
 // (a loop that loaded each where it is used waited on them one after another).
 // SCAN_EARLY: B̄/C̄ and x too are loaded at the chunk's start, with the scalars — with f32
@@ -34,13 +42,6 @@ struct ScanArgs {
 #endif
 #define KQ_IT ((CHP * (NP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
 #define X_IT ((CHP * (PP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
-// The row whose scalars {Δ, γ, c, Lc} a thread loads: lane mod PH_TPW of its warp's rows
-// in the phase steps, so that Δ of those rows reaches every lane of the warp by shuffles
-// (Δ loaded per row by every thread and multiplied into θ at once waited a round trip,
-// ≈ 7 % of the stall samples, before the chunk's first barrier). Lanes < PH_TPW store them.
-__device__ __forceinline__ int scalar_row() {
-    return (threadIdx.x >> 5) * PH_TPW + (threadIdx.x & 31) % PH_TPW;
-}
 struct ChunkIn {
     float lc_end;                // Lc of the chunk's last token
     float4 tok;                  // {Δ, γ, c, Lc} of the row scalar_row() (zero past len)
