@@ -305,9 +305,20 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
         // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
         // shared stores of the batch (which the compiler would not move them across).
+        // Straight-line code: every quad is biased and rotated (rows past `len` by the
+        // table's (1, 0), columns without an angle by the identity) and then selected, so
+        // that no branch splits a warp — a branch per quad, and the bias reloaded after
+        // every store, were a third of the build's instructions.
         {
             constexpr int IT = KQ_IT;
             constexpr int BATCH = SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
+            // a thread's column is its own for every quad when the passes cover whole rows
+            constexpr bool fixed_col = SCAN_THREADS % (NP / 4) == 0;
+            float4 bk = make_float4(0.f, 0.f, 0.f, 0.f), bq = bk;
+            if (fixed_col) {
+                bk = *reinterpret_cast<const float4*>(s_bb + QuadN(0).c);
+                if (OUT) bq = *reinterpret_cast<const float4*>(s_cb + QuadN(0).c);
+            }
 #pragma unroll
             for (int i0 = 0; i0 < IT; i0 += BATCH) {
                 float4 kv[BATCH], qv[BATCH];
@@ -325,19 +336,21 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     const QuadN e(i0 + u);
                     const int j = e.j, n = e.c;
                     if (i0 + u >= IT || !e.in_tile()) break;
-                    float4 k = kv[u], q = qv[u];
-                    if (j < len && n < DSTATE) {
-                        k = add4(k, *reinterpret_cast<const float4*>(s_bb + n));
-                        if (OUT) q = add4(q, *reinterpret_cast<const float4*>(s_cb + n));
-                        if (n / 2 < NANGLES) {  // angles n/2 and n/2 + 1 (NANGLES is even)
-                            const float4 cs = *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2));
-                            rotate4(k, cs);
-                            if (OUT) rotate4(q, cs);
-                        }
-                        // The final k state: the last token's rotated key, in f32 (spec §3.2).
-                        if (OUT && j == len - 1 && seq_end)
-                            *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
+                    if (!fixed_col) {  // (s_bb, s_cb are zero past DSTATE, to NP)
+                        bk = *reinterpret_cast<const float4*>(s_bb + n);
+                        if (OUT) bq = *reinterpret_cast<const float4*>(s_cb + n);
                     }
+                    // angles n/2 and n/2 + 1 (NANGLES is even); none past 2·NANGLES
+                    float4 cs = make_float4(1.f, 0.f, 1.f, 0.f);
+                    if (n / 2 < NANGLES) cs = *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2));
+                    const bool row = j < len;
+                    float4 k = add4(kv[u], bk), q = add4(qv[u], bq);
+                    rotate4(k, cs);
+                    if (OUT) rotate4(q, cs);
+                    if (!row) k = q = make_float4(0.f, 0.f, 0.f, 0.f);
+                    // The final k state: the last token's rotated key, in f32 (spec §3.2).
+                    if (OUT && j == len - 1 && seq_end && n < DSTATE)
+                        *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
                     put_quad(sK + j * LDK + n, k);
                     if (OUT) put_quad(sQ + j * LDQ + n, q);
                 }

@@ -69,7 +69,8 @@ template <int W> struct Quad {
             c = 4 * (e % W);
         }
     }
-    __device__ __forceinline__ bool in_tile() const { return j < CHP; }
+    // (always, when the passes cover the tile exactly: a constant the compiler sees)
+    __device__ __forceinline__ bool in_tile() const { return (CHP * W) % SCAN_THREADS == 0 || j < CHP; }
 };
 typedef Quad<NP / 4> QuadN;  // of B̄, C̄, K̃, Q̃ rows
 typedef Quad<PP / 4> QuadP;  // of x rows
