@@ -27,7 +27,10 @@
 //
 // Segment table entry (int4): {first chunk, chunks, sequence, flags (1 first, 2 last)}.
 
-#define SZ_TOKV ALIGN128(6 * CHP * 4)
+// The chunk's per-token tables in shared memory, CHP floats each, in this order (scan_body
+// and weigh_m both index them by it).
+enum TokTable { TOK_GAM, TOK_SC, TOK_LC, TOK_ELC, TOK_XW, TOK_EML, TOK_TABLES };
+#define SZ_TOKV ALIGN128(TOK_TABLES * CHP * 4)
 #define SZ_RED ALIGN128(CHP * SCAN_WARPS * 4 + 2 * SCAN_WARPS * NANGLES * 4 + 7 * 4)
 #define SCAN_SMEM (SCAN_TILES + SZ_TOKV + SZ_RED + SZ_BIAS)
 
@@ -125,12 +128,12 @@ template <int T> __device__ __forceinline__ void scale_acc(float (&acc)[T][4], f
 // per pair, with a guard per tile, took ≈ 15 instructions a pair instead of ≈ 8). The
 // tiles past the warp's causal count are weighted too, and not stored (with an even
 // tiling they lie inside the chunk, so their table reads do too).
-// s_tok: the chunk's per-token tables {γ, c, Lc, e^{Lc}, ·, e^{−Lc}·c}, CHP each.
+// s_tok: the chunk's per-token tables (TokTable).
 template <bool SPLIT>
 __device__ __forceinline__ void weigh_m(float (&macc)[TileM::T][4], int m_rb, int m_first, int m_nt,
                                         const float* s_tok, float down) {
-    const float *s_gam = s_tok, *s_sc = s_tok + CHP, *s_lc = s_tok + 2 * CHP, *s_elc = s_tok + 3 * CHP,
-                *s_eml = s_tok + 5 * CHP;
+    const float *s_gam = s_tok + TOK_GAM * CHP, *s_sc = s_tok + TOK_SC * CHP, *s_lc = s_tok + TOK_LC * CHP,
+                *s_elc = s_tok + TOK_ELC * CHP, *s_eml = s_tok + TOK_EML * CHP;
     constexpr bool even = TileM::NT % TileM::WPR == 0;
     const int lane = threadIdx.x & 31, fg = lane >> 2, ft = lane & 3;
 #pragma unroll
@@ -170,12 +173,13 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     p += SZ_MCS;
     op_t* sS = reinterpret_cast<op_t*>(p);
     p += SZ_SO;
-    float* s_gam = reinterpret_cast<float*>(p);
-    float* s_sc = s_gam + CHP;  // c_j (zero on padding rows)
-    float* s_lc = s_sc + CHP;
-    float* s_elc = s_lc + CHP;  // e^{Lc_j}
-    float* s_xw = s_elc + CHP;  // e^{Lc_end − Lc_j}·c_j
-    float* s_eml = s_xw + CHP;  // e^{−Lc_j}·c_j (when `split`)
+    float* s_tok = reinterpret_cast<float*>(p);
+    float* s_gam = s_tok + TOK_GAM * CHP;
+    float* s_sc = s_tok + TOK_SC * CHP;  // c_j (zero on padding rows)
+    float* s_lc = s_tok + TOK_LC * CHP;
+    float* s_elc = s_tok + TOK_ELC * CHP;  // e^{Lc_j}
+    float* s_xw = s_tok + TOK_XW * CHP;    // e^{Lc_end − Lc_j}·c_j
+    float* s_eml = s_tok + TOK_EML * CHP;  // e^{−Lc_j}·c_j (when `split`)
     p += SZ_TOKV;
     float* s_rs = reinterpret_cast<float*>(p);    // [CHP][SCAN_WARPS] row sums of squares
     float* s_ph = s_rs + CHP * SCAN_WARPS;        // [SCAN_WARPS][NANGLES] phase partial sums
@@ -428,8 +432,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     mma_kstep<TileM::T, true, true, true>(macc, qa, LDQ, kb, LDK, k0, even ? TileM::T : m_nt);
             }
             const float down = pow2(-m_shift);
-            if (split) weigh_m<true>(macc, m_rb, m_first, m_nt, s_gam, down);
-            else weigh_m<false>(macc, m_rb, m_first, m_nt, s_gam, down);
+            if (split) weigh_m<true>(macc, m_rb, m_first, m_nt, s_tok, down);
+            else weigh_m<false>(macc, m_rb, m_first, m_nt, s_tok, down);
             // (stored in a loop of its own: weighting and storing in one made the 16-bit
             // build spill more)
 #pragma unroll
