@@ -155,6 +155,82 @@ __device__ __forceinline__ void weigh_m(float (&macc)[TileM::T][4], int m_rb, in
     }
 }
 
+// K̃ (and Q̃) for passes [IT0, IT0 + IT) of QuadN: B̄ (C̄) quads plus the head's bias,
+// turned pairwise by the chunk's rotary table (ROT: the region whose columns have angles),
+// stored as operands. Straight-line code: a branch per quad, and the bias reloaded after
+// every shared store, were a third of the build's instructions. Rows past the chunk's
+// tokens are not zeroed: their B̄, C̄ load as zero, so they hold the bias (the table turns
+// them by (1, 0)), and it meets only zero weights — c and γ are zero there, so M's columns
+// and w ⊙ X's rows are — or outputs that are dropped (Y's rows past `len`).
+// Loads go in batches of BATCH passes, all issued before the batch's shared stores (which
+// the compiler would not move them across).
+template <bool OUT, bool ROT, int IT0, int IT>
+__device__ __forceinline__ void build_kq(const ScanArgs& A, const ChunkIn& in, int start, int len, int g,
+                                         const float* s_bb, const float* s_cb, const float* s_cs, op_t* sK, op_t* sQ) {
+    if (IT == 0) return;
+    constexpr int BATCH = IT == 0 ? 1 : SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
+    // a thread's column is its own for every quad when the passes cover whole rows
+    constexpr int W = ROT ? NQ_ROT : NQ_FLAT;
+    constexpr bool fixed_col = W > 0 && SCAN_THREADS % W == 0;
+    float4 bk = make_float4(0.f, 0.f, 0.f, 0.f), bq = bk;
+    if (fixed_col) {  // (s_bb, s_cb are zero past DSTATE, to NP)
+        bk = *reinterpret_cast<const float4*>(s_bb + QuadN(IT0).c);
+        if (OUT) bq = *reinterpret_cast<const float4*>(s_cb + QuadN(IT0).c);
+    }
+#pragma unroll
+    for (int i0 = 0; i0 < IT; i0 += BATCH) {
+        float4 kv[BATCH], qv[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            if (i0 + u >= IT) break;
+#if SCAN_EARLY
+            kv[u] = in.k[IT0 + i0 + u];
+            qv[u] = in.q[IT0 + i0 + u];
+#else
+            load_bc_quad<OUT>(A, start, len, g, IT0 + i0 + u, kv[u], qv[u]);
+#endif
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const QuadN e(IT0 + i0 + u);
+            const int j = e.j, n = e.c;
+            if (i0 + u >= IT || !e.in_tile()) break;
+            if (!fixed_col) {
+                bk = *reinterpret_cast<const float4*>(s_bb + n);
+                if (OUT) bq = *reinterpret_cast<const float4*>(s_cb + n);
+            }
+            float4 k = add4(kv[u], bk), q = add4(qv[u], bq);
+            if (ROT) {  // angles n/2 and n/2 + 1 (NANGLES is even)
+                const float4 cs = *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2));
+                rotate4(k, cs);
+                if (OUT) rotate4(q, cs);
+            }
+            put_quad(sK + j * LDK + n, k);
+            if (OUT) put_quad(sQ + j * LDQ + n, q);
+        }
+    }
+}
+
+// The final k and v states (spec §3.2), in f32: the sequence's last token (row `row` of
+// the proj, `j` of the chunk) — its key biased and turned as build_kq turns it, and its x.
+// Once per sequence, so not in the builds' passes, where a store per quad cost a branch.
+__device__ __forceinline__ void final_kv(const ScanArgs& A, size_t row, int j, int g, int h, const float* s_bb,
+                                         const float* s_cs, float* st) {
+    for (int e = threadIdx.x; e < NP / 4 + HEADDIM; e += SCAN_THREADS) {
+        if (e < NP / 4) {
+            const int n = 4 * e;
+            if (n >= DSTATE) continue;
+            float4 k = add4(*reinterpret_cast<const float4*>(A.bcn + row * BC_W + g * DSTATE + n),
+                            *reinterpret_cast<const float4*>(s_bb + n));
+            if (n / 2 < NANGLES) rotate4(k, *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2)));
+            *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
+        } else {
+            const int pp = e - NP / 4;
+            st[ST_V + h * HEADDIM + pp] = A.proj[row * PROJ_LD + X_OFF + h * HEADDIM + pp];
+        }
+    }
+}
+
 template <int PHASE>
 __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     constexpr bool OUT = PHASE == 1;
@@ -306,60 +382,12 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #endif
         phase_table(in.th, in.phi, len, s_cs, s_ph);
         __syncthreads();
-        // K̃ (and Q̃), four n at a time: biased, rotated pairwise; rows past the chunk's
-        // tokens are zero. Loads go in batches of BATCH iterations, all issued before the
-        // shared stores of the batch (which the compiler would not move them across).
-        // Straight-line code: every quad is biased and rotated (rows past `len` by the
-        // table's (1, 0), columns without an angle by the identity) and then selected, so
-        // that no branch splits a warp — a branch per quad, and the bias reloaded after
-        // every store, were a third of the build's instructions.
-        {
-            constexpr int IT = KQ_IT;
-            constexpr int BATCH = SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
-            // a thread's column is its own for every quad when the passes cover whole rows
-            constexpr bool fixed_col = SCAN_THREADS % (NP / 4) == 0;
-            float4 bk = make_float4(0.f, 0.f, 0.f, 0.f), bq = bk;
-            if (fixed_col) {
-                bk = *reinterpret_cast<const float4*>(s_bb + QuadN(0).c);
-                if (OUT) bq = *reinterpret_cast<const float4*>(s_cb + QuadN(0).c);
-            }
-#pragma unroll
-            for (int i0 = 0; i0 < IT; i0 += BATCH) {
-                float4 kv[BATCH], qv[BATCH];
-#pragma unroll
-                for (int u = 0; u < BATCH; ++u) {
-#if SCAN_EARLY
-                    kv[u] = in.k[i0 + u];
-                    qv[u] = in.q[i0 + u];
-#else
-                    load_bc_quad<OUT>(A, start, len, g, i0 + u, kv[u], qv[u]);
-#endif
-                }
-#pragma unroll
-                for (int u = 0; u < BATCH; ++u) {
-                    const QuadN e(i0 + u);
-                    const int j = e.j, n = e.c;
-                    if (i0 + u >= IT || !e.in_tile()) break;
-                    if (!fixed_col) {  // (s_bb, s_cb are zero past DSTATE, to NP)
-                        bk = *reinterpret_cast<const float4*>(s_bb + n);
-                        if (OUT) bq = *reinterpret_cast<const float4*>(s_cb + n);
-                    }
-                    // angles n/2 and n/2 + 1 (NANGLES is even); none past 2·NANGLES
-                    float4 cs = make_float4(1.f, 0.f, 1.f, 0.f);
-                    if (n / 2 < NANGLES) cs = *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2));
-                    const bool row = j < len;
-                    float4 k = add4(kv[u], bk), q = add4(qv[u], bq);
-                    rotate4(k, cs);
-                    if (OUT) rotate4(q, cs);
-                    if (!row) k = q = make_float4(0.f, 0.f, 0.f, 0.f);
-                    // The final k state: the last token's rotated key, in f32 (spec §3.2).
-                    if (OUT && j == len - 1 && seq_end && n < DSTATE)
-                        *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
-                    put_quad(sK + j * LDK + n, k);
-                    if (OUT) put_quad(sQ + j * LDQ + n, q);
-                }
-            }
-        }
+        // K̃ (and Q̃): the quads that turn, then the others. (The warp barrier keeps the
+        // second region's loads from being hoisted over the first's work: with them in
+        // flight together the accurate build spilled 16 bytes.)
+        build_kq<OUT, true, 0, KQ_IT_A>(A, in, start, len, g, s_bb, s_cb, s_cs, sK, sQ);
+        __syncwarp();
+        build_kq<OUT, false, KQ_IT_A, KQ_IT_B>(A, in, start, len, g, s_bb, s_cb, s_cs, sK, sQ);
         // X and w ⊙ X, times `x_down` (SCAN_SCALED).
         const float x_down = pow2(-x_shift);
 #if HEADDIM % 4 == 0
@@ -383,8 +411,6 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     const int j = e.j, pp = e.c;
                     if (i0 + u >= IT || !e.in_tile()) break;
                     const float4 x = xv[u];
-                    if (OUT && j == len - 1 && seq_end && pp < HEADDIM)
-                        *reinterpret_cast<float4*>(st + ST_V + h * HEADDIM + pp) = x;
                     if (OUT) put_quad(sX + j * LDX + pp, make_float4(x.x * x_down, x.y * x_down, x.z * x_down, x.w * x_down));
                     const float w = s_xw[j] * x_down;
                     put_quad(sW + j * LDW + pp, make_float4(x.x * w, x.y * w, x.z * w, x.w * w));
@@ -399,16 +425,13 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 const float* xr = A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp;
                 x0 = xr[0];
                 if (pp + 1 < HEADDIM) x1 = xr[1];
-                if (OUT && j == len - 1 && seq_end) {
-                    st[ST_V + h * HEADDIM + pp] = x0;
-                    if (pp + 1 < HEADDIM) st[ST_V + h * HEADDIM + pp + 1] = x1;
-                }
             }
             if (OUT) put_pair(sX + j * LDX + pp, x0 * x_down, x1 * x_down);
             const float w = s_xw[j] * x_down;
             put_pair(sW + j * LDW + pp, x0 * w, x1 * w);
         }
 #endif
+        if (OUT && seq_end) final_kv(A, start + len - 1, len - 1, g, h, s_bb, s_cs, st);
         __syncthreads();
         if (OUT) {
             // M = Q̃K̃ᵀ on the lower block triangle, weighted, stored as an operand.

@@ -40,7 +40,15 @@ __device__ __forceinline__ int scalar_row() {
 #ifndef SCAN_EARLY
 #define SCAN_EARLY (SCAN_MMA < 2)
 #endif
-#define KQ_IT ((CHP * (NP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
+// B̄, C̄ (K̃, Q̃) quads come in two regions of every row: the first NQ_ROT quads hold the
+// columns n < 2·NANGLES, which turn by rotary angles, the other NQ_FLAT quads none. A thread's
+// quad is in one region or the other at compile time, so that the build rotates only the
+// quads that turn (at rope fraction 0.5 half of each warp had been rotated by the identity).
+#define NQ_ROT (NANGLES / 2)
+#define NQ_FLAT (NP / 4 - NQ_ROT)
+#define KQ_IT_A ((CHP * NQ_ROT + SCAN_THREADS - 1) / SCAN_THREADS)
+#define KQ_IT_B ((CHP * NQ_FLAT + SCAN_THREADS - 1) / SCAN_THREADS)
+#define KQ_IT (KQ_IT_A + KQ_IT_B)
 #define X_IT ((CHP * (PP / 4) + SCAN_THREADS - 1) / SCAN_THREADS)
 struct ChunkIn {
     float lc_end;                // Lc of the chunk's last token
@@ -53,26 +61,43 @@ struct ChunkIn {
 };
 
 // This thread's quad of pass `it` over a tile of CHP rows of W quads (four consecutive
-// elements each), taken in the order tid + SCAN_THREADS·it: its row j and first column c.
-// When a pass covers whole rows, c is the thread's own and j moves by a constant, so that
-// every pass addresses one base plus a constant rather than a register of its own.
-template <int W> struct Quad {
+// elements each) from column C0 on, taken in the order tid + SCAN_THREADS·it: its row j and
+// first column c. When a pass covers whole rows, c is the thread's own and j moves by a
+// constant, so that every pass addresses one base plus a constant rather than a register
+// of its own.
+template <int W, int C0 = 0> struct Quad {
     int j, c;
     __device__ __forceinline__ explicit Quad(int it) {
         const int tid = threadIdx.x;
         if (SCAN_THREADS % W == 0) {
             j = tid / W + it * (SCAN_THREADS / W);
-            c = 4 * (tid % W);
+            c = C0 + 4 * (tid % W);
         } else {
             const int e = tid + SCAN_THREADS * it;
             j = e / W;
-            c = 4 * (e % W);
+            c = C0 + 4 * (e % W);
         }
     }
     // (always, when the passes cover the tile exactly: a constant the compiler sees)
     __device__ __forceinline__ bool in_tile() const { return (CHP * W) % SCAN_THREADS == 0 || j < CHP; }
 };
-typedef Quad<NP / 4> QuadN;  // of B̄, C̄, K̃, Q̃ rows
+// A B̄, C̄, K̃, Q̃ quad: passes [0, KQ_IT_A) over the first region, then the second.
+typedef Quad<(NQ_ROT > 0 ? NQ_ROT : 1)> QuadNA;
+typedef Quad<(NQ_FLAT > 0 ? NQ_FLAT : 1), 4 * NQ_ROT> QuadNB;
+struct QuadN {
+    int j, c;
+    bool tile;
+    __device__ __forceinline__ explicit QuadN(int it) {
+        if (it < KQ_IT_A) {
+            const QuadNA e(it);
+            j = e.j, c = e.c, tile = e.in_tile();
+        } else {
+            const QuadNB e(it - KQ_IT_A);
+            j = e.j, c = e.c, tile = e.in_tile();
+        }
+    }
+    __device__ __forceinline__ bool in_tile() const { return tile; }
+};
 typedef Quad<PP / 4> QuadP;  // of x rows
 
 // A chunk's B̄ (and C̄) quad, and its x quad, of pass `it`: zeros past its tokens, the
