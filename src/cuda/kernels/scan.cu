@@ -325,15 +325,20 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         const int par = c & 1;
         if (OUT) {
             // S entering the chunk, in the operand type, for Y = Q̃Sᵀ.
+            // Scaled by `down` only when it is not 1 (most chunks): a copy per case.
             const float down = pow2(-f16_shift(slot_max(&s_max[par])));
+            auto copy = [&](float f) {
 #pragma unroll
-            for (int i = 0; i < TileS::T; ++i) {
-                if (i >= s_nt) break;
-                const int n = 8 * (s_first + i) + 2 * ft;
-                op_t* row = sS + (16 * s_rb + fg) * LDSO + n;
-                put_pair(row, sacc[i][0] * down, sacc[i][1] * down);
-                put_pair(row + 8 * LDSO, sacc[i][2] * down, sacc[i][3] * down);
-            }
+                for (int i = 0; i < TileS::T; ++i) {
+                    if (i >= s_nt) break;
+                    const int n = 8 * (s_first + i) + 2 * ft;
+                    op_t* row = sS + (16 * s_rb + fg) * LDSO + n;
+                    put_pair(row, sacc[i][0] * f, sacc[i][1] * f);
+                    put_pair(row + 8 * LDSO, sacc[i][2] * f, sacc[i][3] * f);
+                }
+            };
+            if (down == 1.f) copy(1.f);
+            else copy(down);
         }
 #if SCAN_SCALED
         // the next chunk's maxima start from zero (their slots were last read above, one
@@ -514,9 +519,12 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #if SCAN_SCALED
             if (m_shift + x_shift) scale_acc(yacc, pow2(m_shift + x_shift));  // (block-uniform)
 #endif
-            const float dsk = *s_dskip;
 #if SCAN_SKIP_FROM_SX
-            const float x_up = pow2(x_shift);  // sX was stored scaled down
+            // sX was stored scaled down by 2^x_shift: D takes the scale back (exact, one
+            // product instead of one per element)
+            const float dsk = *s_dskip * pow2(x_shift);
+#else
+            const float dsk = *s_dskip;
 #endif
             float ss[2] = {0.f, 0.f};
 #pragma unroll
@@ -530,7 +538,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                         // rows past the chunk and padding columns: x = 0, and Y is 0 there
                         float& v = yacc[i][2 * hf + u];
 #if SCAN_SKIP_FROM_SX
-                        const float x = to_f(sX[r * LDX + 8 * (y_first + i) + 2 * ft + u]) * x_up;
+                        const float x = to_f(sX[r * LDX + 8 * (y_first + i) + 2 * ft + u]);
 #else
                         const float x = xz[i][hf][0][u];
 #endif
