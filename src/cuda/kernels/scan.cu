@@ -494,7 +494,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 yacc[i][3] *= e1;
             }
         }
-        __syncthreads();  // sM complete; every reader of sS is done
+        // sM complete; every reader of sS is done (phase A writes neither: no barrier)
+        if (OUT) __syncthreads();
         if (OUT) {
             // Y += M·X over the causal columns, then the D skip and the gate (spec §2.6).
             // z (and x) are loaded first, so that their latency hides behind the products.
