@@ -168,6 +168,7 @@ template <bool OUT, bool ROT, int IT0, int IT>
 __device__ __forceinline__ void build_kq(const ScanArgs& A, const ChunkIn& in, int start, int len, int g,
                                          const float* s_bb, const float* s_cb, const float* s_cs, op_t* sK, op_t* sQ) {
     if (IT == 0) return;
+    // (1 for an empty region too: the arrays below need a size even where they are not used)
     constexpr int BATCH = IT == 0 ? 1 : SCAN_EARLY ? IT : IT < SCAN_LOAD_BATCH ? IT : SCAN_LOAD_BATCH;
     // a thread's column is its own for every quad when the passes cover whole rows
     constexpr int W = ROT ? NQ_ROT : NQ_FLAT;
@@ -201,7 +202,7 @@ __device__ __forceinline__ void build_kq(const ScanArgs& A, const ChunkIn& in, i
             }
             float4 k = add4(kv[u], bk), q = add4(qv[u], bq);
             if (ROT) {  // angles n/2 and n/2 + 1 (NANGLES is even)
-                const float4 cs = *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2));
+                const float4 cs = *reinterpret_cast<const float4*>(s_cs + cs_index(j, n / 2));
                 rotate4(k, cs);
                 if (OUT) rotate4(q, cs);
             }
@@ -222,7 +223,7 @@ __device__ __forceinline__ void final_kv(const ScanArgs& A, size_t row, int j, i
             if (n >= DSTATE) continue;
             float4 k = add4(*reinterpret_cast<const float4*>(A.bcn + row * BC_W + g * DSTATE + n),
                             *reinterpret_cast<const float4*>(s_bb + n));
-            if (n / 2 < NANGLES) rotate4(k, *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2)));
+            if (n / 2 < NANGLES) rotate4(k, *reinterpret_cast<const float4*>(s_cs + cs_index(j, n / 2)));
             *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
         } else {
             const int pp = e - NP / 4;
@@ -494,9 +495,8 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 yacc[i][3] *= e1;
             }
         }
-        // sM complete; every reader of sS is done (phase A writes neither: no barrier)
-        if (OUT) __syncthreads();
         if (OUT) {
+            __syncthreads();  // sM complete; every reader of sS is done (phase A writes neither)
             // Y += M·X over the causal columns, then the D skip and the gate (spec §2.6).
             // z (and x) are loaded first, so that their latency hides behind the products.
             float xz[TileY::T][2][2][2];  // [tile][row half][x | z][column]

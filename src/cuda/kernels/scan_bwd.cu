@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
                 q = add4(*reinterpret_cast<const float4*>(bc + (NGROUPS + g) * DSTATE + n),
                          *reinterpret_cast<const float4*>(s_cb + n));
                 if (n / 2 < NANGLES) {
-                    const float4 cs = *reinterpret_cast<const float4*>(s_cs + 2 * (j * NANGLES + n / 2));
+                    const float4 cs = *reinterpret_cast<const float4*>(s_cs + cs_index(j, n / 2));
                     rotate4(k, cs);
                     rotate4(q, cs);
                 }
@@ -351,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
                     float d0 = kacc[i][2 * hf], d1 = kacc[i][2 * hf + 1];
                     const size_t row = (size_t)(start + j) * NHEADS + h;
                     if (n / 2 < NANGLES) {
-                        const float c = s_cs[2 * (j * NANGLES + n / 2)], sn = s_cs[2 * (j * NANGLES + n / 2) + 1];
+                        const float c = s_cs[cs_index(j, n / 2)], sn = s_cs[cs_index(j, n / 2) + 1];
                         A.dphi[row * NANGLES + n / 2] = -d0 * sK[j * LDK + n + 1] + d1 * sK[j * LDK + n];
                         const float r0 = d0 * c + d1 * sn, r1 = -d0 * sn + d1 * c;
                         d0 = r0;
@@ -394,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
                 float d0 = qacc[i][2 * hf], d1 = qacc[i][2 * hf + 1];
                 const size_t row = (size_t)(start + j) * NHEADS + h;
                 if (n / 2 < NANGLES) {
-                    const float c = s_cs[2 * (j * NANGLES + n / 2)], sn = s_cs[2 * (j * NANGLES + n / 2) + 1];
+                    const float c = s_cs[cs_index(j, n / 2)], sn = s_cs[cs_index(j, n / 2) + 1];
                     A.dphi[row * NANGLES + n / 2] += -d0 * sQ[j * LDQ + n + 1] + d1 * sQ[j * LDQ + n];
                     const float r0 = d0 * c + d1 * sn, r1 = -d0 * sn + d1 * c;
                     d0 = r0;

@@ -11,6 +11,9 @@
 // wanted, so the phase is reduced, not wrapped (sincos_unwrapped). θ and Δ are multiplied
 // in phase_sums, not where they are loaded: a caller that loads them before a barrier then
 // waits for them after it (the product at the load was ≈ 7 % of the scan's stall samples).
+// Where the table holds (cos, sin) of angle i at row j (the builds of K̃, Q̃ read a quad's
+// two angles as one float4 from here).
+__device__ __forceinline__ int cs_index(int j, int i) { return 2 * (j * NANGLES + i); }
 #define PH_Q ((NANGLES + 31) / 32)
 #define PH_TPW (CHP / SCAN_WARPS)
 // th: θ on entry, the running sums of θ·Δ on return.
@@ -42,8 +45,8 @@ __device__ __forceinline__ void phase_table(const float (&run)[PH_Q][PH_TPW], co
             const int j = warp * PH_TPW + u;
             float sn = 0.f, cs = 1.f;
             if (j < len) sincos_unwrapped(base + run[q][u], &sn, &cs);
-            s_cs[2 * (j * NANGLES + i)] = cs;
-            s_cs[2 * (j * NANGLES + i) + 1] = sn;
+            s_cs[cs_index(j, i)] = cs;
+            s_cs[cs_index(j, i) + 1] = sn;
         }
     }
 }
