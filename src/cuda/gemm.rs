@@ -25,6 +25,8 @@ use std::ffi::c_void;
 use std::sync::Mutex;
 
 const WORKSPACE_BYTES: usize = 32 << 20;
+/// The most algorithms asked of cuBLASLt's heuristic for one shape.
+const MAX_CANDIDATES: usize = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ElemType {
@@ -174,7 +176,9 @@ impl Lt {
         })
     }
 
-    fn plan(&self, s: &GemmSpec) -> Result<Plan> {
+    /// The descriptors of `s` and cuBLASLt's heuristic's algorithms for it, best guess
+    /// first (at most `MAX_CANDIDATES`).
+    fn candidates(&self, s: &GemmSpec) -> Result<(Plan, Vec<sys::cublasLtMatmulAlgo_t>)> {
         let compute = if s.tf32 && s.a == ElemType::F32 && s.w == ElemType::F32 {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
         } else {
@@ -203,6 +207,9 @@ impl Lt {
         let ws = WORKSPACE_BYTES as u64;
         // No in-place (atomic) split-K reduction: keep results reproducible.
         let mask: u32 = 2 | 4;
+        let mut found = [std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit();
+            MAX_CANDIDATES];
+        let mut count = 0i32;
         let r = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -219,7 +226,7 @@ impl Lt {
                 )
             })
             .and_then(|_| {
-                lt::get_matmul_algo_heuristic(
+                sys::cublasLtMatmulAlgoGetHeuristic(
                     self.handle,
                     desc,
                     layouts[0],
@@ -227,21 +234,73 @@ impl Lt {
                     layouts[2],
                     layouts[2],
                     pref,
+                    MAX_CANDIDATES as i32,
+                    found.as_mut_ptr().cast(),
+                    &mut count,
                 )
+                .result()
             })
         };
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        let heur = r.map_err(|e| {
-            Error::Device(format!(
-                "cuBLASLt has no algorithm for a {}×{}×{} GEMM ({:?}·{:?} → {:?}): {e:?}",
-                s.rows, s.n, s.k, s.a, s.w, s.d
-            ))
-        })?;
-        Ok(Plan {
+        let plan = Plan {
             desc,
             layouts,
-            algo: heur.algo,
-        })
+            algo: unsafe { std::mem::zeroed() },
+        };
+        let algos: Vec<sys::cublasLtMatmulAlgo_t> = found
+            [..count.clamp(0, MAX_CANDIDATES as i32) as usize]
+            .iter()
+            // (the heuristic writes each result it counts)
+            .map(|f| unsafe { f.assume_init() })
+            .filter(|f| f.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|f| f.algo)
+            .collect();
+        match r {
+            Ok(()) if !algos.is_empty() => Ok((plan, algos)),
+            r => {
+                drop(plan);
+                let why = r.err().map_or("none proposed".into(), |e| format!("{e:?}"));
+                Err(Error::Device(format!(
+                    "cuBLASLt has no algorithm for a {}×{}×{} GEMM ({:?}·{:?} → {:?}): {why}",
+                    s.rows, s.n, s.k, s.a, s.w, s.d
+                )))
+            }
+        }
+    }
+
+    /// The plan of `s` with the heuristic's first algorithm.
+    fn plan(&self, s: &GemmSpec) -> Result<Plan> {
+        let (mut plan, algos) = self.candidates(s)?;
+        plan.algo = algos[0];
+        Ok(plan)
+    }
+
+    /// How many algorithms cuBLASLt proposes for `s` (a diagnostic: `benches/gpu_gemms.rs`
+    /// times each through [`Lt::use_candidate`]).
+    pub fn candidate_count(&self, s: &GemmSpec) -> Result<usize> {
+        Ok(self.candidates(s)?.1.len())
+    }
+
+    /// Run `s` from now on with the heuristic's `i`-th algorithm (0: the one [`Lt::gemm`]
+    /// takes by itself). A graph captured before keeps the kernel it captured.
+    pub fn use_candidate(&self, s: &GemmSpec, i: usize) -> Result<()> {
+        let (mut plan, algos) = self.candidates(s)?;
+        let Some(&algo) = algos.get(i) else {
+            return Err(Error::Device(format!(
+                "cuBLASLt proposes {} algorithms for a {}×{}×{} GEMM; asked for number {i}",
+                algos.len(),
+                s.rows,
+                s.n,
+                s.k
+            )));
+        };
+        plan.algo = algo;
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
+        plans.insert(*s, plan); // (the plan it replaces is dropped: its descriptors freed)
+        Ok(())
     }
 
     /// Make the plans of `specs` and run each once on lane `lane`'s stream over scratch
@@ -341,17 +400,21 @@ impl Lt {
     }
 }
 
+impl Drop for Plan {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
 impl Drop for Lt {
     fn drop(&mut self) {
         if let Ok(plans) = self.plans.get_mut() {
-            for p in plans.values() {
-                unsafe {
-                    let _ = lt::destroy_matmul_desc(p.desc);
-                    for l in p.layouts {
-                        let _ = lt::destroy_matrix_layout(l);
-                    }
-                }
-            }
+            plans.clear(); // (before the handle goes)
         }
         let _ = unsafe { lt::destroy_handle(self.handle) };
     }

@@ -1,0 +1,135 @@
+//! The prefill's projections at the benchmark shape (d_model 768, d_inner 1536, in_proj
+//! 3432 wide, bf16 model: docs/benchmarks.md, "GPU"), each GEMM with every algorithm
+//! cuBLASLt's heuristic proposes for it, and the in_proj output written as f32 (what the
+//! engine does) or 16-bit. Two questions: does the heuristic's first guess (what
+//! `Lt::gemm` takes) leave time on the table, and what would a 16-bit in_proj output save
+//! in the GEMM itself?
+//!
+//! `cargo bench --features cuda --bench gpu_gemms` (on the GPU machine: the binary that
+//! `scripts/gpu-check pack` builds, run by `scripts/gpu-check run gemms`). Each time is the
+//! best of 5 runs of 20 back-to-back launches, per launch.
+
+use half::{bf16, f16};
+use mamba3::cuda::context::Gpu;
+use mamba3::cuda::gemm::{ElemType, GemmOp, GemmSpec, Lt};
+use mamba3::error::Result;
+use std::time::Instant;
+
+const D_MODEL: usize = 768;
+const D_INNER: usize = 1536;
+const D_IN_PROJ: usize = 3432;
+
+/// Seconds per launch of `s` with its current plan.
+fn time(gpu: &Gpu, lt: &Lt, s: &GemmSpec, (a, w, d): (u64, u64, u64)) -> Result<f64> {
+    const N: usize = 20;
+    lt.gemm(gpu, s, a, w, d)?; // warm-up (loads the kernel)
+    gpu.sync()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..N {
+            lt.gemm(gpu, s, a, w, d)?;
+        }
+        gpu.sync()?;
+        best = best.min(start.elapsed().as_secs_f64() / N as f64);
+    }
+    Ok(best)
+}
+
+/// A device buffer of `n` values of type `t`, filled with small pseudo-random numbers (not
+/// zeros, which would run the tensor cores at less power than real data).
+fn random(gpu: &Gpu, t: ElemType, n: usize, seed: u64) -> Result<mamba3::cuda::context::DevBuf> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let buf = gpu.alloc::<u8>(n * t.size())?;
+    match t {
+        ElemType::F32 => gpu.htod(&(0..n).map(|_| next()).collect::<Vec<f32>>(), buf.ptr)?,
+        ElemType::BF16 => gpu.htod(
+            &(0..n).map(|_| bf16::from_f32(next())).collect::<Vec<_>>(),
+            buf.ptr,
+        )?,
+        ElemType::F16 => gpu.htod(
+            &(0..n).map(|_| f16::from_f32(next())).collect::<Vec<_>>(),
+            buf.ptr,
+        )?,
+    }
+    Ok(buf)
+}
+
+fn main() -> Result<()> {
+    let gpu = Gpu::new(0)?;
+    let lt = Lt::new(&gpu)?;
+    println!("{} ({} SMs)", gpu.name, gpu.sms);
+    println!(
+        "{:<34} {:>6} {:>10} {:>8} {:>10} {:>10}",
+        "GEMM", "rows", "D", "algo", "µs", "TFLOP/s"
+    );
+    let (f16t, bf16t, f32t) = (ElemType::F16, ElemType::BF16, ElemType::F32);
+    for rows in [32768usize, 4096] {
+        // (name, n, k, operand type, D type, accumulate)
+        let shapes = [
+            ("in_proj (f16 input)", D_IN_PROJ, D_MODEL, f16t, f32t, false),
+            ("in_proj (f16 input)", D_IN_PROJ, D_MODEL, f16t, f16t, false),
+            (
+                "in_proj (f16 input)",
+                D_IN_PROJ,
+                D_MODEL,
+                f16t,
+                bf16t,
+                false,
+            ),
+            (
+                "in_proj (bf16 input, fast)",
+                D_IN_PROJ,
+                D_MODEL,
+                bf16t,
+                f32t,
+                false,
+            ),
+            (
+                "out_proj (+= residual)",
+                D_MODEL,
+                D_INNER,
+                bf16t,
+                f32t,
+                true,
+            ),
+        ];
+        for (name, n, k, ab, dt, accumulate) in shapes {
+            let s = GemmSpec {
+                op: GemmOp::Linear,
+                rows,
+                n,
+                k,
+                ldd: n,
+                lda: 0,
+                ldw: 0,
+                a: ab,
+                w: ab,
+                d: dt,
+                accumulate,
+                tf32: false,
+            };
+            let a = random(&gpu, ab, rows * k, 1)?;
+            let w = random(&gpu, ab, n * k, 2)?;
+            let d = random(&gpu, dt, rows * n, 3)?;
+            let flops = 2.0 * (rows * n * k) as f64;
+            for i in 0..lt.candidate_count(&s)? {
+                lt.use_candidate(&s, i)?;
+                let t = time(&gpu, &lt, &s, (a.ptr, w.ptr, d.ptr))?;
+                println!(
+                    "{name:<34} {rows:>6} {:>10} {i:>8} {:>10.1} {:>10.0}",
+                    format!("{dt:?}"),
+                    t * 1e6,
+                    flops / t / 1e12
+                );
+            }
+        }
+    }
+    Ok(())
+}
