@@ -101,7 +101,12 @@ fn every_kernel_compiles_under_nvrtc() {
     for (cfg, what) in &shapes {
         cfg.validate().unwrap();
         for &(dtype, scan) in &modes {
-            let kc = KernelConfig::new(cfg, &cfg.dims(), dtype, scan).unwrap();
+            let mut kc = KernelConfig::new(cfg, &cfg.dims(), dtype, scan).unwrap();
+            // 16-bit models write a prefill's in_proj output in f16 when it fits
+            // (`weights::proj_f16`); the TF32-scan mode keeps f32, as models that do not fit
+            if dtype != DType::F32 && scan != ScanMath::Tf32 {
+                kc.set("PROJ_F16", "1");
+            }
             // every mode for the benchmark shape (and once for Ampere), the main modes
             // for the others
             let main = matches!(scan, ScanMath::F32 | ScanMath::Half) || dtype == DType::BF16;

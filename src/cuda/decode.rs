@@ -11,6 +11,7 @@
 
 use super::context::{DevBuf, Gpu, MAX_LANES};
 use super::forward::Pipe;
+use super::gemm::ElemType;
 use super::kernels::proj_ld;
 use super::work::Work;
 use crate::error::Result;
@@ -75,7 +76,7 @@ impl Pipe<'_> {
                     false,
                 )?;
             } else {
-                self.in_proj_gemm(work, l, r0, nb)?;
+                self.in_proj_gemm(work, l, (r0, nb), ElemType::F32)?;
             }
             let (yf, ya) = if gemv { (yf, 0u64) } else { (0u64, y) };
             // Bound by the state traffic: at the least priority, behind the projections of

@@ -2,15 +2,17 @@
 //! decode step (spec §3.3), over buffers that are already on the device. The CPU twin is
 //! `CpuModel::forward` in src/cpu/forward.rs.
 //!
-//! Prefill, per layer: RMSNorm → in_proj GEMM (f32 out) → `prefill_pre` → `angle_pass` →
+//! Prefill, per layer: RMSNorm → in_proj GEMM → `prefill_pre` → `angle_pass` →
 //! `scan_states` → `scan_pass` → `scan_outputs` (gated) → out_proj GEMM adding into the
 //! residual; the MLP (when present) as norm → fc1 → `swiglu_rows` → fc2 adding into the
 //! residual. Decode, per layer: in_proj as a GEMV with the RMSNorm fused on its input →
 //! `mixer_step` → out_proj GEMV adding into the residual (cuBLASLt instead of the GEMVs
 //! for large batches).
 //!
-//! Precision: the residual stream, the in_proj output, per-token scalars and the states are
-//! f32 in every mode. In bf16/f16 the GEMM operands are 16-bit; the in_proj input is f16
+//! Precision: the residual stream, per-token scalars and the states are f32 in every mode;
+//! the in_proj output too, except a 16-bit model's prefill writes it in f16 when its range
+//! allows (`weights::proj_f16`: 2⁻¹¹ relative, −6 % prefill time on an H100). In bf16/f16
+//! the GEMM operands are 16-bit; the in_proj input is f16
 //! against an f16 copy of the weights (or, for models whose norm weights could overflow
 //! f16, split into hi + lo halves against `[W | W]`, or rounded to the model dtype with
 //! `fast`: see `weights::InProjInput`), and the scan runs on f16 tensor cores, whose
@@ -82,15 +84,16 @@ pub fn prefill_gemm_specs(
     d: &Dims,
     dtype: DType,
     opts: CudaOptions,
-    in_proj: Option<InProjKind>,
+    (in_proj, proj_f16): (Option<InProjKind>, bool),
     rows: usize,
 ) -> Vec<GemmSpec> {
     let act = ElemType::of(dtype);
     let f32 = ElemType::F32;
     let (ab, k, _) = in_proj_operands(in_proj, opts.fast, act, d.d_model);
     let spec = |rows, n, k, ab, ldd, acc| linear_spec(rows, n, k, ab, f32, ldd, acc, opts.tf32);
+    let proj = if proj_f16 { ElemType::F16 } else { f32 };
     let mut specs = vec![
-        spec(rows, d.d_in_proj, k, ab, proj_ld(d), false),
+        linear_spec(rows, d.d_in_proj, k, ab, proj, proj_ld(d), false, opts.tf32),
         spec(rows, d.d_model, d.d_inner, act, d.d_model, true),
     ];
     let hid = d.mlp_hidden;
@@ -241,7 +244,8 @@ impl Pipe<'_> {
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
-    /// A GEMM whose operands are of type `ab`, into f32 rows `ldd` apart (no accumulation).
+    /// A GEMM whose operands are of type `ab`, into rows of type `dt` `ldd` apart (no
+    /// accumulation).
     #[allow(clippy::too_many_arguments)]
     fn gemm_typed(
         &self,
@@ -251,10 +255,9 @@ impl Pipe<'_> {
         ab: ElemType,
         a: u64,
         w: u64,
-        d: u64,
-        ldd: usize,
+        (d, dt, ldd): (u64, ElemType, usize),
     ) -> Result<()> {
-        let spec = linear_spec(rows, n, k, ab, ElemType::F32, ldd, false, self.opts.tf32);
+        let spec = linear_spec(rows, n, k, ab, dt, ldd, false, self.opts.tf32);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
@@ -301,14 +304,30 @@ impl Pipe<'_> {
         )
     }
 
+    /// The element type of the prefill's in_proj output (`PROJ_F16` of the kernels:
+    /// `weights::proj_f16`); the decode's is always f32.
+    pub(super) fn prefill_proj(&self) -> ElemType {
+        if self.k.config.define("PROJ_F16") == Some("1") {
+            ElemType::F16
+        } else {
+            ElemType::F32
+        }
+    }
+
     /// The in_proj GEMM of rows `r0 … r0 + rows` of the residual: norm (into the route's
-    /// input) + cuBLASLt.
-    pub(super) fn in_proj_gemm(&self, work: &Work, l: usize, r0: usize, rows: usize) -> Result<()> {
+    /// input) + cuBLASLt, into in_proj rows of type `out` (f32, or `prefill_proj`).
+    pub(super) fn in_proj_gemm(
+        &self,
+        work: &Work,
+        l: usize,
+        (r0, rows): (usize, usize),
+        out: ElemType,
+    ) -> Result<()> {
         let (d, lw) = (&self.d, &self.w.layers[l]);
         let (w, ab, k, mode) = self.in_proj_route(l);
         let res = work.res.at::<f32>(r0 * d.d_model);
         let xin = work.xin.ptr + (r0 * k * ab.size()) as u64;
-        let proj = work.proj.at::<f32>(r0 * proj_ld(d));
+        let proj = work.proj.ptr + (r0 * proj_ld(d) * out.size()) as u64;
         self.norm_rows(res, lw.norm.ptr, xin, rows, 0, mode)?;
         let xin_dtype = if ab == ElemType::F16 && self.dtype == DType::BF16 {
             DType::F16
@@ -316,7 +335,7 @@ impl Pipe<'_> {
             self.dtype
         };
         self.look_typed("rms_norm_rows (in_proj input)", l, xin, rows, k, xin_dtype)?;
-        self.gemm_typed(rows, d.d_in_proj, k, ab, xin, w, proj, proj_ld(d))
+        self.gemm_typed(rows, d.d_in_proj, k, ab, xin, w, (proj, out, proj_ld(d)))
     }
 
     /// The out_proj GEMM of layer `l` for rows `r0 … r0 + rows`, adding the gated mixer
@@ -399,15 +418,22 @@ impl Pipe<'_> {
         )?;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let layer = l as i32;
-            self.in_proj_gemm(work, l, 0, rows)?;
-            self.look(
+            let proj_type = self.prefill_proj();
+            self.in_proj_gemm(work, l, (0, rows), proj_type)?;
+            self.look_at(
                 "in_proj",
                 Some(l),
-                work.proj.ptr,
-                rows,
-                d.d_in_proj,
-                proj_ld(d),
-                true,
+                Region {
+                    ptr: work.proj.ptr,
+                    rows,
+                    cols: d.d_in_proj,
+                    ld: proj_ld(d),
+                    dtype: if proj_type == ElemType::F16 {
+                        DType::F16
+                    } else {
+                        DType::F32
+                    },
+                },
             )?;
             let mixer = ChunkScan {
                 args: ScanArgs {

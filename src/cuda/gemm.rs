@@ -424,7 +424,7 @@ impl Drop for Lt {
 mod tests {
     use crate::cpu::LogitsWant;
     use crate::cuda::forward::prefill_gemm_specs;
-    use crate::cuda::weights::in_proj_kind;
+    use crate::cuda::weights::{in_proj_kind, proj_f16};
     use crate::cuda::CudaModel;
     use crate::model::{Config, DType, Weights};
     use std::sync::Arc;
@@ -443,7 +443,8 @@ mod tests {
             let w = Arc::new(Weights::synthetic(cfg, dtype, 3).unwrap());
             let m = CudaModel::new(w.clone(), 0).unwrap();
             let opts = m.options().unwrap();
-            let specs = prefill_gemm_specs(&w.dims, dtype, opts, in_proj_kind(&w), 16);
+            let specs =
+                prefill_gemm_specs(&w.dims, dtype, opts, (in_proj_kind(&w), proj_f16(&w)), 16);
             m.lt.warm(&m.gpu, 1, &specs).unwrap();
             let warmed = m.lt.plan_count();
             let distinct: std::collections::HashSet<_> = specs.iter().collect();

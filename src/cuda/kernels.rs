@@ -210,9 +210,18 @@ impl KernelConfig {
                 usize::from(dtype == DType::F32 || !cfg.tie_embeddings),
             ),
         ];
-        let mut cfg = KernelConfig { defines };
-        cfg.tuning_from_env();
-        Ok(cfg)
+        Ok(KernelConfig { defines }.tuned())
+    }
+
+    /// The same with the constant `k` set to `v`, unless `MAMBA3_GPU_DEFINES` sets it.
+    pub fn with(mut self, k: &str, v: &str) -> KernelConfig {
+        self.set(k, v);
+        self.tuned()
+    }
+
+    fn tuned(mut self) -> KernelConfig {
+        self.tuning_from_env();
+        self
     }
 
     /// `MAMBA3_GPU_DEFINES="NAME=VALUE ..."`: kernel constants added or overridden, for
@@ -222,13 +231,17 @@ impl KernelConfig {
             return;
         };
         for item in extra.split([' ', ',']).filter(|s| !s.is_empty()) {
-            let Some((k, v)) = item.split_once('=') else {
-                continue;
-            };
-            match self.defines.iter_mut().find(|(n, _)| n == k) {
-                Some((_, old)) => *old = v.to_string(),
-                None => self.defines.push((k.to_string(), v.to_string())),
+            if let Some((k, v)) = item.split_once('=') {
+                self.set(k, v);
             }
+        }
+    }
+
+    /// Set the constant `k` to `v` (added, or replacing its value).
+    pub fn set(&mut self, k: &str, v: &str) {
+        match self.defines.iter_mut().find(|(n, _)| n == k) {
+            Some((_, old)) => *old = v.to_string(),
+            None => self.defines.push((k.to_string(), v.to_string())),
         }
     }
 

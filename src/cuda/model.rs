@@ -9,7 +9,7 @@ use super::gemm::Lt;
 use super::graphs::Graphs;
 use super::kernels::{KernelConfig, Kernels, ScanMath};
 use super::state::CudaState;
-use super::weights::{in_proj_kind, scan_f16, GpuWeights};
+use super::weights::{in_proj_kind, proj_f16, scan_f16, GpuWeights};
 use super::work::{Caps, Layout, Work};
 use crate::cpu::{LogitsWant, SeqState};
 use crate::engine::state::{State, StateData};
@@ -25,6 +25,8 @@ pub struct CudaModel {
     pub(crate) gw: GpuWeights,
     /// the scan may take f16 operands (`weights::scan_f16`)
     scan_f16: bool,
+    /// a prefill's in_proj output may be f16 (`weights::proj_f16`)
+    proj_f16: bool,
     pub(crate) lt: Lt,
     inner: Mutex<Inner>,
 }
@@ -56,12 +58,16 @@ impl CudaModel {
         // kernels (docs/benchmarks.md, 2026-12-05).
         let opts = GpuOptions::from_env();
         let in_proj = in_proj_kind(&weights);
+        let (scan_f16, proj_f16) = (scan_f16(&weights), proj_f16(&weights));
         let specs = match warm_rows()? {
             0 => Vec::new(),
-            rows => prefill_gemm_specs(&weights.dims, weights.dtype, opts, in_proj, rows),
+            rows => {
+                let w = &weights;
+                prefill_gemm_specs(&w.dims, w.dtype, opts, (in_proj, proj_f16), rows)
+            }
         };
-        let scan_f16 = scan_f16(&weights);
-        let kernel_cfg = kernel_config(&weights, scan_math(weights.dtype, scan_f16, opts))?;
+        let math = scan_math(weights.dtype, scan_f16, opts);
+        let kernel_cfg = kernel_config(&weights, math, proj_f16)?;
         let (gw, lt, kernels) = std::thread::scope(|s| {
             let lt = s.spawn(|| {
                 let lt = crate::timeline::stage("cuBLASLt opened (thread)", || Lt::new(&gpu))?;
@@ -91,6 +97,7 @@ impl CudaModel {
             weights,
             gw,
             scan_f16,
+            proj_f16,
             lt,
             inner: Mutex::new(Inner {
                 opts,
@@ -158,7 +165,7 @@ impl CudaModel {
 
     fn kernels_for(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
         let w = &self.weights;
-        let cfg = kernel_config(w, scan_math(w.dtype, self.scan_f16, o))?;
+        let cfg = kernel_config(w, scan_math(w.dtype, self.scan_f16, o), self.proj_f16)?;
         if let Some(k) = inner.kernels.get(&cfg) {
             return Ok(k.clone());
         }
@@ -386,8 +393,14 @@ fn scan_math(dtype: DType, scan_f16: bool, o: GpuOptions) -> ScanMath {
     }
 }
 
-fn kernel_config(w: &Weights, math: ScanMath) -> Result<KernelConfig> {
-    Ok(KernelConfig::new(&w.config, &w.dims, w.dtype, math)?.with_embedding(w.embedding.dtype()))
+fn kernel_config(w: &Weights, math: ScanMath, proj_f16: bool) -> Result<KernelConfig> {
+    let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, math)?;
+    let cfg = if proj_f16 {
+        cfg.with("PROJ_F16", "1")
+    } else {
+        cfg
+    };
+    Ok(cfg.with_embedding(w.embedding.dtype()))
 }
 
 /// Cut the picked rows' logits into per-sequence vectors as `LogitsWant` says.

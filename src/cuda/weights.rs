@@ -5,7 +5,7 @@
 use super::context::{DevBuf, Gpu};
 use crate::error::{Error, Result};
 use crate::model::weights::Matrix;
-use crate::model::{DType, LayerWeights, Weights};
+use crate::model::{DType, Element, LayerWeights, Weights};
 
 /// How the normed residual enters the in_proj GEMM of a 16-bit model. The input's rounding
 /// costs more accuracy than any other activation's (docs/benchmarks.md), so it is not
@@ -53,6 +53,29 @@ pub fn in_proj_kind(w: &Weights) -> Option<InProjKind> {
         InProjKind::F16
     } else {
         InProjKind::Split
+    })
+}
+
+/// Whether a prefill may write the in_proj output in f16 (`PROJ_F16` of the kernels): a
+/// 16-bit model whose every output stays well inside f16's range whatever the input. Row i
+/// of the output is ⟨W_i, rmsnorm(x) ⊙ w⟩, and rmsnorm(x) has 2-norm at most √d_model, so
+/// |out_i| ≤ |W_i|₂·max|w|·√d_model. (f16 rounds the output by 2⁻¹¹ relative, against the
+/// f32 accumulation; docs/benchmarks.md says what it costs in accuracy and buys in time.)
+/// `MAMBA3_GPU_PROJ_F16=0` keeps f32, a diagnostic for A/B runs.
+pub fn proj_f16(w: &Weights) -> bool {
+    if w.dtype == DType::F32 || std::env::var("MAMBA3_GPU_PROJ_F16").is_ok_and(|v| v == "0") {
+        return false;
+    }
+    use rayon::prelude::*;
+    let root_d = (w.dims.d_model as f64).sqrt();
+    w.layers.par_iter().all(|l| {
+        let m = &l.in_proj;
+        let widest = crate::with_data!(&m.data, v => v
+            .chunks(m.cols.max(1))
+            .map(|row| row.iter().map(|x| x.to_f64() * x.to_f64()).sum::<f64>())
+            .fold(0f64, f64::max))
+        .sqrt();
+        widest * max_abs(&l.norm) * root_d < F16_SAFE
     })
 }
 
@@ -257,5 +280,45 @@ impl GpuWeights {
 
     pub fn head(&self) -> &DevBuf {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::proj_f16;
+    use crate::model::{Config, DType, TensorData, Weights};
+
+    #[test]
+    fn the_in_proj_output_is_f16_only_for_16_bit_models_whose_range_fits() {
+        let cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);
+        assert!(proj_f16(
+            &Weights::synthetic(cfg.clone(), DType::BF16, 1).unwrap()
+        ));
+        assert!(proj_f16(
+            &Weights::synthetic(cfg.clone(), DType::F16, 1).unwrap()
+        ));
+        assert!(!proj_f16(
+            &Weights::synthetic(cfg.clone(), DType::F32, 1).unwrap()
+        ));
+        // one row of one layer's in_proj scaled until |W_i|₂·max|w|·√d_model passes 32752
+        let mut w = Weights::synthetic(cfg, DType::BF16, 1).unwrap();
+        let norm_max = w.layers[1]
+            .norm
+            .iter()
+            .fold(0f64, |a, x| a.max(x.abs() as f64));
+        let root_d = (w.dims.d_model as f64).sqrt();
+        let m = &mut w.layers[1].in_proj;
+        let mut v = m.data.to_f32_vec();
+        let row: f64 = v[..m.cols]
+            .iter()
+            .map(|x| (*x as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let over = 40_000.0 / (row * norm_max * root_d);
+        for x in &mut v[..m.cols] {
+            *x *= over as f32;
+        }
+        m.data = TensorData::F32(v).convert(DType::BF16);
+        assert!(!proj_f16(&w));
     }
 }

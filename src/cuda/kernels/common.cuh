@@ -3,8 +3,9 @@
 // so every loop bound below is a compile-time constant.
 //
 // Types: `w_t` is the weights' dtype and `act_t` the dtype of the activations that feed the
-// GEMMs (ACT: 0 f32, 1 bf16, 2 f16). Everything else — the residual stream, the in_proj
-// output, the B/C norms, per-token scalars, the SSM and angle state — is f32.
+// GEMMs (ACT: 0 f32, 1 bf16, 2 f16), `proj_t` the prefill's in_proj output's (f32, or f16
+// with PROJ_F16, below). Everything else — the residual stream, the decode's in_proj output,
+// the B/C norms, per-token scalars, the SSM and angle state — is f32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -205,6 +206,37 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 #define ST_K (ST_SSM + NHEADS * HEADDIM * DSTATE)
 #define ST_V (ST_K + NHEADS * DSTATE)
 #define ST_LAYER (ST_V + NHEADS * HEADDIM)
+
+// The prefill's in_proj output (`proj`, read by prefill_pre and the scan): f32, or f16
+// with PROJ_F16 (16-bit models whose in_proj output is bounded well inside f16's range:
+// src/cuda/weights.rs `proj_f16`). The decode's in_proj rows are always f32.
+#ifndef PROJ_F16
+#define PROJ_F16 0
+#endif
+#if PROJ_F16
+typedef __half proj_t;
+#else
+typedef float proj_t;
+#endif
+// Elements of a proj row as f32: one, two (p aligned to two elements), four (to four).
+__device__ __forceinline__ float proj1(const proj_t* p) { return to_f(*p); }
+__device__ __forceinline__ float2 proj2(const proj_t* p) {
+#if PROJ_F16
+    return __half22float2(*reinterpret_cast<const __half2*>(p));
+#else
+    return *reinterpret_cast<const float2*>(p);
+#endif
+}
+__device__ __forceinline__ float4 proj4(const proj_t* p) {
+#if PROJ_F16
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+#else
+    return *reinterpret_cast<const float4*>(p);
+#endif
+}
 
 // in_proj rows are stored PROJ_LD apart (D_IN_PROJ rounded up to 8: aligned rows).
 // Offsets inside one in_proj row (spec §2.1): z, x, B, C, dd_dt, dd_A, trap, angles.

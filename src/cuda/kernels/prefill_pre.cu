@@ -3,7 +3,8 @@
 // src/cpu/prefill.rs. One block per chunk of one sequence (≤ CHUNK tokens).
 //
 // Chunk table entry (int4): {start row, tokens in chunk, end row of the sequence (exclusive),
-// sequence index}. Outputs, all f32:
+// sequence index}. Input: the in_proj rows (`proj_t`: f32, or f16 with PROJ_F16). Outputs,
+// all f32:
 //   bcn  [rows][2][G][N]   B̄ then C̄, RMS-normed with their weights (bias added later)
 //   tok  [rows][H][4]      {Δ, γ = λΔ, c = γ + Δ'(1−λ'), Lc = in-chunk inclusive Σ a}
 //                          where Δ', λ' belong to the next token of the same sequence
@@ -17,17 +18,17 @@
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int prefill_pre_smem_bytes = PRE_SMEM_FLOATS * 4;
 
-__device__ __forceinline__ void head_scalars(const float* row, int h, const float* dt_bias,
+__device__ __forceinline__ void head_scalars(const proj_t* row, int h, const float* dt_bias,
                                              float* dt, float* a, float* lam) {
-    float d = softplus_f(row[DT_OFF + h] + dt_bias[h]);
+    float d = softplus_f(proj1(row + DT_OFF + h) + dt_bias[h]);
     *dt = d;
-    *a = a_value_f(row[A_OFF + h]) * d;
-    *lam = sigmoid_f(row[TRAP_OFF + h]);
+    *a = a_value_f(proj1(row + A_OFF + h)) * d;
+    *lam = sigmoid_f(proj1(row + TRAP_OFF + h));
 }
 
 #if IN_PART(PART_ROWS)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS)
-    prefill_pre(const float* __restrict__ proj, const int4* __restrict__ chunks,
+    prefill_pre(const proj_t* __restrict__ proj, const int4* __restrict__ chunks,
                 const float* __restrict__ b_norm, const float* __restrict__ c_norm,
                 const float* __restrict__ dt_bias, float* __restrict__ bcn,
                 float* __restrict__ tok, float* __restrict__ theta, float* __restrict__ csum) {
@@ -52,12 +53,12 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
 #pragma unroll
         for (int u = 0; u < PRE_ROWS; ++u) {
             const int task = t0 + u, j = task / (2 * NGROUPS), r = task % (2 * NGROUPS);
-            const float* src = proj + (size_t)(start + j) * PROJ_LD + (r < NGROUPS ? B_OFF : C_OFF - NGROUPS * DSTATE) +
+            const proj_t* src = proj + (size_t)(start + j) * PROJ_LD + (r < NGROUPS ? B_OFF : C_OFF - NGROUPS * DSTATE) +
                                r * DSTATE;
 #pragma unroll
             for (int q = 0; q < NPL; ++q) {
                 const int n = lane + 32 * q;
-                v[u][q] = task < tasks && n < DSTATE ? src[n] : 0.f;
+                v[u][q] = task < tasks && n < DSTATE ? proj1(src + n) : 0.f;
             }
         }
 #pragma unroll
@@ -89,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
     }
     for (int e = threadIdx.x; e < len * NANGLES; e += PRE_THREADS) {
         int j = e / NANGLES, i = e % NANGLES;
-        float th = PI_F * tanhf(proj[(size_t)(start + j) * PROJ_LD + ANG_OFF + i]);
+        float th = PI_F * tanhf(proj1(proj + (size_t)(start + j) * PROJ_LD + ANG_OFF + i));
         s_th[j][i] = th;
         theta[(size_t)(start + j) * NANGLES + i] = th;
     }

@@ -227,7 +227,7 @@ __device__ __forceinline__ void final_kv(const ScanArgs& A, size_t row, int j, i
             *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
         } else {
             const int pp = e - NP / 4;
-            st[ST_V + h * HEADDIM + pp] = A.proj[row * PROJ_LD + X_OFF + h * HEADDIM + pp];
+            st[ST_V + h * HEADDIM + pp] = proj1(A.proj + row * PROJ_LD + X_OFF + h * HEADDIM + pp);
         }
     }
 }
@@ -428,9 +428,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
             const int j = e / (PP / 2), pp = 2 * (e % (PP / 2));
             float x0 = 0.f, x1 = 0.f;
             if (j < len && pp < HEADDIM) {
-                const float* xr = A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp;
-                x0 = xr[0];
-                if (pp + 1 < HEADDIM) x1 = xr[1];
+                const proj_t* xr = A.proj + (size_t)(start + j) * PROJ_LD + X_OFF + h * HEADDIM + pp;
+                x0 = proj1(xr);
+                if (pp + 1 < HEADDIM) x1 = proj1(xr + 1);
             }
             if (OUT) put_pair(sX + j * LDX + pp, x0 * x_down, x1 * x_down);
             const float w = s_xw[j] * x_down;

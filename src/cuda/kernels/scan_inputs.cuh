@@ -2,7 +2,7 @@
 // and the loads of a chunk's per-token scalars, B̄/C̄ and x quads, and gate inputs.
 
 struct ScanArgs {
-    const float* proj;   // [rows][PROJ_LD]
+    const proj_t* proj;  // [rows][PROJ_LD]
     const float* bcn;    // [rows][BC_W]
     const float4* tok;   // [rows][H] {Δ, γ, c, Lc}
     const float* theta;  // [rows][S]
@@ -116,8 +116,7 @@ __device__ __forceinline__ void load_bc_quad(const ScanArgs& A, int start, int l
 __device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int len, int h, int it) {
     const QuadP e(it);
     if (e.in_tile() && e.j < len && e.c < HEADDIM)
-        return *reinterpret_cast<const float4*>(A.proj + (size_t)(start + e.j) * PROJ_LD + X_OFF + h * HEADDIM +
-                                                e.c);
+        return proj4(A.proj + (size_t)(start + e.j) * PROJ_LD + X_OFF + h * HEADDIM + e.c);
     return make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
@@ -138,14 +137,14 @@ __device__ __forceinline__ void load_gate_inputs(const ScanArgs& A, int start, i
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int r = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
-            const float* row = A.proj + (size_t)(start + (r < len ? r : 0)) * PROJ_LD + h * HEADDIM + pp;
+            const proj_t* row = A.proj + (size_t)(start + (r < len ? r : 0)) * PROJ_LD + h * HEADDIM + pp;
 #if HEADDIM % 2 == 0  // the pair (pp, pp + 1) is 8-byte aligned (PROJ_LD and D_INNER are even)
             const bool ok = i < y_nt && r < len && pp < HEADDIM;
-            const float2 zv = ok ? *reinterpret_cast<const float2*>(row + Z_OFF) : make_float2(0.f, 0.f);
+            const float2 zv = ok ? proj2(row + Z_OFF) : make_float2(0.f, 0.f);
             xz[i][hf][1][0] = zv.x;
             xz[i][hf][1][1] = zv.y;
 #if !SCAN_SKIP_FROM_SX
-            const float2 xv = ok ? *reinterpret_cast<const float2*>(row + X_OFF) : make_float2(0.f, 0.f);
+            const float2 xv = ok ? proj2(row + X_OFF) : make_float2(0.f, 0.f);
             xz[i][hf][0][0] = xv.x;
             xz[i][hf][0][1] = xv.y;
 #endif
@@ -153,8 +152,8 @@ __device__ __forceinline__ void load_gate_inputs(const ScanArgs& A, int start, i
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 const bool ok = i < y_nt && r < len && pp + u < HEADDIM;
-                if (!SCAN_SKIP_FROM_SX) xz[i][hf][0][u] = ok ? row[X_OFF + u] : 0.f;
-                xz[i][hf][1][u] = ok ? row[Z_OFF + u] : 0.f;
+                if (!SCAN_SKIP_FROM_SX) xz[i][hf][0][u] = ok ? proj1(row + X_OFF + u) : 0.f;
+                xz[i][hf][1][u] = ok ? proj1(row + Z_OFF + u) : 0.f;
             }
 #endif
         }
