@@ -111,11 +111,30 @@ fn main() -> Result<()> {
                     continue;
                 }
             };
+            let mut first: Option<Vec<u8>> = None;
             for i in 0..n_algos {
                 lt.use_candidate(&s, i)?;
                 let t = time(&gpu, &lt, &s, (a.ptr, w.ptr, d.ptr))?;
+                // the same bits as the first algorithm's? (one product into a fresh D)
+                let fresh = random(&gpu, dt, rows * n, 3)?;
+                lt.gemm(&gpu, &s, a.ptr, w.ptr, fresh.ptr)?;
+                let mut bytes = vec![0u8; rows * n * dt.size()];
+                gpu.dtoh(fresh.ptr, &mut bytes)?;
+                let out = match &first {
+                    None => {
+                        first = Some(bytes);
+                        "(reference)".to_string()
+                    }
+                    Some(f) if *f == bytes => "same bits".into(),
+                    Some(f) => {
+                        let differ = f.iter().zip(&bytes).filter(|(x, y)| x != y).count();
+                        format!("{differ} bytes differ")
+                    }
+                };
+                let [id, tile, stages, split_k, cluster, swizzle] = lt.candidate_config(&s, i)?;
                 println!(
-                    "{name:<34} {rows:>6} {:>10} {i:>8} {:>10.1} {:>10.0}",
+                    "{name:<34} {rows:>6} {:>10} {i:>8} {:>10.1} {:>10.0}   algo {id} tile {tile} \
+                     stages {stages} split-K {split_k} cluster {cluster} swizzle {swizzle} {out}",
                     format!("{dt:?}"),
                     t * 1e6,
                     flops / t / 1e12

@@ -281,6 +281,47 @@ impl Lt {
         Ok(self.candidates(s)?.1.len())
     }
 
+    /// What the heuristic's `i`-th algorithm for `s` is: cuBLASLt's algorithm id, tile,
+    /// stages, split-K count, cluster shape and swizzle (its `CUBLASLT_ALGO_CONFIG_*` ids).
+    pub fn candidate_config(&self, s: &GemmSpec, i: usize) -> Result<[u32; 6]> {
+        let (_, algos) = self.candidates(s)?;
+        let algo = algos.get(i).ok_or_else(|| {
+            Error::Device(format!(
+                "cuBLASLt proposes {} algorithms; asked for number {i}",
+                algos.len()
+            ))
+        })?;
+        use sys::cublasLtMatmulAlgoConfigAttributes_t as C;
+        // (an integer of 2, 4 or 8 bytes, and the buffer must be its size; u32::MAX where
+        // none is accepted)
+        let get = |attr| -> u32 {
+            for size in [4usize, 2, 8] {
+                let (mut v, mut written) = (0u64, 0usize);
+                let r = unsafe {
+                    sys::cublasLtMatmulAlgoConfigGetAttribute(
+                        algo,
+                        attr,
+                        (&mut v as *mut u64).cast(),
+                        size,
+                        &mut written,
+                    )
+                };
+                if r == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    return v as u32;
+                }
+            }
+            u32::MAX
+        };
+        Ok([
+            get(C::CUBLASLT_ALGO_CONFIG_ID),
+            get(C::CUBLASLT_ALGO_CONFIG_TILE_ID),
+            get(C::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+            get(C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+            get(C::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+            get(C::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+        ])
+    }
+
     /// Run `s` from now on with the heuristic's `i`-th algorithm (0: the one [`Lt::gemm`]
     /// takes by itself). A graph captured before keeps the kernel it captured.
     pub fn use_candidate(&self, s: &GemmSpec, i: usize) -> Result<()> {

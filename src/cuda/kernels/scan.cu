@@ -94,6 +94,36 @@ __device__ __forceinline__ int f16_shift(float m) {
     return 0;
 #endif
 }
+// With f16 in_proj rows and f16 operands scaled per chunk, a thread keeps its x quads as
+// stored (two registers each, not four) from the load for the chunk's maximum, before the
+// chunk's first barrier, to the build, instead of loading them twice.
+#ifndef SCAN_X_RAW
+#define SCAN_X_RAW (SCAN_SCALED && PROJ_F16)
+#endif
+#if SCAN_X_RAW
+__device__ __forceinline__ uint2 load_x_raw(const ScanArgs& A, int start, int len, int h, int it) {
+    const QuadP e(it);
+    if (e.in_tile() && e.j < len && e.c < HEADDIM)
+        return *reinterpret_cast<const uint2*>(A.proj + (size_t)(start + e.j) * PROJ_LD + X_OFF + h * HEADDIM + e.c);
+    return make_uint2(0u, 0u);
+}
+__device__ __forceinline__ float4 unpack_x(uint2 u) {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+// max |x| over the quads: the sign bits cleared, the halves compared as f16 pairs.
+__device__ __forceinline__ float raw_abs_max(const uint2 (&q)[X_IT]) {
+    __half2 m = __float2half2_rn(0.f);
+#pragma unroll
+    for (int u = 0; u < X_IT; ++u) {
+        const unsigned a = q[u].x & 0x7fff7fffu, b = q[u].y & 0x7fff7fffu;
+        m = __hmax2(m, __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b)));
+    }
+    return fmaxf(__low2float(m), __high2float(m));
+}
+#endif
+
 __device__ __forceinline__ float slot_max(const int* slot) { return __int_as_float(*slot); }
 __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
 // Fold this thread's magnitude m into the block maximum at `slot` (non-negative floats
@@ -315,7 +345,12 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         const bool last_chunk = c == sg.x + sg.y - 1;
         ChunkIn in;
         fetch_chunk<OUT>(A, c, ck, h, g, in);
-#if SCAN_SCALED
+#if SCAN_X_RAW
+        // x as it is stored (f16), for its maximum before the barrier and the build after it
+        uint2 xq[X_IT];
+#pragma unroll
+        for (int u = 0; u < X_IT; ++u) xq[u] = load_x_raw(A, start, len, h, u);
+#elif SCAN_SCALED
         // x for its maximum, loaded before the barrier (used after it) and again by the
         // build, from L1
         float4 xq[X_IT];
@@ -364,10 +399,14 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         }
 #if SCAN_SCALED
         {
+#if SCAN_X_RAW
+            const float m = raw_abs_max(xq);
+#else
             float m = 0.f;
 #pragma unroll
             for (int u = 0; u < X_IT; ++u)
                 m = fmaxf(m, fmaxf(fmaxf(fabsf(xq[u].x), fabsf(xq[u].y)), fmaxf(fabsf(xq[u].z), fabsf(xq[u].w))));
+#endif
             max_into(&s_max[2 + par], m);
             max_into(&s_max[4 + par], lane < PH_TPW && tok_row < len ? fmaxf(fabsf(in.tok.y), fabsf(in.tok.z)) : 0.f);
         }
@@ -405,7 +444,9 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                 float4 xv[BATCH];
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
-#if SCAN_EARLY
+#if SCAN_X_RAW
+                    xv[u] = unpack_x(xq[i0 + u]);
+#elif SCAN_EARLY
                     xv[u] = in.x[i0 + u];
 #else
                     xv[u] = load_x_quad(A, start, len, h, i0 + u);
@@ -417,6 +458,11 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
                     const int j = e.j, pp = e.c;
                     if (i0 + u >= IT || !e.in_tile()) break;
                     const float4 x = xv[u];
+#if SCAN_X_RAW
+                    // (x_shift is the block's: one branch for all; unscaled, the f16 copy is x)
+                    if (OUT && x_shift == 0) *reinterpret_cast<uint2*>(sX + j * LDX + pp) = xq[i0 + u];
+                    else
+#endif
                     if (OUT) put_quad(sX + j * LDX + pp, make_float4(x.x * x_down, x.y * x_down, x.z * x_down, x.w * x_down));
                     const float w = s_xw[j] * x_down;
                     put_quad(sW + j * LDW + pp, make_float4(x.x * w, x.y * w, x.z * w, x.w * w));
