@@ -268,10 +268,20 @@ impl Lt {
         }
     }
 
-    /// The plan of `s` with the heuristic's first algorithm.
+    /// The plan of `s` with the heuristic's first algorithm (or, for products of at least
+    /// 2³⁰ multiply-adds, its `MAMBA3_GPU_LT_CANDIDATE`-th where it proposes that many: a
+    /// diagnostic for measuring a prefill with another algorithm, benches/gpu_gemms.rs).
     fn plan(&self, s: &GemmSpec) -> Result<Plan> {
+        static PICK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let pick = *PICK.get_or_init(|| {
+            std::env::var("MAMBA3_GPU_LT_CANDIDATE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        });
         let (mut plan, algos) = self.candidates(s)?;
-        plan.algo = algos[0];
+        let large = s.rows * s.n * s.k >= 1 << 30;
+        plan.algo = algos[if large && pick < algos.len() { pick } else { 0 }];
         Ok(plan)
     }
 
