@@ -218,6 +218,12 @@ typedef __half proj_t;
 #else
 typedef float proj_t;
 #endif
+// Four f16 values packed in 8 bytes, as f32.
+__device__ __forceinline__ float4 unpack_half4(uint2 u) {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
 // Elements of a proj row as f32: one, two (p aligned to two elements), four (to four).
 __device__ __forceinline__ float proj1(const proj_t* p) { return to_f(*p); }
 __device__ __forceinline__ float2 proj2(const proj_t* p) {
@@ -229,10 +235,7 @@ __device__ __forceinline__ float2 proj2(const proj_t* p) {
 }
 __device__ __forceinline__ float4 proj4(const proj_t* p) {
 #if PROJ_F16
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-    return make_float4(a.x, a.y, b.x, b.y);
+    return unpack_half4(*reinterpret_cast<const uint2*>(p));
 #else
     return *reinterpret_cast<const float4*>(p);
 #endif

@@ -101,16 +101,12 @@ __device__ __forceinline__ int f16_shift(float m) {
 #define SCAN_X_RAW (SCAN_SCALED && PROJ_F16)
 #endif
 #if SCAN_X_RAW
+// (load_x_quad's quad, not unpacked)
 __device__ __forceinline__ uint2 load_x_raw(const ScanArgs& A, int start, int len, int h, int it) {
     const QuadP e(it);
     if (e.in_tile() && e.j < len && e.c < HEADDIM)
         return *reinterpret_cast<const uint2*>(A.proj + (size_t)(start + e.j) * PROJ_LD + X_OFF + h * HEADDIM + e.c);
     return make_uint2(0u, 0u);
-}
-__device__ __forceinline__ float4 unpack_x(uint2 u) {
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-    return make_float4(a.x, a.y, b.x, b.y);
 }
 // max |x| over the quads: the sign bits cleared, the halves compared as f16 pairs.
 __device__ __forceinline__ float raw_abs_max(const uint2 (&q)[X_IT]) {
@@ -445,7 +441,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
 #if SCAN_X_RAW
-                    xv[u] = unpack_x(xq[i0 + u]);
+                    xv[u] = unpack_half4(xq[i0 + u]);
 #elif SCAN_EARLY
                     xv[u] = in.x[i0 + u];
 #else
