@@ -24,12 +24,14 @@
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int prefill_pre_smem_bytes = PRE_SMEM_FLOATS * 4;
 
-__device__ __forceinline__ void head_scalars(const proj_t* row, int h, const float* dt_bias,
-                                             float* dt, float* a, float* lam) {
-    float d = softplus_f(proj1(row + DT_OFF + h) + dt_bias[h]);
+// Δ, a = A·Δ and λ of one (token, head) from its in_proj entries dd_dt, dd_A, trap and
+// the head's Δ bias.
+__device__ __forceinline__ void head_scalars(float dd_dt, float dd_a, float trap, float bias, float* dt,
+                                             float* a, float* lam) {
+    const float d = softplus_f(dd_dt + bias);
     *dt = d;
-    *a = a_value_f(proj1(row + A_OFF + h)) * d;
-    *lam = sigmoid_f(proj1(row + TRAP_OFF + h));
+    *a = a_value_f(dd_a) * d;
+    *lam = sigmoid_f(trap);
 }
 
 #if IN_PART(PART_ROWS)
@@ -106,17 +108,20 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
         for (int it = 0; it < IT; ++it) {
             const int e = threadIdx.x + it * PRE_THREADS, j = e / NHEADS, h = e % NHEADS;
             if (e >= jn * NHEADS) break;
-            const float d = softplus_f(raw[it][0] + raw[it][3]);
+            float d, a, l;
+            head_scalars(raw[it][0], raw[it][1], raw[it][2], raw[it][3], &d, &a, &l);
             s_dt[j][h] = d;
-            s_lam[j][h] = sigmoid_f(raw[it][2]);
-            if (j < len) s_a[j][h] = a_value_f(raw[it][1]) * d;
+            s_lam[j][h] = l;
+            if (j < len) s_a[j][h] = a;
         }
     }
 #else
     for (int e = threadIdx.x; e < jn * NHEADS; e += PRE_THREADS) {
         int j = e / NHEADS, h = e % NHEADS;
+        const proj_t* row = proj + (size_t)(start + j) * PROJ_LD;
         float d, a, l;
-        head_scalars(proj + (size_t)(start + j) * PROJ_LD, h, dt_bias, &d, &a, &l);
+        head_scalars(proj1(row + DT_OFF + h), proj1(row + A_OFF + h), proj1(row + TRAP_OFF + h), dt_bias[h], &d,
+                     &a, &l);
         s_dt[j][h] = d;
         s_lam[j][h] = l;
         if (j < len) s_a[j][h] = a;
