@@ -285,6 +285,21 @@ impl Lt {
         Ok(plan)
     }
 
+    /// The descriptors of `s` and the heuristic's `i`-th algorithm for it.
+    fn candidate(&self, s: &GemmSpec, i: usize) -> Result<(Plan, sys::cublasLtMatmulAlgo_t)> {
+        let (plan, algos) = self.candidates(s)?;
+        match algos.get(i) {
+            Some(&algo) => Ok((plan, algo)),
+            None => Err(Error::Device(format!(
+                "cuBLASLt proposes {} algorithms for a {}×{}×{} GEMM; asked for number {i}",
+                algos.len(),
+                s.rows,
+                s.n,
+                s.k
+            ))),
+        }
+    }
+
     /// How many algorithms cuBLASLt proposes for `s` (a diagnostic: `benches/gpu_gemms.rs`
     /// times each through [`Lt::use_candidate`]).
     pub fn candidate_count(&self, s: &GemmSpec) -> Result<usize> {
@@ -294,13 +309,8 @@ impl Lt {
     /// What the heuristic's `i`-th algorithm for `s` is: cuBLASLt's algorithm id, tile,
     /// stages, split-K count, cluster shape and swizzle (its `CUBLASLT_ALGO_CONFIG_*` ids).
     pub fn candidate_config(&self, s: &GemmSpec, i: usize) -> Result<[u32; 6]> {
-        let (_, algos) = self.candidates(s)?;
-        let algo = algos.get(i).ok_or_else(|| {
-            Error::Device(format!(
-                "cuBLASLt proposes {} algorithms; asked for number {i}",
-                algos.len()
-            ))
-        })?;
+        let (_, algo) = self.candidate(s, i)?;
+        let algo = &algo;
         use sys::cublasLtMatmulAlgoConfigAttributes_t as C;
         // (an integer of 2, 4 or 8 bytes, and the buffer must be its size; u32::MAX where
         // none is accepted)
@@ -335,16 +345,7 @@ impl Lt {
     /// Run `s` from now on with the heuristic's `i`-th algorithm (0: the one [`Lt::gemm`]
     /// takes by itself). A graph captured before keeps the kernel it captured.
     pub fn use_candidate(&self, s: &GemmSpec, i: usize) -> Result<()> {
-        let (mut plan, algos) = self.candidates(s)?;
-        let Some(&algo) = algos.get(i) else {
-            return Err(Error::Device(format!(
-                "cuBLASLt proposes {} algorithms for a {}×{}×{} GEMM; asked for number {i}",
-                algos.len(),
-                s.rows,
-                s.n,
-                s.k
-            )));
-        };
+        let (mut plan, algo) = self.candidate(s, i)?;
         plan.algo = algo;
         let mut plans = self
             .plans
