@@ -15,9 +15,12 @@
 //!
 //! Each shape's descriptors and algorithm are chosen once and kept, so that eager runs and
 //! graph captures replay the very same kernel; split-K reductions that use atomics are
-//! excluded, so results are bit-reproducible.
+//! excluded, so results are bit-reproducible. The algorithm is the heuristic's first guess,
+//! or for a large product the fastest of its guesses that gives the same bits
+//! (`gemm_tune`).
 
 use super::context::{dev_err, DevBuf, Gpu};
+use super::gemm_tune::{self as tune, Choices};
 use crate::error::{Error, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
@@ -125,6 +128,12 @@ pub struct Lt {
     /// concurrently), allocated on their first use.
     lane_workspaces: Mutex<Vec<DevBuf>>,
     plans: Mutex<HashMap<GemmSpec, Plan>>,
+    /// The algorithms chosen by timing (`gemm_tune`), this process's and the disk's.
+    choices: Choices,
+    /// Whether large products are tuned (`MAMBA3_GPU_GEMM_TUNE`, [`Lt::set_tuning`]).
+    tuning: std::sync::atomic::AtomicBool,
+    /// How many tunings this `Lt` timed (a diagnostic for tests).
+    tunings: std::sync::atomic::AtomicUsize,
 }
 
 // The handle and descriptors are only used under the model's lock, on its stream.
@@ -165,6 +174,11 @@ impl Lt {
     }
 
     pub fn new(gpu: &Gpu) -> Result<Lt> {
+        Self::with_choices_file(gpu, Choices::default_file())
+    }
+
+    /// [`Lt::new`] keeping its tuned choices in `file` (`None`: in memory only).
+    pub fn with_choices_file(gpu: &Gpu, file: Option<std::path::PathBuf>) -> Result<Lt> {
         Self::load_library()?;
         gpu.bind()?;
         let handle = lt::create_handle().map_err(|e| blas_err("handle", e))?;
@@ -173,7 +187,20 @@ impl Lt {
             workspace: gpu.alloc::<u8>(WORKSPACE_BYTES)?,
             lane_workspaces: Mutex::new(Vec::new()),
             plans: Mutex::new(HashMap::new()),
+            choices: Choices::open(&gpu.name, unsafe { sys::cublasLtGetVersion() }, file),
+            tuning: tune::enabled_by_env().into(),
+            tunings: 0.into(),
         })
+    }
+
+    /// Tune the plans made from now on (`gemm_tune`), or take the heuristic's first guess.
+    pub fn set_tuning(&self, on: bool) {
+        self.tuning.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How many tunings this `Lt` has timed (choices found on disk are not counted).
+    pub fn tunings(&self) -> usize {
+        self.tunings.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The descriptors of `s` and cuBLASLt's heuristic's algorithms for it, best guess
@@ -268,21 +295,128 @@ impl Lt {
         }
     }
 
-    /// The plan of `s` with the heuristic's first algorithm (or, for products of at least
-    /// 2³⁰ multiply-adds, its `MAMBA3_GPU_LT_CANDIDATE`-th where it proposes that many: a
-    /// diagnostic for measuring a prefill with another algorithm, benches/gpu_gemms.rs).
-    fn plan(&self, s: &GemmSpec) -> Result<Plan> {
-        static PICK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let pick = *PICK.get_or_init(|| {
-            std::env::var("MAMBA3_GPU_LT_CANDIDATE")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        });
+    /// The plan of `s`: the heuristic's first algorithm, or for a large product on the main
+    /// stream the tuned one (`gemm_tune`) — found among the choices kept, else timed now
+    /// on the operands of this first call (`a`, `w`, `d`: D is left as it was where the
+    /// product accumulates; otherwise the caller's product overwrites it next).
+    fn plan(
+        &self,
+        gpu: &Gpu,
+        lane: usize,
+        s: &GemmSpec,
+        (a, w, d): (u64, u64, u64),
+    ) -> Result<Plan> {
         let (mut plan, algos) = self.candidates(s)?;
-        let large = s.rows * s.n * s.k >= 1 << 30;
-        plan.algo = algos[if large && pick < algos.len() { pick } else { 0 }];
+        plan.algo = algos[0];
+        let on = self.tuning.load(std::sync::atomic::Ordering::Relaxed);
+        if !on || lane != 0 || !tune::worth_tuning(s) {
+            return Ok(plan);
+        }
+        let key = tune::choice_key(s);
+        if let Some(data) = self.choices.get(&key) {
+            let kept = sys::cublasLtMatmulAlgo_t { data };
+            if self.accepts(&plan, &kept) {
+                plan.algo = kept;
+            }
+            return Ok(plan);
+        }
+        let status = unsafe { cudarc::driver::result::stream::is_capturing(gpu.cu_stream()) };
+        let capturing = !status.is_ok_and(|c| {
+            c == cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        });
+        if algos.len() < 2 || capturing {
+            return Ok(plan); // (nothing to choose, or no waiting inside a capture)
+        }
+        // Timed on at most MAX_TUNE_ROWS rows: the first ones of A and D.
+        let sub = match s.rows > tune::MAX_TUNE_ROWS {
+            true => GemmSpec {
+                rows: tune::MAX_TUNE_ROWS,
+                // (Dw's packed A is rows wide: the first columns keep its stride)
+                lda: if s.op == GemmOp::Dw && s.lda == 0 {
+                    s.rows
+                } else {
+                    s.lda
+                },
+                ..*s
+            },
+            false => *s,
+        };
+        let owned;
+        let (sub_plan, sub_algos) = if sub == *s {
+            (&plan, &algos)
+        } else {
+            owned = self.candidates(&sub)?;
+            (&owned.0, &owned.1)
+        };
+        let d_bytes = ((sub.rows - 1) * sub.ldd + sub.n) * s.d.size();
+        let tried = sub_algos.len().min(tune::TRIED);
+        let start = std::time::Instant::now();
+        let found = tune::fastest(gpu, tried, (s.accumulate.then_some(d), d_bytes), |i, dd| {
+            self.matmul(
+                sub_plan,
+                &sub_algos[i],
+                &sub,
+                (a, w, dd),
+                (self.workspace.ptr, 0),
+                gpu,
+            )
+        });
+        let t = match found {
+            Ok(t) => t,
+            Err(e) => {
+                // (scratch memory may be short: the first guess then, and a try next time)
+                crate::timeline::mark(|| format!("cuBLASLt tuning skipped: {e}"));
+                return Ok(plan);
+            }
+        };
+        self.tunings
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let chosen = sub_algos[t.chosen];
+        if self.accepts(&plan, &chosen) {
+            plan.algo = chosen;
+        }
+        self.choices.put(key, chosen.data);
+        crate::timeline::mark(|| {
+            let us: Vec<String> = t
+                .seconds
+                .iter()
+                .map(|x| format!("{:.1}", x * 1e6))
+                .collect();
+            format!(
+                "cuBLASLt tuned {}×{}×{} ({:?}·{:?} → {:?}) on {} rows in {:.0} ms: candidate {} \
+                 of µs [{}]",
+                s.rows,
+                s.n,
+                s.k,
+                s.a,
+                s.w,
+                s.d,
+                sub.rows,
+                start.elapsed().as_secs_f64() * 1e3,
+                t.chosen,
+                us.join(", ")
+            )
+        });
         Ok(plan)
+    }
+
+    /// Whether cuBLASLt runs `algo` for `plan`'s shape within our workspace.
+    fn accepts(&self, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
+        let mut r = std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit();
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                plan.desc,
+                plan.layouts[0],
+                plan.layouts[1],
+                plan.layouts[2],
+                plan.layouts[2],
+                algo,
+                r.as_mut_ptr(),
+            )
+        };
+        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && unsafe { r.assume_init() }.workspaceSize <= WORKSPACE_BYTES
     }
 
     /// The descriptors of `s` and the heuristic's `i`-th algorithm for it.
@@ -416,28 +550,42 @@ impl Lt {
             .lock()
             .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
         if !plans.contains_key(s) {
-            let p = self.plan(s)?;
+            let p = self.plan(gpu, lane, s, (a, w, d))?;
             plans.insert(*s, p);
         }
         let p = &plans[s];
+        self.matmul(p, &p.algo, s, (a, w, d), (workspace, lane), gpu)
+    }
+
+    /// One cuBLASLt call: `s` with `plan`'s descriptors and `algo`, on lane `lane`'s stream
+    /// with the workspace at `workspace`.
+    fn matmul(
+        &self,
+        plan: &Plan,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        s: &GemmSpec,
+        (a, w, d): (u64, u64, u64),
+        (workspace, lane): (u64, usize),
+        gpu: &Gpu,
+    ) -> Result<()> {
         let alpha = 1.0f32;
         let beta = if s.accumulate { 1.0f32 } else { 0.0 };
         gpu.bind()?;
         unsafe {
             lt::matmul(
                 self.handle,
-                p.desc,
+                plan.desc,
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
                 w as *const c_void,
-                p.layouts[0],
+                plan.layouts[0],
                 a as *const c_void,
-                p.layouts[1],
+                plan.layouts[1],
                 d as *const c_void,
-                p.layouts[2],
+                plan.layouts[2],
                 d as *mut c_void,
-                p.layouts[2],
-                &p.algo,
+                plan.layouts[2],
+                algo,
                 workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 gpu.lane_stream(lane) as sys::cudaStream_t,
@@ -474,7 +622,9 @@ impl Drop for Lt {
 
 #[cfg(test)]
 mod tests {
+    use super::{ElemType, GemmOp, GemmSpec, Lt};
     use crate::cpu::LogitsWant;
+    use crate::cuda::context::Gpu;
     use crate::cuda::forward::prefill_gemm_specs;
     use crate::cuda::weights::{in_proj_kind, proj_f16};
     use crate::cuda::CudaModel;
@@ -514,5 +664,99 @@ mod tests {
                 "{dtype:?}: the prefill made new plans"
             );
         }
+    }
+
+    /// Small pseudo-random values of type `t` (as bytes), not zeros: the tuning's bit
+    /// comparison needs outputs that differ where the reduction order does.
+    fn random_bytes(t: ElemType, n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut out = Vec::with_capacity(n * t.size());
+        for _ in 0..n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let v = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            match t {
+                ElemType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                ElemType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+                ElemType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            }
+        }
+        out
+    }
+
+    /// Tuned large products (gemm_tune) give the bits of the heuristic's first guess —
+    /// in_proj's shape into f16, out_proj's adding into f32 (D must come out of the tuning
+    /// as it went in), and one over MAX_TUNE_ROWS rows (tuned on its first rows) — and a
+    /// second `Lt` takes the choices from the file without timing again.
+    /// `cargo test --release --features cuda --lib gemm_tuning -- --include-ignored`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn gemm_tuning_keeps_the_bits_and_the_choice() {
+        let gpu = Gpu::new(0).unwrap();
+        let dir = std::env::temp_dir().join(format!("mamba3-tuning-{}", std::process::id()));
+        let file = dir.join("gemm-algos.tsv");
+        let _ = std::fs::remove_dir_all(&dir);
+        let plain = Lt::with_choices_file(&gpu, None).unwrap();
+        plain.set_tuning(false);
+        let tuned = Lt::with_choices_file(&gpu, Some(file.clone())).unwrap();
+        tuned.set_tuning(true);
+        let (bf, f16, f32) = (ElemType::BF16, ElemType::F16, ElemType::F32);
+        // (rows, n, k, operand type, D type, accumulate); cuBLASLt has no bf16 → f16 product
+        let shapes = [
+            (8192, 3432, 768, f16, f16, false),
+            (8192, 768, 1536, bf, f32, true),
+            (40000, 768, 1536, bf, f32, true),
+        ];
+        let mut runs = Vec::new();
+        for (i, &(rows, n, k, ab, dt, accumulate)) in shapes.iter().enumerate() {
+            let s = GemmSpec {
+                op: GemmOp::Linear,
+                rows,
+                n,
+                k,
+                ldd: n,
+                lda: 0,
+                ldw: 0,
+                a: ab,
+                w: ab,
+                d: dt,
+                accumulate,
+                tf32: false,
+            };
+            let a = gpu
+                .upload(&random_bytes(ab, rows * k, 1 + i as u64))
+                .unwrap();
+            let w = gpu.upload(&random_bytes(ab, n * k, 7 + i as u64)).unwrap();
+            let d0 = random_bytes(dt, rows * n, 13 + i as u64);
+            let product = |lt: &Lt| {
+                let d = gpu.upload(&d0).unwrap();
+                lt.gemm(&gpu, &s, a.ptr, w.ptr, d.ptr).unwrap();
+                let mut out = vec![0u8; d0.len()];
+                gpu.dtoh(d.ptr, &mut out).unwrap();
+                out
+            };
+            let want = product(&plain);
+            assert!(product(&tuned) == want, "{rows}×{n}×{k}: tuned bits differ");
+            assert_eq!(tuned.tunings(), i + 1, "{rows}×{n}×{k} was not tuned");
+            runs.push((s, a, w, d0, want));
+        }
+        let again = Lt::with_choices_file(&gpu, Some(file)).unwrap();
+        again.set_tuning(true);
+        for (s, a, w, d0, want) in &runs {
+            let d = gpu.upload(d0).unwrap();
+            again.gemm(&gpu, s, a.ptr, w.ptr, d.ptr).unwrap();
+            let mut out = vec![0u8; d0.len()];
+            gpu.dtoh(d.ptr, &mut out).unwrap();
+            assert!(
+                out == *want,
+                "{}×{}×{}: the kept choice's bits differ",
+                s.rows,
+                s.n,
+                s.k
+            );
+        }
+        assert_eq!(again.tunings(), 0, "the kept choices were timed again");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

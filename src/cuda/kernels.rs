@@ -417,7 +417,7 @@ pub fn compile_cubin(
     Ok((out?, log))
 }
 
-fn cache_dir() -> Option<PathBuf> {
+pub(super) fn cache_dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("MAMBA3_KERNEL_CACHE") {
         return Some(PathBuf::from(d));
     }

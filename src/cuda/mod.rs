@@ -4,7 +4,8 @@
 //! - `context`: the device, its stream, raw buffers, kernel launches;
 //! - `kernels`: the CUDA C sources (`kernels/*.cu`), compiled by NVRTC per model shape and
 //!   cached on disk;
-//! - `gemm`: the projections through cuBLASLt;
+//! - `gemm`: the projections through cuBLASLt; `gemm_tune`: a large one's algorithm chosen
+//!   by timing;
 //! - `weights`, `state`, `work`: what lives on the device;
 //! - `forward`: the prefill launch sequence; `decode`: the decode step's; `scan`: the
 //!   chunked mixer's launches, which the prefill and training share;
@@ -24,6 +25,7 @@ pub mod context;
 pub mod decode;
 pub mod forward;
 pub mod gemm;
+pub mod gemm_tune;
 pub mod graphs;
 pub mod kernels;
 pub mod model;
