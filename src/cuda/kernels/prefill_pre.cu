@@ -13,12 +13,6 @@
 //   csum [chunk][H][S]     Σ over the chunk of θ·Δ (the angle advance, for angle_pass)
 
 #define PRE_THREADS 256
-// The per-token scalars' loads batched ahead of their arithmetic (a variant, off by
-// default: not yet measured; the loop's passes wait for memory one after another, and at
-// B=1 T=4096 prefill_pre takes 20.5 µs a layer with its 64 blocks at 8 % of the SMs).
-#ifndef PRE_BATCH_SCALARS
-#define PRE_BATCH_SCALARS 0
-#endif
 #define PRE_ROWS 4
 #define PRE_SMEM_FLOATS ((3 * CHUNK + 2) * NHEADS + CHUNK * NANGLES)
 // Read by the host (cuModuleGetGlobal) to size the launch.
@@ -88,34 +82,6 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
     }
     // Per (token, head) scalars, including the next token after the chunk when it exists.
     const int jn = has_next ? len + 1 : len;
-#if PRE_BATCH_SCALARS
-    // every pass's loads first, then the arithmetic: one wait for memory, not one a pass
-    // (the loop below waits once for each of its ⌈(CHUNK + 1)·H / threads⌉ passes)
-    {
-        constexpr int IT = ((CHUNK + 1) * NHEADS + PRE_THREADS - 1) / PRE_THREADS;
-        float raw[IT][4];
-#pragma unroll
-        for (int it = 0; it < IT; ++it) {
-            const int e = threadIdx.x + it * PRE_THREADS, j = e / NHEADS, h = e % NHEADS;
-            const proj_t* row = proj + (size_t)(start + j) * PROJ_LD;
-            const bool ok = e < jn * NHEADS;
-            raw[it][0] = ok ? proj1(row + DT_OFF + h) : 0.f;
-            raw[it][1] = ok ? proj1(row + A_OFF + h) : 0.f;
-            raw[it][2] = ok ? proj1(row + TRAP_OFF + h) : 0.f;
-            raw[it][3] = ok ? dt_bias[h] : 0.f;
-        }
-#pragma unroll
-        for (int it = 0; it < IT; ++it) {
-            const int e = threadIdx.x + it * PRE_THREADS, j = e / NHEADS, h = e % NHEADS;
-            if (e >= jn * NHEADS) break;
-            float d, a, l;
-            head_scalars(raw[it][0], raw[it][1], raw[it][2], raw[it][3], &d, &a, &l);
-            s_dt[j][h] = d;
-            s_lam[j][h] = l;
-            if (j < len) s_a[j][h] = a;
-        }
-    }
-#else
     for (int e = threadIdx.x; e < jn * NHEADS; e += PRE_THREADS) {
         int j = e / NHEADS, h = e % NHEADS;
         const proj_t* row = proj + (size_t)(start + j) * PROJ_LD;
@@ -126,7 +92,6 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS)
         s_lam[j][h] = l;
         if (j < len) s_a[j][h] = a;
     }
-#endif
     for (int e = threadIdx.x; e < len * NANGLES; e += PRE_THREADS) {
         int j = e / NANGLES, i = e % NANGLES;
         float th = PI_F * tanhf(proj1(proj + (size_t)(start + j) * PROJ_LD + ANG_OFF + i));

@@ -675,7 +675,8 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_outpu
 // Compute, B=8 T=4096 on an H100: 36 µs a layer at 8 % of the SMs, with 138 registers a
 // thread — one block per SM for a grid of 1536 blocks, each thread's walk a few dependent
 // round trips to memory. `PASS_BATCH=8 PASS_MINB=4` takes 64 registers, no stack, four
-// blocks per SM: not yet run on a GPU.)
+// blocks per SM, and was no faster: B=8 T=4096 24.92, 25.11 ms against 25.07, B=1 2 %
+// slower; docs/benchmarks.md.)
 // Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
 #ifndef PASS_BATCH
 #define PASS_BATCH 16
