@@ -1,9 +1,10 @@
-//! The prefill's projections at the benchmark shape (d_model 768, d_inner 1536, in_proj
-//! 3432 wide, bf16 model: docs/benchmarks.md, "GPU"), each GEMM with every algorithm
-//! cuBLASLt's heuristic proposes for it, and the in_proj output written as f32 (what the
-//! engine does) or 16-bit. Two questions: does the heuristic's first guess (what
-//! `Lt::gemm` takes) leave time on the table, and what would a 16-bit in_proj output save
-//! in the GEMM itself?
+//! The projections at the benchmark shape (d_model 768, d_inner 1536, in_proj 3432 wide,
+//! bf16 model: docs/benchmarks.md, "GPU") — a prefill's (32768 and 4096 rows) and a large
+//! decode batch's lanes (64 and 32 rows) — each GEMM with every algorithm cuBLASLt's
+//! heuristic proposes for it, and the in_proj output written as f32 or 16-bit. Questions:
+//! does the heuristic's first guess leave time on the table (the engine times the large
+//! products' guesses, `gemm_tune`; not the decode's), do the guesses give the same bits,
+//! and what does a 16-bit in_proj output save in the GEMM itself?
 //!
 //! `cargo bench --features cuda --bench gpu_gemms` (on the GPU machine: the binary that
 //! `scripts/gpu-check pack` builds, run by `scripts/gpu-check run gemms`). Each time is the
@@ -70,7 +71,7 @@ fn main() -> Result<()> {
         "GEMM", "rows", "D", "algo", "µs", "TFLOP/s"
     );
     let (f16t, bf16t, f32t) = (ElemType::F16, ElemType::BF16, ElemType::F32);
-    for rows in [32768usize, 4096] {
+    for rows in [32768usize, 4096, 64, 32] {
         // (name, n, k, operand type, D type, accumulate)
         let (inp, fast, out) = (
             "in_proj (f16 input)",
@@ -139,6 +140,24 @@ fn main() -> Result<()> {
                     t * 1e6,
                     flops / t / 1e12
                 );
+            }
+            // small products (a decode batch's lanes): the first candidates with K split
+            if rows <= 64 {
+                for i in 0..n_algos.min(3) {
+                    for splits in [2u32, 3, 4, 6, 8, 12] {
+                        if !lt.use_split_candidate(&s, i, splits)? {
+                            continue;
+                        }
+                        let t = time(&gpu, &lt, &s, (a.ptr, w.ptr, d.ptr))?;
+                        println!(
+                            "{name:<34} {rows:>6} {:>10} {:>8} {:>10.1} {:>10.0}   split-K {splits}",
+                            format!("{dt:?}"),
+                            format!("{i}/{splits}"),
+                            t * 1e6,
+                            flops / t / 1e12
+                        );
+                    }
+                }
             }
         }
     }

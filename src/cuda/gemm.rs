@@ -489,6 +489,41 @@ impl Lt {
         Ok(())
     }
 
+    /// [`Lt::use_candidate`] with the candidate's K split in `splits` parts, summed in f32
+    /// in the workspace (deterministic: no atomics). Whether cuBLASLt accepts that for `s`
+    /// (a diagnostic: `benches/gpu_gemms.rs` asks whether small products gain by it).
+    pub fn use_split_candidate(&self, s: &GemmSpec, i: usize, splits: u32) -> Result<bool> {
+        let (mut plan, mut algo) = self.candidate(s, i)?;
+        use sys::cublasLtMatmulAlgoConfigAttributes_t as C;
+        let scheme = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+        for (attr, v) in [
+            (C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, splits),
+            (C::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, scheme),
+        ] {
+            let r = unsafe {
+                sys::cublasLtMatmulAlgoConfigSetAttribute(
+                    &mut algo,
+                    attr,
+                    (&v as *const u32).cast(),
+                    4,
+                )
+            };
+            if r != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Ok(false);
+            }
+        }
+        if !self.accepts(&plan, &algo) {
+            return Ok(false);
+        }
+        plan.algo = algo;
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
+        plans.insert(*s, plan);
+        Ok(true)
+    }
+
     /// Make the plans of `specs` and run each once on lane `lane`'s stream over scratch
     /// operands, waiting for them. cuBLASLt loads a kernel on its first use, ≈ 50 ms each
     /// on the H200 (docs/benchmarks.md); a thread can pay that while the weights upload
