@@ -10,9 +10,8 @@
 //! `scripts/gpu-check pack` builds, run by `scripts/gpu-check run gemms`). Each time is the
 //! best of 5 runs of 20 back-to-back launches, per launch.
 
-use half::{bf16, f16};
 use mamba3::cuda::context::Gpu;
-use mamba3::cuda::gemm::{ElemType, GemmOp, GemmSpec, Lt};
+use mamba3::cuda::gemm::{pseudo_random_bytes, ElemType, GemmSpec, Lt};
 use mamba3::error::Result;
 use std::time::Instant;
 
@@ -37,29 +36,9 @@ fn time(gpu: &Gpu, lt: &Lt, s: &GemmSpec, (a, w, d): (u64, u64, u64)) -> Result<
     Ok(best)
 }
 
-/// A device buffer of `n` values of type `t`, filled with small pseudo-random numbers (not
-/// zeros, which would run the tensor cores at less power than real data).
+/// A device buffer of `n` values of type `t`, small pseudo-random numbers.
 fn random(gpu: &Gpu, t: ElemType, n: usize, seed: u64) -> Result<mamba3::cuda::context::DevBuf> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
-    let buf = gpu.alloc::<u8>(n * t.size())?;
-    match t {
-        ElemType::F32 => gpu.htod(&(0..n).map(|_| next()).collect::<Vec<f32>>(), buf.ptr)?,
-        ElemType::BF16 => gpu.htod(
-            &(0..n).map(|_| bf16::from_f32(next())).collect::<Vec<_>>(),
-            buf.ptr,
-        )?,
-        ElemType::F16 => gpu.htod(
-            &(0..n).map(|_| f16::from_f32(next())).collect::<Vec<_>>(),
-            buf.ptr,
-        )?,
-    }
-    Ok(buf)
+    gpu.upload(&pseudo_random_bytes(t, n, seed))
 }
 
 fn main() -> Result<()> {
@@ -86,20 +65,7 @@ fn main() -> Result<()> {
             (out, D_MODEL, D_INNER, bf16t, f32t, true),
         ];
         for (name, n, k, ab, dt, accumulate) in shapes {
-            let s = GemmSpec {
-                op: GemmOp::Linear,
-                rows,
-                n,
-                k,
-                ldd: n,
-                lda: 0,
-                ldw: 0,
-                a: ab,
-                w: ab,
-                d: dt,
-                accumulate,
-                tf32: false,
-            };
+            let s = GemmSpec::linear(rows, n, k, ab, dt, n, accumulate, false);
             let a = random(&gpu, ab, rows * k, 1)?;
             let w = random(&gpu, ab, n * k, 2)?;
             let d = random(&gpu, dt, rows * n, 3)?;

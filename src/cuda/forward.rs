@@ -21,7 +21,7 @@
 //! dtype with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
 use super::context::{DevBuf, Gpu, KArg, Kernel};
-use super::gemm::{ElemType, GemmOp, GemmSpec, Lt};
+use super::gemm::{ElemType, GemmSpec, Lt};
 use super::kernels::{proj_ld, Kernels, ScanMath};
 use super::probe::Region;
 use super::scan::{ChunkScan, ScanArgs};
@@ -48,34 +48,6 @@ fn in_proj_operands(
     }
 }
 
-/// The spec of D (+)= A·Wᵀ: A `rows × k`, W `n × k`, both of type `ab`, packed.
-#[allow(clippy::too_many_arguments)]
-fn linear_spec(
-    rows: usize,
-    n: usize,
-    k: usize,
-    ab: ElemType,
-    d: ElemType,
-    ldd: usize,
-    accumulate: bool,
-    tf32: bool,
-) -> GemmSpec {
-    GemmSpec {
-        op: GemmOp::Linear,
-        rows,
-        n,
-        k,
-        ldd,
-        lda: 0,
-        ldw: 0,
-        a: ab,
-        w: ab,
-        d,
-        accumulate,
-        tf32,
-    }
-}
-
 /// The cuBLASLt products of a prefill of `rows` tokens that wants the last token's logits
 /// (in_proj, out_proj, the MLP's two, the head), as the `Pipe` methods below make them:
 /// what `Lt::warm` runs at start-up, so that the first prefill does not pay for loading
@@ -90,10 +62,11 @@ pub fn prefill_gemm_specs(
     let act = ElemType::of(dtype);
     let f32 = ElemType::F32;
     let (ab, k, _) = in_proj_operands(in_proj, opts.fast, act, d.d_model);
-    let spec = |rows, n, k, ab, ldd, acc| linear_spec(rows, n, k, ab, f32, ldd, acc, opts.tf32);
+    let spec =
+        |rows, n, k, ab, ldd, acc| GemmSpec::linear(rows, n, k, ab, f32, ldd, acc, opts.tf32);
     let proj = if proj_f16 { ElemType::F16 } else { f32 };
     let mut specs = vec![
-        linear_spec(rows, d.d_in_proj, k, ab, proj, proj_ld(d), false, opts.tf32),
+        GemmSpec::linear(rows, d.d_in_proj, k, ab, proj, proj_ld(d), false, opts.tf32),
         spec(rows, d.d_model, d.d_inner, act, d.d_model, true),
     ];
     let hid = d.mlp_hidden;
@@ -240,7 +213,7 @@ impl Pipe<'_> {
         acc: bool,
     ) -> Result<()> {
         let d_type = if d_f32 { ElemType::F32 } else { self.act() };
-        let spec = linear_spec(rows, n, k, self.act(), d_type, n, acc, self.opts.tf32);
+        let spec = GemmSpec::linear(rows, n, k, self.act(), d_type, n, acc, self.opts.tf32);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
@@ -257,7 +230,7 @@ impl Pipe<'_> {
         w: u64,
         (d, dt, ldd): (u64, ElemType, usize),
     ) -> Result<()> {
-        let spec = linear_spec(rows, n, k, ab, dt, ldd, false, self.opts.tf32);
+        let spec = GemmSpec::linear(rows, n, k, ab, dt, ldd, false, self.opts.tf32);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 

@@ -93,6 +93,35 @@ pub struct GemmSpec {
 }
 
 impl GemmSpec {
+    /// `D[rows, n] (+)= A[rows, k] · W[n, k]ᵀ` with A and W of type `ab`, packed; D's rows
+    /// `ldd` apart.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        rows: usize,
+        n: usize,
+        k: usize,
+        ab: ElemType,
+        d: ElemType,
+        ldd: usize,
+        accumulate: bool,
+        tf32: bool,
+    ) -> GemmSpec {
+        GemmSpec {
+            op: GemmOp::Linear,
+            rows,
+            n,
+            k,
+            ldd,
+            lda: 0,
+            ldw: 0,
+            a: ab,
+            w: ab,
+            d,
+            accumulate,
+            tf32,
+        }
+    }
+
     /// Whether cuBLAS transposes them, and the column-major shapes (rows, cols, ld), of
     /// cuBLAS's D = op(A)·op(B) with A = our W, B = our A (module doc).
     fn operands(&self) -> ([i32; 2], [(usize, usize, usize); 2]) {
@@ -655,9 +684,29 @@ impl Drop for Lt {
     }
 }
 
+/// `n` small pseudo-random values (in −0.5 … 0.5) of type `t`, as bytes, for benches and
+/// tests: not zeros, which would run the tensor cores at less power than real data and
+/// hide reduction-order differences.
+pub fn pseudo_random_bytes(t: ElemType, n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(n * t.size());
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let v = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+        match t {
+            ElemType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+            ElemType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            ElemType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{ElemType, GemmOp, GemmSpec, Lt};
+    use super::{pseudo_random_bytes, ElemType, GemmSpec, Lt};
     use crate::cpu::LogitsWant;
     use crate::cuda::context::Gpu;
     use crate::cuda::forward::prefill_gemm_specs;
@@ -701,25 +750,6 @@ mod tests {
         }
     }
 
-    /// Small pseudo-random values of type `t` (as bytes), not zeros: the tuning's bit
-    /// comparison needs outputs that differ where the reduction order does.
-    fn random_bytes(t: ElemType, n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let mut out = Vec::with_capacity(n * t.size());
-        for _ in 0..n {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let v = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            match t {
-                ElemType::F32 => out.extend_from_slice(&v.to_le_bytes()),
-                ElemType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
-                ElemType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-            }
-        }
-        out
-    }
-
     /// Tuned large products (gemm_tune) give the bits of the heuristic's first guess —
     /// in_proj's shape into f16, out_proj's adding into f32 (D must come out of the tuning
     /// as it went in), and one over MAX_TUNE_ROWS rows (tuned on its first rows) — and a
@@ -745,25 +775,14 @@ mod tests {
         ];
         let mut runs = Vec::new();
         for (i, &(rows, n, k, ab, dt, accumulate)) in shapes.iter().enumerate() {
-            let s = GemmSpec {
-                op: GemmOp::Linear,
-                rows,
-                n,
-                k,
-                ldd: n,
-                lda: 0,
-                ldw: 0,
-                a: ab,
-                w: ab,
-                d: dt,
-                accumulate,
-                tf32: false,
-            };
+            let s = GemmSpec::linear(rows, n, k, ab, dt, n, accumulate, false);
             let a = gpu
-                .upload(&random_bytes(ab, rows * k, 1 + i as u64))
+                .upload(&pseudo_random_bytes(ab, rows * k, 1 + i as u64))
                 .unwrap();
-            let w = gpu.upload(&random_bytes(ab, n * k, 7 + i as u64)).unwrap();
-            let d0 = random_bytes(dt, rows * n, 13 + i as u64);
+            let w = gpu
+                .upload(&pseudo_random_bytes(ab, n * k, 7 + i as u64))
+                .unwrap();
+            let d0 = pseudo_random_bytes(dt, rows * n, 13 + i as u64);
             let product = |lt: &Lt| {
                 let d = gpu.upload(&d0).unwrap();
                 lt.gemm(&gpu, &s, a.ptr, w.ptr, d.ptr).unwrap();

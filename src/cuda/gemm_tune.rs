@@ -225,23 +225,19 @@ fn same_bytes(gpu: &Gpu, x: u64, y: u64, bytes: usize) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::gemm::{ElemType, GemmOp};
+    use crate::cuda::gemm::ElemType;
 
     fn spec(rows: usize) -> GemmSpec {
-        GemmSpec {
-            op: GemmOp::Linear,
+        GemmSpec::linear(
             rows,
-            n: 3432,
-            k: 768,
-            ldd: 3432,
-            lda: 0,
-            ldw: 0,
-            a: ElemType::BF16,
-            w: ElemType::BF16,
-            d: ElemType::F16,
-            accumulate: false,
-            tf32: false,
-        }
+            3432,
+            768,
+            ElemType::BF16,
+            ElemType::F16,
+            3432,
+            false,
+            false,
+        )
     }
 
     #[test]
