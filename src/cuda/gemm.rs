@@ -148,6 +148,10 @@ struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
+    /// A product worth tuning, planned where it could not be timed (a side lane, e.g. the
+    /// start-up's warm-up, or inside a capture) with no choice kept: the heuristic's first
+    /// guess until the next call on the main stream plans it again.
+    untuned: bool,
 }
 
 pub struct Lt {
@@ -302,6 +306,7 @@ impl Lt {
             desc,
             layouts,
             algo: unsafe { std::mem::zeroed() },
+            untuned: false,
         };
         let algos: Vec<sys::cublasLtMatmulAlgo_t> = found
             [..count.clamp(0, MAX_CANDIDATES as i32) as usize]
@@ -338,7 +343,7 @@ impl Lt {
         let (mut plan, algos) = self.candidates(s)?;
         plan.algo = algos[0];
         let on = self.tuning.load(std::sync::atomic::Ordering::Relaxed);
-        if !on || lane != 0 || !tune::worth_tuning(s) {
+        if !on || !tune::worth_tuning(s) || algos.len() < 2 {
             return Ok(plan);
         }
         let key = tune::choice_key(s);
@@ -353,8 +358,9 @@ impl Lt {
         let capturing = !status.is_ok_and(|c| {
             c == cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
         });
-        if algos.len() < 2 || capturing {
-            return Ok(plan); // (nothing to choose, or no waiting inside a capture)
+        if lane != 0 || capturing {
+            plan.untuned = true; // (no waiting on a side lane or inside a capture)
+            return Ok(plan);
         }
         // Timed on at most MAX_TUNE_ROWS rows: the first ones of A and D.
         let sub = match s.rows > tune::MAX_TUNE_ROWS {
@@ -393,7 +399,7 @@ impl Lt {
         let t = match found {
             Ok(t) => t,
             Err(e) => {
-                // (scratch memory may be short: the first guess then, and a try next time)
+                // (scratch memory may be short: the first guess then, for this process)
                 crate::timeline::mark(|| format!("cuBLASLt tuning skipped: {e}"));
                 return Ok(plan);
             }
@@ -613,7 +619,7 @@ impl Lt {
             .plans
             .lock()
             .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
-        if !plans.contains_key(s) {
+        if plans.get(s).is_none_or(|p| p.untuned && lane == 0) {
             let p = self.plan(gpu, lane, s, (a, w, d))?;
             plans.insert(*s, p);
         }
@@ -752,8 +758,9 @@ mod tests {
 
     /// Tuned large products (gemm_tune) give the bits of the heuristic's first guess —
     /// in_proj's shape into f16, out_proj's adding into f32 (D must come out of the tuning
-    /// as it went in), and one over MAX_TUNE_ROWS rows (tuned on its first rows) — and a
-    /// second `Lt` takes the choices from the file without timing again.
+    /// as it went in), and one over MAX_TUNE_ROWS rows (tuned on its first rows) — also
+    /// when a side lane planned them first, and a second `Lt` takes the choices from the
+    /// file without timing again.
     /// `cargo test --release --features cuda --lib gemm_tuning -- --include-ignored`.
     #[test]
     #[ignore = "needs a CUDA device"]
@@ -791,6 +798,13 @@ mod tests {
                 out
             };
             let want = product(&plain);
+            // a plan made first on a side lane (the start-up's warm-up) is tuned later
+            tuned.warm(&gpu, 1, &[s]).unwrap();
+            assert_eq!(
+                tuned.tunings(),
+                i,
+                "{rows}×{n}×{k} was timed on a side lane"
+            );
             assert!(product(&tuned) == want, "{rows}×{n}×{k}: tuned bits differ");
             assert_eq!(tuned.tunings(), i + 1, "{rows}×{n}×{k} was not tuned");
             runs.push((s, a, w, d0, want));
