@@ -516,12 +516,14 @@ impl Lt {
     pub fn use_candidate(&self, s: &GemmSpec, i: usize) -> Result<()> {
         let (mut plan, algo) = self.candidate(s, i)?;
         plan.algo = algo;
-        let mut plans = self
-            .plans
-            .lock()
-            .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
-        plans.insert(*s, plan); // (the plan it replaces is dropped: its descriptors freed)
+        self.plans()?.insert(*s, plan); // (the plan it replaces is dropped: its descriptors freed)
         Ok(())
+    }
+
+    fn plans(&self) -> Result<std::sync::MutexGuard<'_, HashMap<GemmSpec, Plan>>> {
+        self.plans
+            .lock()
+            .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))
     }
 
     /// [`Lt::use_candidate`] with the candidate's K split in `splits` parts, summed in f32
@@ -551,11 +553,7 @@ impl Lt {
             return Ok(false);
         }
         plan.algo = algo;
-        let mut plans = self
-            .plans
-            .lock()
-            .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
-        plans.insert(*s, plan);
+        self.plans()?.insert(*s, plan);
         Ok(true)
     }
 
@@ -615,10 +613,7 @@ impl Lt {
             }
             ws[lane - 1].ptr
         };
-        let mut plans = self
-            .plans
-            .lock()
-            .map_err(|_| Error::Device("cuBLASLt plan cache poisoned".into()))?;
+        let mut plans = self.plans()?;
         if plans.get(s).is_none_or(|p| p.untuned && lane == 0) {
             let p = self.plan(gpu, lane, s, (a, w, d))?;
             plans.insert(*s, p);

@@ -302,10 +302,7 @@ mod tests {
         ));
         // one row of one layer's in_proj scaled until |W_i|₂·max|w|·√d_model passes 32752
         let mut w = Weights::synthetic(cfg, DType::BF16, 1).unwrap();
-        let norm_max = w.layers[1]
-            .norm
-            .iter()
-            .fold(0f64, |a, x| a.max(x.abs() as f64));
+        let norm_max = super::max_abs(&w.layers[1].norm);
         let root_d = (w.dims.d_model as f64).sqrt();
         let m = &mut w.layers[1].in_proj;
         let mut v = m.data.to_f32_vec();
