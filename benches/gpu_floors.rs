@@ -6,7 +6,9 @@
 //! at which each SM fills its shared memory from DRAM and from L2 while all do. Also how
 //! many clusters of each size fit at once with one block per SM, and how fast a large
 //! batch's f32 decode state can stream through at all (read and written once per layer,
-//! in mixer_step's blocks: the floor of decode at B=64), and what a decode step costs
+//! in mixer_step's blocks and in the shapes most likely to stream faster: the floor of
+//! decode at B=64), how short a B=1 step of the fused decode could be with infinitely fast
+//! projections (its hand-overs and the data each phase waits for), and what a decode step costs
 //! around its kernels: a CUDA graph shaped like the step (the token copied in, a one-block
 //! kernel, a cooperative grid, a head-sized kernel, the logits copied out) with kernels
 //! that do nothing, launched and waited for from the host.
@@ -135,6 +137,8 @@ fn main() -> Result<()> {
         }
     }
     state_stream(&gpu, &m.kernel("probe_state_stream")?)?;
+    stream_shapes(&gpu, &m)?;
+    decode_skeleton(&gpu, &m)?;
     step_round_trip(&gpu, &m, &handover)
 }
 
@@ -186,6 +190,131 @@ fn handovers(gpu: &Gpu, m: &Module, one_counter: &Kernel) -> Result<()> {
             split4 * 1e6,
             split16 * 1e6
         );
+    }
+    Ok(())
+}
+
+/// B=64's whole step of f32 state (24 layers · 24 heads · 64 sequences · 64 × 128, 1.21 GB)
+/// streamed in the shapes of kernels/probes_decode.cu: mixer_step's blocks in one launch
+/// for all layers, a grid walking the buffer (in place, read only, out of place), and bulk
+/// copies through shared memory. TB/s count every byte read and every byte written. What
+/// the best of them takes per step is the floor of decode at B=64 on this GPU.
+fn stream_shapes(gpu: &Gpu, m: &Module) -> Result<()> {
+    const ITEM: usize = 64 * 128 * 4;
+    const ITEMS: usize = 24 * 24 * 64;
+    const BYTES: usize = ITEM * ITEMS;
+    let (shaped, flat, bulk) = (
+        m.kernel("probe_state_stream")?,
+        m.kernel("probe_stream_flat")?,
+        m.kernel("probe_stream_bulk")?,
+    );
+    let buf = gpu.alloc::<u8>(2 * BYTES)?; // (the second half: the out-of-place copy's)
+    gpu.zero(buf.ptr, buf.bytes)?;
+    let sink = gpu.alloc::<f32>(1)?;
+    println!(
+        "\nB=64's step of f32 state ({:.2} GB read, as much written unless read only), shapes:",
+        BYTES as f64 / 1e9
+    );
+    println!(
+        "{:<58} {:>10} {:>8} {:>12}",
+        "shape", "µs/step", "TB/s", "k tokens/s"
+    );
+    let (scale, n4) = (1.0f32, (BYTES / 16) as i64);
+    let row = |what: &str, moved: usize, launch: &dyn Fn() -> Result<()>| -> Result<()> {
+        const ROUNDS: usize = 5;
+        let t = best(gpu, 0, &|_| {
+            for _ in 0..ROUNDS {
+                launch()?;
+            }
+            Ok(())
+        })? / ROUNDS as f64;
+        println!(
+            "{what:<58} {:>10.1} {:>8.2} {:>12.1}",
+            t * 1e6,
+            moved as f64 / t / 1e12,
+            64.0 / t / 1e3
+        );
+        Ok(())
+    };
+    let per_block = ITEM as i32;
+    row(
+        "mixer_step's blocks, every layer in one launch",
+        2 * BYTES,
+        &|| {
+            let args: [&dyn KArg; 3] = [&buf.ptr, &per_block, &scale];
+            gpu.launch(&shaped, (ITEMS as u32, 1, 1), THREADS, 0, false, &args)
+        },
+    )?;
+    for (mode, moved, what) in [
+        (0i32, 2 * BYTES, "in place"),
+        (1, BYTES, "read only"),
+        (2, 2 * BYTES, "out of place"),
+    ] {
+        for per_sm in [2u32, 4, 8] {
+            let grid = gpu.sms as u32 * per_sm;
+            row(
+                &format!("a grid of {per_sm} blocks per SM walking it, {what}"),
+                moved,
+                &|| {
+                    let args: [&dyn KArg; 5] = [&buf.ptr, &n4, &scale, &mode, &sink.ptr];
+                    gpu.launch(&flat, (grid, 1, 1), THREADS, 0, false, &args)
+                },
+            )?;
+        }
+    }
+    bulk.allow_smem(3 * ITEM)?;
+    for (item, per_sm) in [(ITEM, 2u32), (ITEM / 2, 4)] {
+        let (item_bytes, items) = (item as i32, (BYTES / item) as i32);
+        let grid = gpu.sms as u32 * per_sm;
+        row(
+            &format!(
+                "bulk copies of {} KB, 3 in flight, {per_sm} blocks per SM",
+                item / 1024
+            ),
+            2 * BYTES,
+            &|| {
+                let args: [&dyn KArg; 4] = [&buf.ptr, &item_bytes, &items, &scale];
+                gpu.launch(&bulk, (grid, 1, 1), THREADS, 3 * item as u32, false, &args)
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// A B=1 step of the fused decode without its projections' work (kernels/probes_decode.cu
+/// `probe_decode_skeleton`): per layer its three grid-wide hand-overs, alone and with the
+/// data each phase waits for. µs per layer, and per step of 24 layers.
+fn decode_skeleton(gpu: &Gpu, m: &Module) -> Result<()> {
+    let k = m.kernel("probe_decode_skeleton")?;
+    k.allow_smem(ONE_PER_SM as usize)?;
+    let (count, res, proj, y) = (
+        gpu.alloc::<u64>(1)?,
+        gpu.alloc::<f32>(768)?,
+        gpu.alloc::<f32>(3432)?,
+        gpu.alloc::<f32>(1536)?,
+    );
+    let state = gpu.alloc::<f32>(24 * 24 * 64 * 128)?;
+    for b in [&res, &proj, &y] {
+        gpu.zero(b.ptr, b.bytes)?;
+    }
+    gpu.zero(state.ptr, state.bytes)?;
+    println!(
+        "\na B=1 fused decode step without its projections' work ({} blocks, 3 hand-overs per layer):",
+        gpu.sms
+    );
+    println!("{:<44} {:>12} {:>14}", "", "µs/layer", "µs/24 layers");
+    for (data, what) in [
+        (0i32, "the hand-overs alone"),
+        (1, "with the data each phase waits for"),
+    ] {
+        let t = per_iter(gpu, 2400, &|n: i32| {
+            gpu.zero(count.ptr, 8)?;
+            let args: [&dyn KArg; 7] = [
+                &n, &count.ptr, &res.ptr, &proj.ptr, &y.ptr, &state.ptr, &data,
+            ];
+            gpu.launch_cooperative(&k, gpu.sms as u32, THREADS, ONE_PER_SM, false, &args)
+        })?;
+        println!("{what:<44} {:>12.2} {:>14.1}", t * 1e6, t * 24e6);
     }
     Ok(())
 }

@@ -430,7 +430,7 @@ macro_rules! karg {
         }
     )*};
 }
-karg!(u64, i32, u32, f32);
+karg!(u64, i64, i32, u32, f32);
 
 /// Raw device memory, freed on drop. `ptr` is the device address.
 pub struct DevBuf {

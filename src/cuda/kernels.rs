@@ -46,9 +46,10 @@ pub const TRAIN_SOURCES: [(&str, &str); 9] = [
 ];
 
 /// Hardware probes, not the model's (benches/gpu_floors.rs).
-pub const PROBE_SOURCES: [(&str, &str); 2] = [
+pub const PROBE_SOURCES: [(&str, &str); 3] = [
     ("cluster.cuh", include_str!("kernels/cluster.cuh")),
     ("probes.cu", include_str!("kernels/probes.cu")),
+    ("probes_decode.cu", include_str!("kernels/probes_decode.cu")),
 ];
 
 /// Which set of kernels a module holds.
