@@ -294,10 +294,9 @@ fn decode_skeleton(gpu: &Gpu, m: &Module) -> Result<()> {
         gpu.alloc::<f32>(1536)?,
     );
     let state = gpu.alloc::<f32>(24 * 24 * 64 * 128)?;
-    for b in [&res, &proj, &y] {
+    for b in [&res, &proj, &y, &state] {
         gpu.zero(b.ptr, b.bytes)?;
     }
-    gpu.zero(state.ptr, state.bytes)?;
     println!(
         "\na B=1 fused decode step without its projections' work ({} blocks, 3 hand-overs per layer):",
         gpu.sms

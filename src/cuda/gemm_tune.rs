@@ -285,6 +285,15 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// D's bytes after `lt`'s product of `s` (A and W at `a`, `w`) into D starting as `d0`.
+    fn product(gpu: &Gpu, lt: &Lt, s: &GemmSpec, (a, w): (u64, u64), d0: &[u8]) -> Vec<u8> {
+        let d = gpu.upload(d0).unwrap();
+        lt.gemm(gpu, s, a, w, d.ptr).unwrap();
+        let mut out = vec![0u8; d0.len()];
+        gpu.dtoh(d.ptr, &mut out).unwrap();
+        out
+    }
+
     /// Tuned large products (gemm_tune) give the bits of the heuristic's first guess —
     /// in_proj's shape into f16, out_proj's adding into f32 (D must come out of the tuning
     /// as it went in), and one over MAX_TUNE_ROWS rows (tuned on its first rows) — also
@@ -319,14 +328,7 @@ mod tests {
                 .upload(&pseudo_random_bytes(ab, n * k, 7 + i as u64))
                 .unwrap();
             let d0 = pseudo_random_bytes(dt, rows * n, 13 + i as u64);
-            let product = |lt: &Lt| {
-                let d = gpu.upload(&d0).unwrap();
-                lt.gemm(&gpu, &s, a.ptr, w.ptr, d.ptr).unwrap();
-                let mut out = vec![0u8; d0.len()];
-                gpu.dtoh(d.ptr, &mut out).unwrap();
-                out
-            };
-            let want = product(&plain);
+            let want = product(&gpu, &plain, &s, (a.ptr, w.ptr), &d0);
             // a plan made first on a side lane (the start-up's warm-up) is tuned later
             tuned.warm(&gpu, 1, &[s]).unwrap();
             assert_eq!(
@@ -334,19 +336,18 @@ mod tests {
                 i,
                 "{rows}×{n}×{k} was timed on a side lane"
             );
-            assert!(product(&tuned) == want, "{rows}×{n}×{k}: tuned bits differ");
+            assert!(
+                product(&gpu, &tuned, &s, (a.ptr, w.ptr), &d0) == want,
+                "{rows}×{n}×{k}: tuned bits differ"
+            );
             assert_eq!(tuned.tunings(), i + 1, "{rows}×{n}×{k} was not tuned");
             runs.push((s, a, w, d0, want));
         }
         let again = Lt::with_choices_file(&gpu, Some(file)).unwrap();
         again.set_tuning(true);
         for (s, a, w, d0, want) in &runs {
-            let d = gpu.upload(d0).unwrap();
-            again.gemm(&gpu, s, a.ptr, w.ptr, d.ptr).unwrap();
-            let mut out = vec![0u8; d0.len()];
-            gpu.dtoh(d.ptr, &mut out).unwrap();
             assert!(
-                out == *want,
+                product(&gpu, &again, s, (a.ptr, w.ptr), d0) == *want,
                 "{}×{}×{}: the kept choice's bits differ",
                 s.rows,
                 s.n,

@@ -134,20 +134,15 @@ extern "C" __global__ void probe_stream_bulk(float* p, int item_bytes, int items
 #define PD_ITEMS (2 * PD_HEADS)
 #define PD_TILES (PD_D / 16)
 
-__device__ __forceinline__ unsigned long long pd_load_acquire(const unsigned long long* p) {
-    unsigned long long v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // The fused decode's hand-over (kernels/decode_layers.cu): arrivals counted at `count`
-// (zeroed by the host), thread 32 polls until it reaches `before`.
+// (zeroed by the host), thread 32 polls until it reaches `before` (probe_load_acquire:
+// probes.cu, compiled with this file).
 struct PdPhases {
     unsigned long long* count;
     unsigned long long before;
     __device__ __forceinline__ void wait() const {
         if (threadIdx.x == 32)
-            while (pd_load_acquire(count) < before) {
+            while (probe_load_acquire(count) < before) {
             }
         __syncthreads();
     }

@@ -521,7 +521,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
         float yacc[TileY::T][4];
         // The gate's z (and x) are loaded before both of Y's products, so that their
         // latency hides behind them. (Loaded just before Y += M·X, they were waited for:
-        // 5 % of the stall samples, B=8 T=4096 24.40 → 23.97 ms on an H100; loaded before
+        // 8 % of the stall samples, B=8 T=4096 24.40 → 23.97 ms on an H100; loaded before
         // M = Q̃K̃ᵀ, the registers held that long cost more than they gained.)
         float xz[TileY::T][2][2][2];  // [tile][row half][x | z][column]
         if (OUT) load_gate_inputs(A, start, len, h, y_rb, y_first, y_nt, xz);
