@@ -20,7 +20,10 @@
 
 use cudarc::driver::CudaGraph;
 use mamba3::cuda::context::{dev_err, Gpu, KArg, Kernel, PinnedBuf};
-use mamba3::cuda::kernels::{KernelConfig, Module, Program};
+use mamba3::cuda::kernels::{KernelConfig, Module};
+
+#[path = "kernels/program.rs"]
+mod probe_kernels;
 use mamba3::error::Result;
 use std::time::Instant;
 
@@ -50,7 +53,7 @@ fn per_iter(gpu: &Gpu, n: i32, launch: &dyn Fn(i32) -> Result<()>) -> Result<f64
 
 fn main() -> Result<()> {
     let gpu = Gpu::new(0)?;
-    let (m, _) = Module::load(&gpu, Program::Probes, &KernelConfig { defines: vec![] })?;
+    let (m, _) = Module::load(&gpu, probe_kernels::PROBES, &KernelConfig { defines: vec![] })?;
     let kernel = |name| -> Result<Kernel> {
         let k = m.kernel(name)?;
         k.allow_smem(ONE_PER_SM as usize)?;

@@ -17,13 +17,7 @@ fn start() -> Instant {
 
 /// The timeline's level: 0 off, 1 stages, 2 stages and every GPU step (synchronising).
 pub fn level() -> u8 {
-    static LEVEL: OnceLock<u8> = OnceLock::new();
-    *LEVEL.get_or_init(|| {
-        std::env::var("MAMBA3_TIMELINE")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    })
+    crate::options::env().timeline
 }
 
 /// Note the process start (the first call sets the origin; `main` makes it early).

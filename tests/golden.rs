@@ -28,18 +28,24 @@ fn state_tol(dtype: DType) -> f64 {
 }
 
 fn check_states(name: &str, g: &Golden, state: &State, tol: f64, what: &str) {
-    for (l, ls) in state.to_host().unwrap().iter().enumerate() {
-        let gold = |f: &str| g.tensor(&format!("state.{l}.{f}"));
-        let errs = [
-            ("ssm", rel_l2(&to_f64(&ls.ssm), &gold("ssm"))),
-            ("k", rel_l2(&to_f64(&ls.k), &gold("k"))),
-            ("v", rel_l2(&to_f64(&ls.v), &gold("v"))),
-            ("angle", rel_l2_angles(&to_f64(&ls.angle), &gold("angle"))),
-        ];
-        for (f, e) in errs {
+    // Every tensor of the state's layout (Mamba-3: angle, ssm, k, v) against the golden
+    // tensor of the same name; angles are compared modulo 2π.
+    let layout = state.layout().clone();
+    let host = state.to_host().unwrap();
+    for l in 0..layout.n_layer {
+        for (i, t) in layout.tensors.iter().enumerate() {
+            let off = layout.offset_in_layer(i);
+            let got = to_f64(&host.layer(l)[off..off + t.len()]);
+            let gold = g.tensor(&layout.file_name(l, i));
+            let e = if t.name == "angle" {
+                rel_l2_angles(&got, &gold)
+            } else {
+                rel_l2(&got, &gold)
+            };
             assert!(
                 e <= tol,
-                "{name} {what}: state.{l}.{f} rel L2 {e:e} > {tol:e}"
+                "{name} {what}: state.{l}.{} rel L2 {e:e} > {tol:e}",
+                t.name
             );
         }
     }

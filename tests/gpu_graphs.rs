@@ -25,7 +25,7 @@ fn primed(m: &Model, n: usize) -> Vec<State> {
         .collect()
 }
 
-fn hosts(states: &[State]) -> Vec<Vec<mamba3::cpu::LayerState<f32>>> {
+fn hosts(states: &[State]) -> Vec<mamba3::model::state_layout::StateBuf<f32>> {
     states.iter().map(|s| s.to_host().unwrap()).collect()
 }
 

@@ -16,9 +16,10 @@
 #![cfg(feature = "cuda")]
 
 mod gpu;
-use mamba3::cuda::kernels::{
-    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, Program, ScanMath, KERNEL_NAMES,
-};
+#[path = "../benches/kernels/program.rs"]
+mod probe_kernels;
+use mamba3::cuda::kernels::{compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath};
+use mamba3::mixers::mamba3::cuda::program::{INFERENCE, KERNEL_NAMES, TRAINING};
 use mamba3::model::DType;
 use std::path::PathBuf;
 
@@ -110,7 +111,7 @@ fn every_kernel_compiles_under_nvrtc() {
             // every mode for the benchmark shape (and once for Ampere), the main modes
             // for the others
             let main = matches!(scan, ScanMath::F32 | ScanMath::Half) || dtype == DType::BF16;
-            let inference = Program::Inference;
+            let inference = INFERENCE;
             if *what == "bench" || main {
                 let name = format!("{what} {dtype:?} {scan:?}");
                 jobs.push((name, inference, kc.clone(), "sm_90a"));
@@ -129,13 +130,13 @@ fn every_kernel_compiles_under_nvrtc() {
                 (DType::F32, ScanMath::F32) | (DType::BF16, ScanMath::Tf32)
             ) {
                 let name = format!("{what} {dtype:?} {scan:?} training");
-                jobs.push((name, Program::Training, kc, "sm_90a"));
+                jobs.push((name, TRAINING, kc, "sm_90a"));
             }
         }
     }
     // the hardware probes of benches/gpu_floors.rs (no model constants)
     let probes = KernelConfig { defines: vec![] };
-    jobs.push(("probes".into(), Program::Probes, probes, "sm_90a"));
+    jobs.push(("probes".into(), probe_kernels::PROBES, probes, "sm_90a"));
     if let Ok(only) = std::env::var("MAMBA3_COMPILE_ONLY") {
         jobs.retain(|(what, ..)| what.contains(only.as_str()));
         assert!(
@@ -169,7 +170,7 @@ fn every_kernel_compiles_under_nvrtc() {
                 };
                 match compile_cubin(*program, kc, arch) {
                     Ok((cubin, log)) if !cubin.is_empty() && !log.contains("warning") => {
-                        if *program == Program::Inference {
+                        if *program == INFERENCE {
                             let names: Vec<&str> = KERNEL_NAMES
                                 .into_iter()
                                 .filter(|n| has_entry(&cubin, n))
@@ -210,7 +211,7 @@ fn every_kernel_compiles_under_nvrtc() {
         let parts: Vec<_> = entries.iter().filter(|(k, ..)| k == key).collect();
         assert_eq!(
             parts.len(),
-            Program::Inference.parts().len(),
+            INFERENCE.parts().len(),
             "{what} {arch}"
         );
         let half = kc.define("ACT") != Some("0");

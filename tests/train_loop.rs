@@ -5,7 +5,7 @@
 mod common;
 use common::{sentences_text, short_run};
 
-use mamba3::cpu::Reference;
+use mamba3::mixers::mamba3::Reference;
 use mamba3::model::rng::Rng;
 use mamba3::model::{Config, DType, Weights};
 use mamba3::train::data::Dataset;
@@ -57,7 +57,7 @@ fn training_forward_matches_the_oracle() {
     let oracle = Reference::<f64>::new(&w);
     let mut total = 0.0;
     for win in &wins {
-        let mut st = mamba3::cpu::zero_state(&w.dims);
+        let mut st = mamba3::mixers::mamba3::state::zero_state(&w.dims);
         let logits = oracle.run(&win[..21], &mut st);
         for (l, &t) in logits.iter().zip(&win[1..]) {
             let m = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

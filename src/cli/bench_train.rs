@@ -63,7 +63,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(n) => {
-            let t = crate::cuda::train::CudaTrainer::new(&cfg, a.dtype, n)?;
+            let t = crate::train::cuda::CudaTrainer::new(&cfg, a.dtype, n)?;
             let name = t.device_name();
             bench(&a, &cfg, t, name)
         }

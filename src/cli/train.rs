@@ -258,7 +258,7 @@ pub fn run(a: Args) -> Result<()> {
                 Some((run, _)) => run.model.clone(),
                 None => crate::train::trainer::saved_run(&a.out)?.model,
             };
-            let backend = crate::cuda::train::CudaTrainer::new(&config, a.dtype, n)?;
+            let backend = crate::train::cuda::CudaTrainer::new(&config, a.dtype, n)?;
             train_with(a, fresh, backend)
         }
         #[cfg(not(feature = "cuda"))]

@@ -1,19 +1,13 @@
-//! The CPU backend: the token-by-token reference (the oracle) and the fast paths —
-//! chunked prefill on a real GEMM, threaded with rayon, and the batched decode step.
+//! Shared CPU machinery: the arithmetic types, the scalar activations, fast `exp` and
+//! `sin/cos`, SIMD dot products, the GEMM and weight-streaming matmul, and the small
+//! differentiable ops training uses. No mixer lives here: each mixer's CPU paths are in its
+//! own folder under `crate::mixers`.
 
 pub mod fastmath;
-pub mod forward;
 pub mod math;
 pub mod matmul;
-pub mod mixer;
-pub mod prefill;
+pub mod ops;
 pub mod real;
-pub mod reference;
 pub mod simd;
-pub mod state;
-pub mod step;
 
-pub use forward::{CpuModel, LogitsWant};
 pub use real::Real;
-pub use reference::Reference;
-pub use state::{zero_state, LayerState, SeqState};

@@ -42,7 +42,7 @@ pub struct Gpu {
     /// The most dynamic shared memory one block may ask for.
     pub max_smem: usize,
     /// Buffers of dropped sequence states, for the next ones.
-    pub state_pool: super::state::StatePool,
+    pub state_pool: super::pool::StatePool,
 }
 
 impl Gpu {
@@ -62,7 +62,7 @@ impl Gpu {
             .map_err(|e| dev_err("creating a stream", e))?;
         let (least, greatest) = result::stream::get_priority_range()
             .map_err(|e| dev_err("reading the stream priority range", e))?;
-        let prioritised = std::env::var("MAMBA3_GPU_LANE_PRIORITY").map_or(true, |v| v != "0");
+        let prioritised = crate::options::env().lane_priority;
         let side = (0..MAX_LANES)
             .map(|_| ctx.new_stream_with_priority(if prioritised { greatest } else { least }))
             .collect::<std::result::Result<Vec<_>, _>>()

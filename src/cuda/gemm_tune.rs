@@ -41,7 +41,7 @@ pub type AlgoWords = [u64; 8];
 
 /// Whether tuning is on (`MAMBA3_GPU_GEMM_TUNE`, default on).
 pub fn enabled_by_env() -> bool {
-    std::env::var("MAMBA3_GPU_GEMM_TUNE").map_or(true, |v| v != "0")
+    crate::options::env().gemm_tune
 }
 
 /// Whether `s` is large enough to tune.

@@ -10,107 +10,45 @@
 //! else `/usr/local/cuda/include`.
 
 use super::context::{dev_err, Gpu, Kernel};
-use super::scan::ScanKernels;
 use crate::error::{Error, Result};
 use crate::model::weights::Fnv;
-use crate::model::{Config, DType, Dims};
+use crate::model::{DType, Dims};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::path::PathBuf;
 
-/// Every kernel source, in the order they are concatenated into one program.
-pub const SOURCES: [(&str, &str); 10] = [
-    ("common.cuh", include_str!("kernels/common.cuh")),
-    ("dense.cu", include_str!("kernels/dense.cu")),
-    ("gemv.cu", include_str!("kernels/gemv.cu")),
-    ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
-    ("scan_tiles.cuh", include_str!("kernels/scan_tiles.cuh")),
-    ("scan_phases.cuh", include_str!("kernels/scan_phases.cuh")),
-    ("scan_inputs.cuh", include_str!("kernels/scan_inputs.cuh")),
-    ("scan.cu", include_str!("kernels/scan.cu")),
-    ("step.cu", include_str!("kernels/step.cu")),
-    ("decode_layers.cu", include_str!("kernels/decode_layers.cu")),
-];
+/// The kernels every model shares: constants and helpers (`common.cuh`), the embedding and
+/// row kernels (`dense.cu`), and the weight-streaming GEMVs of decode (`gemv.cu`).
+pub const COMMON: (&str, &str) = ("common.cuh", include_str!("kernels/common.cuh"));
+pub const DENSE: (&str, &str) = ("dense.cu", include_str!("kernels/dense.cu"));
+pub const GEMV: (&str, &str) = ("gemv.cu", include_str!("kernels/gemv.cu"));
+/// The training program's row kernels: the backward of the norms, SwiGLU, embedding and
+/// cross-entropy, column sums, the gradient norm and AdamW.
+pub const TRAIN: (&str, &str) = ("train.cu", include_str!("kernels/train.cu"));
 
-/// The training program: the forward's row and scan kernels plus the backward and the
-/// optimiser (src/cuda/train).
-pub const TRAIN_SOURCES: [(&str, &str); 9] = [
-    ("common.cuh", include_str!("kernels/common.cuh")),
-    ("dense.cu", include_str!("kernels/dense.cu")),
-    ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu")),
-    ("scan_tiles.cuh", include_str!("kernels/scan_tiles.cuh")),
-    ("scan_phases.cuh", include_str!("kernels/scan_phases.cuh")),
-    ("scan_inputs.cuh", include_str!("kernels/scan_inputs.cuh")),
-    ("scan.cu", include_str!("kernels/scan.cu")),
-    ("scan_bwd.cu", include_str!("kernels/scan_bwd.cu")),
-    ("train.cu", include_str!("kernels/train.cu")),
-];
-
-/// Hardware probes, not the model's (benches/gpu_floors.rs).
-pub const PROBE_SOURCES: [(&str, &str); 3] = [
-    ("cluster.cuh", include_str!("kernels/cluster.cuh")),
-    ("probes.cu", include_str!("kernels/probes.cu")),
-    ("probes_decode.cu", include_str!("kernels/probes_decode.cu")),
-];
-
-/// Which set of kernels a module holds.
+/// A set of kernels compiled as one NVRTC program: its sources in the order they are
+/// concatenated, and the parts it is compiled in, each on a thread of its own (`PART` in
+/// kernels/common.cuh; 0 is the whole program in one piece). NVRTC compiles a program on
+/// one core, so a large program split in parts starts faster (docs/decisions.md, "Kernels
+/// compiled in six parts"). A mixer defines its programs (e.g.
+/// `crate::mixers::mamba3::cuda::program`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Program {
-    Inference,
-    Training,
-    Probes,
+pub struct Program {
+    /// What the program is for, in messages.
+    pub name: &'static str,
+    /// Lines put before the sources (`#define`s that select the program's own code).
+    pub head: &'static str,
+    pub sources: &'static [(&'static str, &'static str)],
+    pub parts: &'static [u32],
 }
 
 impl Program {
-    fn sources(self) -> &'static [(&'static str, &'static str)] {
-        match self {
-            Program::Inference => &SOURCES,
-            Program::Training => &TRAIN_SOURCES,
-            Program::Probes => &PROBE_SOURCES,
-        }
-    }
-
-    /// The parts it is compiled in, each on a thread of its own (`PART` in
-    /// kernels/common.cuh): NVRTC compiles a program on one core, and the inference
-    /// program's 2 MB of cubin took ≈ 7.5 s on a freshly booted H200 machine (< 1 s on one
-    /// that had run a process before; docs/benchmarks.md). Each part keeps its own entry points, so the parts
-    /// together are the whole program; 0 is the whole program in one piece.
     pub fn parts(self) -> &'static [u32] {
-        match self {
-            Program::Inference => &[1, 2, 3, 4, 5, 6],
-            Program::Training | Program::Probes => &[0],
-        }
+        self.parts
     }
-
-    /// What the program is for, in an error message.
     fn what(self) -> &'static str {
-        match self {
-            Program::Inference => "inference",
-            Program::Training => "training",
-            Program::Probes => "probe",
-        }
+        self.name
     }
 }
-
-/// The kernels a module exports (`gemv_tc_*` and `decode_layers*` only for 16-bit models).
-pub const KERNEL_NAMES: [&str; 17] = [
-    "embed",
-    "rms_norm_rows",
-    "swiglu_rows",
-    "gemv_dmodel",
-    "gemv_dinner",
-    "gemv_hidden",
-    "gemv_tc_dmodel",
-    "gemv_tc_dinner",
-    "gemv_tc_hidden",
-    "prefill_pre",
-    "angle_pass",
-    "scan_states",
-    "scan_outputs",
-    "scan_pass",
-    "mixer_step",
-    "decode_layers8",
-    "decode_layers16",
-];
 
 /// How the chunk products of the scan are computed (`SCAN_MMA` in kernels/scan.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -132,95 +70,13 @@ pub struct KernelConfig {
 }
 
 impl KernelConfig {
-    /// The constants of one model's kernels (`Half` scan math means TF32 for f32 models).
-    pub fn new(cfg: &Config, dims: &Dims, dtype: DType, scan: ScanMath) -> Result<KernelConfig> {
-        let d = dims;
-        let act = match dtype {
-            DType::F32 => 0,
-            DType::BF16 => 1,
-            DType::F16 => 2,
-            DType::F64 => {
-                return Err(Error::Device(
-                    "the GPU runs f32, bf16 or f16 models, not f64".into(),
-                ))
-            }
-        };
-        let scan = match scan {
-            ScanMath::Half | ScanMath::F16 if dtype == DType::F32 => ScanMath::Tf32,
-            ScanMath::F16 if dtype == DType::F16 => ScanMath::Half,
-            s => s,
-        };
-        // The scan's tiles (kernels/scan.cu) hold at most 128 rows.
-        for (what, v) in [("chunk_size", d.chunk_len), ("headdim", d.headdim)] {
-            if v > 128 {
-                return Err(Error::Device(format!(
-                    "the GPU scan supports {what} up to 128; this model has {v}"
-                )));
-            }
-        }
-        if !d.d_state.is_multiple_of(4) {
-            return Err(Error::Device(format!(
-                "d_state {} is not a multiple of 4, which the GPU kernels need",
-                d.d_state
-            )));
-        }
-        // Rotation pairs are read as float4s (two angles at a time), and each block of a
-        // layer's state ([angle H·S | ssm | k | v], common.cuh) must start 16-byte aligned.
-        let aligned = d.num_rope_angles.is_multiple_of(2)
-            && (d.nheads * d.num_rope_angles).is_multiple_of(4)
-            && d.d_inner.is_multiple_of(4);
-        if !aligned {
-            return Err(Error::Device(format!(
-                "the GPU kernels need an even number of rotary angles with nheads·angles and \
-                 d_inner multiples of 4; this model has {} angles, {} heads, d_inner {}",
-                d.num_rope_angles, d.nheads, d.d_inner
-            )));
-        }
-        let i = |k: &str, v: usize| (k.to_string(), v.to_string());
-        let defines = vec![
-            i("D_MODEL", d.d_model),
-            i("D_INNER", d.d_inner),
-            i("NHEADS", d.nheads),
-            i("HEADDIM", d.headdim),
-            i("DSTATE", d.d_state),
-            i("NGROUPS", d.ngroups),
-            i("NANGLES", d.num_rope_angles),
-            i("D_IN_PROJ", d.d_in_proj),
-            i("PROJ_LD", proj_ld(d)),
-            i("CHUNK", d.chunk_len),
-            i("VOCAB_PADDED", d.vocab_padded),
-            i("MLP_HIDDEN", d.mlp_hidden),
-            i("OUTNORM", usize::from(cfg.ssm_cfg.is_outproj_norm)),
-            i(
-                "A_ACT",
-                match cfg.ssm_cfg.a_activation {
-                    crate::model::config::AActivation::HeavyTail => 0,
-                    crate::model::config::AActivation::Softplus => 1,
-                },
-            ),
-            ("A_FLOOR".into(), f32_literal(cfg.ssm_cfg.a_floor as f32)),
-            (
-                "NORM_EPS".into(),
-                f32_literal(crate::model::config::NORM_EPS as f32),
-            ),
-            i("ACT", act),
-            i("SCAN_MMA", scan as usize),
-            // An untied embedding is kept in f32 (model::weights `storage_dtype`).
-            i(
-                "EMBED_F32",
-                usize::from(dtype == DType::F32 || !cfg.tie_embeddings),
-            ),
-        ];
-        Ok(KernelConfig { defines }.tuned())
-    }
-
     /// The same with the constant `k` set to `v`, unless `MAMBA3_GPU_DEFINES` sets it.
     pub fn with(mut self, k: &str, v: &str) -> KernelConfig {
         self.set(k, v);
         self.tuned()
     }
 
-    fn tuned(mut self) -> KernelConfig {
+    pub(crate) fn tuned(mut self) -> KernelConfig {
         self.tuning_from_env();
         self
     }
@@ -228,7 +84,7 @@ impl KernelConfig {
     /// `MAMBA3_GPU_DEFINES="NAME=VALUE ..."`: kernel constants added or overridden, for
     /// measuring a tuning variant without a rebuild (part of the cache key like the rest).
     fn tuning_from_env(&mut self) {
-        let Ok(extra) = std::env::var("MAMBA3_GPU_DEFINES") else {
+        let Some(extra) = &crate::options::env().gpu_defines else {
             return;
         };
         for item in extra.split([' ', ',']).filter(|s| !s.is_empty()) {
@@ -296,19 +152,15 @@ pub fn proj_ld(d: &Dims) -> usize {
 }
 
 /// An f32 constant written so that NVRTC reads back exactly the same bits.
-fn f32_literal(v: f32) -> String {
+pub fn f32_literal(v: f32) -> String {
     format!("__int_as_float({:#010x})", v.to_bits())
 }
 
 /// The whole program: every source file, in order.
 pub fn program_source(program: Program) -> String {
-    // (the training program's backward keeps the forward's scan at 8 warps: scan_tiles.cuh)
-    let head = match program {
-        Program::Inference | Program::Probes => "",
-        Program::Training => "#define PROGRAM_TRAINING 1\n",
-    };
+    let head = program.head;
     let body: String = program
-        .sources()
+        .sources
         .iter()
         .map(|(name, text)| format!("// ---- {name}\n{text}\n"))
         .collect();
@@ -419,8 +271,8 @@ pub fn compile_cubin(
 }
 
 pub(super) fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("MAMBA3_KERNEL_CACHE") {
-        return Some(PathBuf::from(d));
+    if let Some(d) = &crate::options::env().kernel_cache {
+        return Some(d.clone());
     }
     let base = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
@@ -597,93 +449,3 @@ impl<'g> Module<'g> {
     }
 }
 
-/// One model's kernels, loaded on the device.
-pub struct Kernels {
-    pub embed: Kernel,
-    pub rms_norm_rows: Kernel,
-    pub swiglu_rows: Option<Kernel>,
-    /// decode GEMVs by input width: d_model, d_inner, MLP hidden
-    pub gemv_dmodel: Kernel,
-    pub gemv_dinner: Kernel,
-    pub gemv_hidden: Option<Kernel>,
-    /// the tensor-core GEMVs (16-bit models), by input width, with their shared memory
-    /// for batches of ≤ 8 and ≤ 16 rows
-    pub gemv_tc: [Option<(Kernel, [u32; 2])>; 3],
-    /// the prefill's chunked mixer (src/cuda/scan.rs)
-    pub scan: ScanKernels,
-    pub mixer_step: Kernel,
-    /// every layer of a decode step in one cooperative launch (16-bit models), for
-    /// batches of ≤ 8 and of ≤ 16 rows, with its shared memory
-    pub decode_layers: [Option<(Kernel, u32)>; 2],
-    pub config: KernelConfig,
-    /// Whether the cubin came from the disk cache.
-    pub from_cache: bool,
-}
-
-impl Kernels {
-    pub fn load(gpu: &Gpu, cfg: &KernelConfig) -> Result<Kernels> {
-        let (module, from_cache) = Module::load(gpu, Program::Inference, cfg)?;
-        let get = |name| module.kernel(name);
-        let global = |name: &str| module.global(name);
-        let mlp = cfg.has_mlp();
-        // A kernel of 16-bit models only, when this shape compiled it.
-        let half_only = |name: &str| cfg.define("ACT") != Some("0") && module.has(name);
-        let tc = |name: &'static str| -> Result<Option<(Kernel, [u32; 2])>> {
-            if !half_only(name) {
-                return Ok(None);
-            }
-            let smem = [
-                global(&format!("{name}_smem8"))?,
-                global(&format!("{name}_smem16"))?,
-            ];
-            Ok(Some((get(name)?, smem)))
-        };
-        let gemv_tc = [
-            tc("gemv_tc_dmodel")?,
-            tc("gemv_tc_dinner")?,
-            if mlp { tc("gemv_tc_hidden")? } else { None },
-        ];
-        let fused = |name: &'static str| -> Result<Option<(Kernel, u32)>> {
-            if !half_only(name) {
-                return Ok(None);
-            }
-            Ok(Some((get(name)?, global(&format!("{name}_smem"))?)))
-        };
-        let decode_layers = [fused("decode_layers8")?, fused("decode_layers16")?];
-        let k = Kernels {
-            embed: get("embed")?,
-            rms_norm_rows: get("rms_norm_rows")?,
-            swiglu_rows: mlp.then(|| get("swiglu_rows")).transpose()?,
-            gemv_dmodel: get("gemv_dmodel")?,
-            gemv_dinner: get("gemv_dinner")?,
-            gemv_hidden: mlp.then(|| get("gemv_hidden")).transpose()?,
-            gemv_tc,
-            scan: ScanKernels::load(gpu, &module)?,
-            mixer_step: get("mixer_step")?,
-            decode_layers,
-            config: cfg.clone(),
-            from_cache,
-        };
-        let gemv_smem = gpu.max_smem - 1024;
-        let mut sized = vec![(&k.gemv_dmodel, gemv_smem), (&k.gemv_dinner, gemv_smem)];
-        if let Some(g) = &k.gemv_hidden {
-            sized.push((g, gemv_smem));
-        }
-        for (g, smem) in k.decode_layers.iter().flatten() {
-            if *smem as usize <= gpu.max_smem {
-                sized.push((g, *smem as usize));
-            }
-        }
-        for (g, smem) in k.gemv_tc.iter().flatten() {
-            if smem[1] as usize <= gpu.max_smem {
-                sized.push((g, smem[1] as usize));
-            } else if smem[0] as usize <= gpu.max_smem {
-                sized.push((g, smem[0] as usize));
-            }
-        }
-        for (kern, bytes) in sized {
-            kern.allow_smem(bytes)?;
-        }
-        Ok(k)
-    }
-}

@@ -9,13 +9,7 @@ use crate::model::DType;
 
 /// Whether probing is on for this process.
 pub fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        matches!(
-            std::env::var("MAMBA3_GPU_DEBUG").as_deref(),
-            Ok("1") | Ok("true") | Ok("on")
-        )
-    })
+    crate::options::env().gpu_debug
 }
 
 /// A matrix on the device to check: `rows × cols` elements, rows `ld` elements apart,

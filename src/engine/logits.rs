@@ -2,6 +2,17 @@
 //! [`StepLogits`], the rows of a decode step in a buffer that a serving loop keeps from
 //! step to step.
 
+/// Which positions' logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWant {
+    /// every position of every sequence
+    All,
+    /// the last position of each sequence
+    Last,
+    /// none (only advance the states)
+    None,
+}
+
 /// Logits of some positions: `[rows, vocab]` row-major, `vocab = vocab_padded` (the rows
 /// past `vocab_size` are padding and never a valid token).
 #[derive(Clone, Debug, PartialEq)]
@@ -80,7 +91,7 @@ impl StepLogits {
     #[cfg(feature = "cuda")]
     pub(crate) fn pinned(
         &mut self,
-        m: &crate::cuda::CudaModel,
+        m: &crate::engine::cuda::CudaModel,
         len: usize,
     ) -> crate::error::Result<&mut [f32]> {
         let fits = matches!(&self.buf, HostBuf::Pinned(p) if p.len() >= len);

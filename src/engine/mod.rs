@@ -2,12 +2,15 @@
 //! sequence, prefill (stateless or continued windows, batches of different lengths) and
 //! batched decode.
 
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod logits;
 pub mod model;
 pub mod state;
 
-pub use crate::cpu::LogitsWant;
+pub use logits::LogitsWant;
 pub use device::{Device, DeviceChoice};
 pub use logits::{Logits, StepLogits};
 pub use model::{GpuOptions, Model};

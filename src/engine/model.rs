@@ -4,9 +4,13 @@
 use super::device::Device;
 use super::logits::HostBuf;
 pub use super::logits::{Logits, StepLogits};
+pub use crate::options::GpuOptions;
 use super::state::{State, StateData};
-use crate::cpu::{CpuModel, LogitsWant};
+use super::cpu::CpuModel;
+use super::logits::LogitsWant;
 use crate::error::{Error, Result};
+use crate::mixers::{state_layout, MixerKind};
+use crate::model::state_layout::{StateBuf, StateLayout};
 use crate::model::{Config, DType, Dims, Weights};
 use std::path::Path;
 use std::sync::Arc;
@@ -14,11 +18,13 @@ use std::sync::Arc;
 enum Backend {
     Cpu(CpuModel<f32>),
     #[cfg(feature = "cuda")]
-    Cuda(Box<crate::cuda::CudaModel>),
+    Cuda(Box<crate::engine::cuda::CudaModel>),
 }
 
 pub struct Model {
     weights: Arc<Weights>,
+    /// The named tensors of a sequence's state (the mixer's).
+    state_layout: Arc<StateLayout>,
     device: Device,
     backend: Backend,
 }
@@ -29,66 +35,6 @@ pub const MAX_TOKENS_PER_PASS: usize = 8192;
 
 /// The same bound on a GPU, where memory is plentiful and larger passes run faster.
 pub const MAX_TOKENS_PER_PASS_GPU: usize = 65536;
-
-/// Numeric and launch options of a GPU model (ignored on the CPU). They can change at
-/// any time; CUDA graphs captured under other options refuse to replay.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GpuOptions {
-    /// f32 models: GEMMs and scan products on TF32 tensor cores instead of exact f32.
-    pub tf32: bool,
-    /// bf16/f16 models: the prefill scan's products on 16-bit tensor cores (operands
-    /// rounded to the model dtype) instead of TF32 — faster, a little less accurate (see
-    /// docs/benchmarks.md). For the rare model whose norm weights could overflow the f16
-    /// in_proj input, it also rounds that input to the model dtype instead of splitting it.
-    pub fast: bool,
-    /// Programmatic dependent launch between kernels (Hopper and newer).
-    pub pdl: bool,
-    /// 16-bit models, decode batches of up to 16: every layer of a step in one cooperative
-    /// launch (kernels/decode_layers.cu) instead of three or five launches per layer.
-    /// Bit-identical either way; it only changes the speed.
-    pub fused_decode: bool,
-    /// Decode batches that run one launch per kernel (larger than the fused step takes):
-    /// the rows are cut into this many lanes (1 … 4; 0 chooses by the batch size), each
-    /// running every layer on a stream of its own, so that one lane's latency-bound
-    /// projections overlap another's work (the head then runs once for the batch). Each
-    /// lane leaves the states the decode of its rows alone would.
-    pub decode_lanes: usize,
-}
-
-impl Default for GpuOptions {
-    fn default() -> Self {
-        GpuOptions {
-            tf32: false,
-            fast: false,
-            pdl: true,
-            fused_decode: true,
-            decode_lanes: 0,
-        }
-    }
-}
-
-impl GpuOptions {
-    /// The defaults, overridden by `MAMBA3_GPU_TF32=1`, `MAMBA3_GPU_FAST=1`,
-    /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`, `MAMBA3_GPU_DECODE_LANES=N`.
-    pub fn from_env() -> GpuOptions {
-        let flag = |k: &str, d: bool| match std::env::var(k).as_deref() {
-            Ok("1") | Ok("true") | Ok("on") => true,
-            Ok("0") | Ok("false") | Ok("off") => false,
-            _ => d,
-        };
-        let d = GpuOptions::default();
-        GpuOptions {
-            tf32: flag("MAMBA3_GPU_TF32", d.tf32),
-            fast: flag("MAMBA3_GPU_FAST", d.fast),
-            pdl: flag("MAMBA3_GPU_PDL", d.pdl),
-            fused_decode: flag("MAMBA3_GPU_FUSED_DECODE", d.fused_decode),
-            decode_lanes: std::env::var("MAMBA3_GPU_DECODE_LANES")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .map_or(d.decode_lanes, |n| n.min(4)),
-        }
-    }
-}
 
 fn no_graphs_on_cpu(what: &str) -> Error {
     Error::Device(format!(
@@ -125,8 +71,9 @@ impl Model {
                 .join()
                 .map_err(|_| Error::Device("opening the CUDA device panicked".into()))?;
             let weights = Arc::new(weights?);
-            let model = crate::cuda::CudaModel::on(gpu?, weights.clone())?;
+            let model = crate::engine::cuda::CudaModel::on(gpu?, weights.clone())?;
             return Ok(Model {
+                state_layout: Self::layout_of(&weights),
                 weights,
                 device,
                 backend: Backend::Cuda(Box::new(model)),
@@ -143,7 +90,7 @@ impl Model {
         let backend = match device {
             Device::Cpu => Backend::Cpu(CpuModel::new(weights.clone())),
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => Backend::Cuda(Box::new(crate::cuda::CudaModel::new(
+            Device::Cuda(ordinal) => Backend::Cuda(Box::new(crate::engine::cuda::CudaModel::new(
                 weights.clone(),
                 ordinal,
             )?)),
@@ -155,10 +102,20 @@ impl Model {
             }
         };
         Ok(Model {
+            state_layout: Self::layout_of(&weights),
             weights,
             device,
             backend,
         })
+    }
+
+    fn layout_of(w: &Weights) -> Arc<StateLayout> {
+        Arc::new(state_layout(MixerKind::of(&w.config), &w.dims))
+    }
+
+    /// The named tensors of one sequence's state.
+    pub fn state_layout(&self) -> &StateLayout {
+        &self.state_layout
     }
 
     pub fn weights(&self) -> &Weights {
@@ -196,18 +153,26 @@ impl Model {
 
     /// A fresh (zero) state for one sequence, on this model's device.
     pub fn new_state(&self) -> State {
-        let host = State::new_host(self.weights.fingerprint, self.weights.dims);
+        let host = State::new_host(self.weights.fingerprint, self.state_layout.clone());
         match &self.backend {
             Backend::Cpu(_) => host,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.new_state(self.weights.fingerprint),
+            // (a host state if device memory cannot be had now: it is moved to the device,
+            // or the error reported, at its first use)
+            Backend::Cuda(m) => match m.new_state(&self.state_layout) {
+                Ok(s) => State {
+                    data: StateData::Cuda(s),
+                    ..host
+                },
+                Err(_) => host,
+            },
         }
     }
 
     /// Load a state saved by [`State::save`] onto this model's device; refused if it
     /// belongs to another model.
     pub fn load_state(&self, path: &Path) -> Result<State> {
-        let mut s = State::load_host(path, self.weights.fingerprint, self.weights.dims)?;
+        let mut s = State::load_host(path, self.weights.fingerprint, self.state_layout.clone())?;
         self.place(&mut s)?;
         Ok(s)
     }
@@ -219,20 +184,20 @@ impl Model {
             (Backend::Cpu(_), StateData::Host(_)) => Ok(()),
             #[cfg(feature = "cuda")]
             (Backend::Cpu(_), StateData::Cuda(s)) => {
-                let host = s.to_host(&state.dims)?;
+                let host = s.to_host(&state.layout)?;
                 state.data = StateData::Host(Arc::new(host));
                 Ok(())
             }
             #[cfg(feature = "cuda")]
             (Backend::Cuda(m), StateData::Host(h)) => {
-                state.data = StateData::Cuda(m.upload_state(h)?);
+                state.data = StateData::Cuda(m.upload_state(&self.state_layout, h)?);
                 Ok(())
             }
             #[cfg(feature = "cuda")]
             (Backend::Cuda(m), StateData::Cuda(s)) => {
                 if !s.is_on(m.gpu()) {
-                    let host = s.to_host(&state.dims)?;
-                    state.data = StateData::Cuda(m.upload_state(&host)?);
+                    let host = s.to_host(&state.layout)?;
+                    state.data = StateData::Cuda(m.upload_state(&self.state_layout, &host)?);
                 }
                 Ok(())
             }
@@ -240,7 +205,7 @@ impl Model {
     }
 
     fn check_state(&self, s: &State, b: usize) -> Result<()> {
-        if s.model != self.weights.fingerprint || s.dims != self.weights.dims {
+        if s.model != self.weights.fingerprint || *s.layout != *self.state_layout {
             return Err(Error::State(format!(
                 "state {b} belongs to another model (fingerprint {:016x}, this model {:016x})",
                 s.model, self.weights.fingerprint
@@ -272,7 +237,7 @@ impl Model {
         states: &mut [&mut State],
         want: LogitsWant,
     ) -> Result<Vec<Logits>> {
-        crate::cpu::forward::check_batch(&self.weights, seqs, states.len())?;
+        super::cpu::check_batch(&self.weights, seqs, states.len())?;
         for (b, s) in states.iter_mut().enumerate() {
             self.check_state(s, b)?;
             self.place(s)?;
@@ -347,9 +312,9 @@ impl Model {
             Backend::Cuda(m) => {
                 let dst = out.pinned(m, tokens.len() * vp)?;
                 if m.decode_bucket(tokens.len())?.is_some() {
-                    m.decode_graph_into(tokens, states, dst)?;
+                    m.decode_graph_into(tokens, &mut cuda_states(states), dst)?;
                 } else {
-                    m.decode_eager_into(tokens, states, dst)?;
+                    m.decode_eager_into(tokens, &mut cuda_states(states), dst)?;
                 }
             }
         }
@@ -373,7 +338,7 @@ impl Model {
     }
 
     fn check_and_place(&self, seqs: &[&[u32]], states: &mut [&mut State]) -> Result<()> {
-        crate::cpu::forward::check_batch(&self.weights, seqs, states.len())?;
+        super::cpu::check_batch(&self.weights, seqs, states.len())?;
         for (b, s) in states.iter_mut().enumerate() {
             self.check_state(s, b)?;
             self.place(s)?;
@@ -430,7 +395,7 @@ impl Model {
         self.check_and_place(&seqs, states)?;
         #[cfg(feature = "cuda")]
         if let Backend::Cuda(m) = &self.backend {
-            let rows = m.decode_graph(tokens, states)?;
+            let rows = m.decode_graph(tokens, &mut cuda_states(states))?;
             for s in states.iter_mut() {
                 s.position += 1;
             }
@@ -471,7 +436,7 @@ impl Model {
         self.check_and_place(seqs, states)?;
         #[cfg(feature = "cuda")]
         if let Backend::Cuda(m) = &self.backend {
-            let rows = m.prefill_graph(seqs, states, want)?;
+            let rows = m.prefill_graph(seqs, &mut cuda_states(states), want)?;
             for (s, t) in states.iter_mut().zip(seqs) {
                 s.position += t.len() as u64;
             }
@@ -504,7 +469,7 @@ impl Model {
         let out = match &self.backend {
             Backend::Cpu(m) => m.forward(seqs, &mut host_states(states), want)?,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.forward(seqs, states, want)?,
+            Backend::Cuda(m) => m.forward(seqs, &mut cuda_states(states), want)?,
         };
         for (s, t) in states.iter_mut().zip(seqs) {
             s.position += t.len() as u64;
@@ -514,13 +479,25 @@ impl Model {
 }
 
 /// The host data of states placed on the host (each made unique: copy-on-write).
-fn host_states<'a>(states: &'a mut [&mut State]) -> Vec<&'a mut crate::cpu::SeqState<f32>> {
+fn host_states<'a>(states: &'a mut [&mut State]) -> Vec<&'a mut StateBuf<f32>> {
     states
         .iter_mut()
         .map(|s| match &mut s.data {
             StateData::Host(h) => Arc::make_mut(h),
             #[cfg(feature = "cuda")]
             StateData::Cuda(_) => unreachable!("placed on the host above"),
+        })
+        .collect()
+}
+
+/// The device data of states placed on a GPU.
+#[cfg(feature = "cuda")]
+fn cuda_states<'a>(states: &'a mut [&mut State]) -> Vec<&'a mut crate::engine::cuda::CudaState> {
+    states
+        .iter_mut()
+        .map(|s| match &mut s.data {
+            StateData::Cuda(c) => c,
+            StateData::Host(_) => unreachable!("placed on the device above"),
         })
         .collect()
 }
@@ -536,7 +513,7 @@ impl Model {
     /// Runs on the CPU backend whatever the model's device (on a CUDA model the state is
     /// brought to the host first and stays there until the next GPU call places it back).
     pub fn hidden(&self, tokens: &[u32], state: &mut State, want: LogitsWant) -> Result<Vec<f32>> {
-        crate::cpu::forward::check_batch(&self.weights, &[tokens], 1)?;
+        super::cpu::check_batch(&self.weights, &[tokens], 1)?;
         self.check_state(state, 0)?;
         #[cfg(feature = "cuda")]
         if let StateData::Cuda(_) = &state.data {

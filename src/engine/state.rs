@@ -1,15 +1,15 @@
-//! One sequence's recurrent state across all layers: per layer `angle [H,S]`,
-//! `ssm [H,P,N]`, `k [H,N]`, `v [H,P]`, all f32 (spec §3.1), plus the number of tokens it
-//! has consumed and the fingerprint of the model it belongs to.
+//! One sequence's recurrent state across all layers: the named f32 tensors the model's mixer
+//! keeps per layer (its [`StateLayout`]: Mamba-3 `angle`, `ssm`, `k`, `v`), plus the number
+//! of tokens it has consumed and the fingerprint of the model it belongs to. Nothing here
+//! knows which mixer it is: snapshots, files and the prefix cache work from the layout.
 //!
 //! A snapshot is a clone. Host states share their buffers until one side writes
 //! (copy-on-write), so snapshots for a prefix cache cost nothing until used. Saved files are
-//! safetensors holding `state.{l}.angle|ssm|k|v` and metadata naming the model; loading a
-//! state into a different model is refused.
+//! safetensors holding `state.{l}.{name}` and metadata naming the model; loading a state
+//! into a different model is refused.
 
-use crate::cpu::{zero_state, LayerState, SeqState};
 use crate::error::{Error, Result};
-use crate::model::config::Dims;
+use crate::model::state_layout::{StateBuf, StateLayout};
 use crate::model::tensor_file::{write_safetensors, RawTensor, TensorFile};
 use std::collections::HashMap;
 use std::path::Path;
@@ -20,28 +20,33 @@ pub const STATE_VERSION: &str = "1";
 
 #[derive(Clone)]
 pub enum StateData {
-    Host(Arc<SeqState<f32>>),
+    Host(Arc<StateBuf<f32>>),
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaState),
+    Cuda(crate::engine::cuda::CudaState),
 }
 
 #[derive(Clone)]
 pub struct State {
     pub(crate) model: u64,
-    pub(crate) dims: Dims,
+    pub(crate) layout: Arc<StateLayout>,
     pub(crate) position: u64,
     pub(crate) data: StateData,
 }
 
 impl State {
-    /// A fresh (all-zero) host state for a model with these dims and fingerprint.
-    pub(crate) fn new_host(model: u64, dims: Dims) -> State {
+    /// A fresh (all-zero) host state for a model with this layout and fingerprint.
+    pub(crate) fn new_host(model: u64, layout: Arc<StateLayout>) -> State {
         State {
             model,
-            dims,
+            data: StateData::Host(Arc::new(StateBuf::zeros(&layout))),
+            layout,
             position: 0,
-            data: StateData::Host(Arc::new(zero_state(&dims))),
         }
+    }
+
+    /// The named tensors it holds per layer.
+    pub fn layout(&self) -> &StateLayout {
+        &self.layout
     }
 
     /// Tokens consumed since the state was fresh.
@@ -56,40 +61,32 @@ impl State {
 
     /// Bytes the state occupies.
     pub fn bytes(&self) -> usize {
-        self.dims.n_layer * self.dims.state_elems_per_layer() * 4
+        self.layout.len() * 4
     }
 
     /// A copy of the state's values on the host.
-    pub fn to_host(&self) -> Result<SeqState<f32>> {
+    pub fn to_host(&self) -> Result<StateBuf<f32>> {
         match &self.data {
             StateData::Host(s) => Ok((**s).clone()),
             #[cfg(feature = "cuda")]
-            StateData::Cuda(s) => s.to_host(&self.dims),
+            StateData::Cuda(s) => s.to_host(&self.layout),
         }
     }
 
-    /// Named tensors as in the fixtures: `state.{l}.angle|ssm|k|v`.
+    /// Named tensors as in the fixtures: `state.{l}.{name}` (Mamba-3: `angle|ssm|k|v`).
     pub fn tensors(&self) -> Result<Vec<(String, RawTensor<'static>)>> {
-        let d = &self.dims;
+        let layout = &self.layout;
         let host = self.to_host()?;
         let mut out = Vec::new();
-        for (l, ls) in host.iter().enumerate() {
-            out.push((
-                format!("state.{l}.angle"),
-                RawTensor::from_f32(vec![d.nheads, d.num_rope_angles], &ls.angle),
-            ));
-            out.push((
-                format!("state.{l}.ssm"),
-                RawTensor::from_f32(vec![d.nheads, d.headdim, d.d_state], &ls.ssm),
-            ));
-            out.push((
-                format!("state.{l}.k"),
-                RawTensor::from_f32(vec![d.nheads, d.d_state], &ls.k),
-            ));
-            out.push((
-                format!("state.{l}.v"),
-                RawTensor::from_f32(vec![d.nheads, d.headdim], &ls.v),
-            ));
+        for l in 0..layout.n_layer {
+            let values = host.layer(l);
+            for (i, t) in layout.tensors.iter().enumerate() {
+                let off = layout.offset_in_layer(i);
+                out.push((
+                    layout.file_name(l, i),
+                    RawTensor::from_f32(t.shape.clone(), &values[off..off + t.len()]),
+                ));
+            }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
@@ -102,13 +99,13 @@ impl State {
         meta.insert("version".into(), STATE_VERSION.into());
         meta.insert("model_fingerprint".into(), format!("{:016x}", self.model));
         meta.insert("position".into(), self.position.to_string());
-        meta.insert("dims".into(), dims_text(&self.dims));
+        meta.insert("dims".into(), self.layout.describe());
         write_safetensors(path, &self.tensors()?, Some(meta))
     }
 
     /// Read a state file written by [`State::save`], checking that it belongs to the model
-    /// with `fingerprint` and `dims`. The result is a host state.
-    pub(crate) fn load_host(path: &Path, fingerprint: u64, dims: Dims) -> Result<State> {
+    /// with `fingerprint` and `layout`. The result is a host state.
+    pub(crate) fn load_host(path: &Path, fingerprint: u64, layout: Arc<StateLayout>) -> Result<State> {
         let file = TensorFile::open(path)?;
         let meta = file.metadata();
         let where_ = path.display();
@@ -125,7 +122,7 @@ impl State {
             return Err(Error::State(format!(
                 "{where_} belongs to another model (fingerprint {their}, dims {their_dims}); \
                  this model is {ours} ({})",
-                dims_text(&dims)
+                layout.describe()
             )));
         }
         let position = meta
@@ -136,45 +133,32 @@ impl State {
                     "{where_}: metadata `position` missing or not a number"
                 ))
             })?;
-        let mut layers = Vec::with_capacity(dims.n_layer);
-        for l in 0..dims.n_layer {
-            let mut ls = LayerState::<f32>::zeros(&dims);
-            for (field, buf) in [
-                ("angle", &mut ls.angle),
-                ("ssm", &mut ls.ssm),
-                ("k", &mut ls.k),
-                ("v", &mut ls.v),
-            ] {
-                let name = format!("state.{l}.{field}");
+        let mut host = StateBuf::<f32>::zeros(&layout);
+        for l in 0..layout.n_layer {
+            for (i, t) in layout.tensors.iter().enumerate() {
+                let name = layout.file_name(l, i);
                 let raw = file
                     .get(&name)
                     .ok_or_else(|| Error::State(format!("{where_}: tensor `{name}` is missing")))?;
-                let vals = raw.to_float(&name, crate::model::DType::F32)?.to_f32_vec();
-                if vals.len() != buf.len() {
+                if raw.shape != t.shape {
                     return Err(Error::Tensor {
                         name,
-                        expected: format!("{} elements", buf.len()),
+                        expected: format!("shape {:?}", t.shape),
                         found: format!("shape {:?}", raw.shape),
                     });
                 }
-                buf.copy_from_slice(&vals);
+                let vals = raw.to_float(&name, crate::model::DType::F32)?.to_f32_vec();
+                let off = layout.offset_in_layer(i);
+                host.layer_mut(l)[off..off + t.len()].copy_from_slice(&vals);
             }
-            layers.push(ls);
         }
         Ok(State {
             model: fingerprint,
-            dims,
+            layout,
             position,
-            data: StateData::Host(Arc::new(layers)),
+            data: StateData::Host(Arc::new(host)),
         })
     }
-}
-
-fn dims_text(d: &Dims) -> String {
-    format!(
-        "layers {} heads {} headdim {} d_state {} angles {}",
-        d.n_layer, d.nheads, d.headdim, d.d_state, d.num_rope_angles
-    )
 }
 
 impl std::fmt::Debug for State {

@@ -5,6 +5,7 @@ pub mod config;
 pub mod default_model;
 pub mod dtype;
 pub mod rng;
+pub mod state_layout;
 pub mod tensor_file;
 pub mod torch_bin;
 mod torch_pickle;

@@ -1,11 +1,11 @@
 //! Where a training step's arithmetic runs. The trainer only sees [`Backend`]: the CPU
 //! implementation below runs [`super::model::loss_and_grad`] in f32 and the optimiser on
-//! the host; the GPU one (`crate::cuda::train::CudaTrainer`) keeps the parameters, the
+//! the host; the GPU one (`crate::train::cuda::CudaTrainer`) keeps the parameters, the
 //! gradients and AdamW's moments on the device and brings them back in [`Backend::sync`].
 
 use super::model::{loss_and_grad, Batch};
 use super::optim::{clip_global_norm, scale, AdamW};
-use super::params::Params;
+use crate::mixers::mamba3::params::Params;
 use crate::error::{Error, Result};
 
 pub trait Backend {

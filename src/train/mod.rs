@@ -1,13 +1,12 @@
 //! Training: the Mamba-3 language model's backward on the CPU, AdamW, checkpoints with the
 //! optimiser state, and the `mamba3 train` loop.
 //!
-//! - [`params`]: trainable tensors by official name (f32 master weights, f64 for checks).
-//! - [`scan`], [`scan_backward`]: the mixer's chunked training forward and its exact
-//!   backward (the derivation is in `scan`'s module doc).
+//! The trainable tensors (`crate::mixers::mamba3::params`) and the mixer's chunked
+//! training forward and exact backward (`crate::mixers::mamba3::train`) live with the mixer.
 //! - [`model`]: the LM forward that keeps activations, the cross-entropy loss and the
 //!   backward through every layer.
 //! - [`backend`]: the [`backend::Backend`] trait the trainer calls; the CPU implements it,
-//!   a GPU backward slots in behind the same trait.
+//!   and [`cuda`] (`CudaTrainer`) on a GPU.
 //! - [`optim`]: AdamW with the official no-decay groups, global-norm clipping, warm-up +
 //!   cosine schedule.
 //! - [`tokenizer`]: the run's tokenizer — bytes, a byte-level BPE trained on the text with
@@ -18,17 +17,15 @@
 //! - [`plot`]: the loss-curve PNG.
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod model;
-pub mod ops;
 pub mod optim;
-pub mod params;
 pub mod plot;
-pub mod scan;
-pub mod scan_backward;
 pub mod tokenizer;
 pub mod trainer;
 
 pub use backend::{Backend, CpuBackend};
 pub use model::{loss_and_grad, Batch};
-pub use params::Params;
+pub use crate::mixers::mamba3::params::Params;

@@ -6,7 +6,7 @@
 //! function of (parameters, gradient, moments, step): resuming from saved moments lands
 //! bit for bit where the unbroken run would.
 
-use super::params::{decays, Params};
+use crate::mixers::mamba3::params::{decays, Params};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

@@ -14,7 +14,7 @@
 use super::backend::Backend;
 use super::data::{read_text, Dataset};
 use super::optim::{AdamW, AdamWConfig, Schedule};
-use super::params::Params;
+use crate::mixers::mamba3::params::Params;
 use super::tokenizer::{TokenizerSpec, TrainTokenizer};
 use crate::error::{Error, Result};
 use crate::model::config::Config;

@@ -7,29 +7,20 @@
 //! user's; activations stay in the arithmetic type `F` (on the CPU, rounding them to bf16
 //! would only cost accuracy: they are never stored in bulk).
 
-use super::math::{rms_norm, silu};
-use super::matmul::matmul_t;
-use super::mixer::MixerCtx;
-use super::prefill::{mixer_prefill, Span};
-use super::real::Real;
-use super::state::{zero_state, LayerState, SeqState};
-use super::step::mixer_step;
+use crate::cpu::math::{rms_norm, silu};
+use crate::cpu::matmul::matmul_t;
+use crate::mixers::mamba3::token::MixerCtx;
+use crate::mixers::mamba3::prefill::{mixer_prefill, Span};
+use crate::cpu::real::Real;
+use crate::mixers::mamba3::state::{layer, layout, zero_state, LayerState, SeqState};
+use crate::mixers::mamba3::step::mixer_step;
 use crate::error::{Error, Result};
 use crate::model::config::NORM_EPS;
 use crate::model::weights::Weights;
 use rayon::prelude::*;
 use std::sync::Arc;
 
-/// Which positions' logits a forward pass returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitsWant {
-    /// every position of every sequence
-    All,
-    /// the last position of each sequence
-    Last,
-    /// none (only advance the states)
-    None,
-}
+pub use super::logits::LogitsWant;
 
 pub struct CpuModel<F> {
     pub weights: Arc<Weights>,
@@ -169,15 +160,12 @@ impl<F: Real> CpuModel<F> {
         let w = &*self.weights;
         check_batch(w, seqs, states.len())?;
         let d = w.dims;
+        let state_layout = layout(&d);
         for (b, st) in states.iter().enumerate() {
-            if st.len() != d.n_layer
-                || st
-                    .iter()
-                    .any(|l| l.ssm.len() != d.nheads * d.headdim * d.d_state)
-            {
+            if !st.fits(&state_layout) {
                 return Err(Error::State(format!(
-                    "state {b} does not have this model's shape ({} layers of [{}, {}, {}])",
-                    d.n_layer, d.nheads, d.headdim, d.d_state
+                    "state {b} does not have this model's shape ({})",
+                    state_layout.describe()
                 )));
             }
         }
@@ -220,8 +208,8 @@ impl<F: Real> CpuModel<F> {
                 a_floor: cfg.ssm_cfg.a_floor,
                 a_act: cfg.ssm_cfg.a_activation,
             };
-            let mut layer_states: Vec<&mut LayerState<F>> =
-                states.iter_mut().map(|s| &mut s[l]).collect();
+            let mut layer_states: Vec<LayerState<F>> =
+                states.iter_mut().map(|s| layer(s, l, &d)).collect();
             if one_token_each {
                 mixer_step(&ctx, &proj, &mut layer_states, &mut y);
             } else {

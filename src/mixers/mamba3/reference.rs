@@ -3,9 +3,9 @@
 //! checked against, generic over f32/f64 so tests can run it in f64. No chunking, no
 //! activation rounding, no tricks.
 
-use super::math::{a_value, rms_norm, rotate_pairs, sigmoid, silu, softplus, wrap_angle};
-use super::real::Real;
-use super::state::{LayerState, SeqState};
+use crate::cpu::math::{a_value, rms_norm, rotate_pairs, sigmoid, silu, softplus, wrap_angle};
+use crate::cpu::real::Real;
+use super::state::{layer, LayerState, SeqState};
 use crate::model::config::{AActivation, Dims, NORM_EPS};
 use crate::model::weights::{LayerWeights, Matrix, Weights};
 
@@ -81,7 +81,7 @@ impl<'w, F: Real> Reference<'w, F> {
         for (l, (lw, rl)) in self.w.layers.iter().zip(&self.layers).enumerate() {
             add_into(&mut res, &hs);
             rms_norm(&res, &lw.norm, eps, &mut n);
-            hs = self.mixer(lw, rl, &n, &mut state[l]);
+            hs = self.mixer(lw, rl, &n, &mut layer(state, l, &self.d));
             if let (Some(mw), Some((fc1, fc2))) = (&lw.mlp, &rl.mlp) {
                 add_into(&mut res, &hs);
                 rms_norm(&res, &mw.norm, eps, &mut n);

@@ -5,8 +5,8 @@
 //! the same sequence over their own buffers. CPU twins: `token_pre` and `scan_head` in
 //! src/cpu/prefill.rs, whose module doc holds the mathematics.
 
-use super::context::{dev_err, Gpu, KArg, Kernel};
-use super::kernels::Module;
+use crate::cuda::context::{dev_err, Gpu, KArg, Kernel};
+use crate::cuda::kernels::Module;
 use crate::error::{Error, Result};
 use crate::model::Dims;
 

@@ -8,10 +8,10 @@
 //! Phases are wrapped to [0, 2π) as in prefill (the official decode does not wrap; the
 //! result is the same modulo 2π).
 
-use super::math::{rotate_pairs, wrap_angle};
-use super::matmul::dot;
-use super::mixer::MixerCtx;
-use super::real::Real;
+use crate::cpu::math::{rotate_pairs, wrap_angle};
+use crate::cpu::matmul::dot;
+use super::token::MixerCtx;
+use crate::cpu::real::Real;
 use super::state::LayerState;
 use rayon::prelude::*;
 
@@ -30,7 +30,7 @@ struct HeadSlot<'a, F> {
 pub fn mixer_step<F: Real>(
     ctx: &MixerCtx,
     proj: &[F],
-    states: &mut [&mut LayerState<F>],
+    states: &mut [LayerState<F>],
     out: &mut [F],
 ) {
     let d = &ctx.d;
@@ -38,7 +38,7 @@ pub fn mixer_step<F: Real>(
     let pre = ctx.token_pre(proj, states.len());
     let mut slots: Vec<HeadSlot<F>> = Vec::with_capacity(states.len() * d.nheads);
     for (row, (st, y)) in states.iter_mut().zip(out.chunks_mut(d.d_inner)).enumerate() {
-        let st = &mut **st;
+        let st = &mut *st;
         let heads = st
             .angle
             .chunks_mut(s_n)

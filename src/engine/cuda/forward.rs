@@ -20,14 +20,15 @@
 //! range (kernels/scan.cu; TF32 when the B/C norm weights could overflow f16, the model's
 //! dtype with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
-use super::context::{DevBuf, Gpu, KArg, Kernel};
-use super::gemm::{ElemType, GemmSpec, Lt};
-use super::kernels::{proj_ld, Kernels, ScanMath};
-use super::probe::Region;
-use super::scan::{ChunkScan, ScanArgs};
+use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
+use crate::cuda::gemm::{ElemType, GemmSpec, Lt};
+use super::kernels::Kernels;
+use crate::cuda::kernels::{proj_ld, ScanMath};
+use crate::cuda::probe::Region;
+use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
 use super::weights::{GpuWeights, InProjInput, InProjKind};
 use super::work::{Layout, Work};
-use crate::engine::GpuOptions as CudaOptions;
+use crate::options::GpuOptions as CudaOptions;
 use crate::error::Result;
 use crate::model::{DType, Dims};
 
@@ -183,7 +184,7 @@ impl Pipe<'_> {
         if !self.probe {
             return Ok(());
         }
-        super::probe::check(self.gpu, what, layer, region)
+        crate::cuda::probe::check(self.gpu, what, layer, region)
     }
 
     /// How the in_proj input of layer `l` is written (`rms_norm_rows`' `mode`): the weight,
@@ -236,7 +237,7 @@ impl Pipe<'_> {
 
     pub(super) fn launch(
         &self,
-        k: &super::context::Kernel,
+        k: &crate::cuda::context::Kernel,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,

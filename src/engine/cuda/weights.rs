@@ -2,7 +2,7 @@
 //! `model::weights`). For bf16/f16 models the in_proj GEMM of a prefill also gets a weight
 //! matched to its input (see [`InProjInput`]).
 
-use super::context::{DevBuf, Gpu};
+use crate::cuda::context::{DevBuf, Gpu};
 use crate::error::{Error, Result};
 use crate::model::weights::Matrix;
 use crate::model::{DType, Element, LayerWeights, Weights};
@@ -63,7 +63,7 @@ pub fn in_proj_kind(w: &Weights) -> Option<InProjKind> {
 /// f32 accumulation; docs/benchmarks.md says what it costs in accuracy and buys in time.)
 /// `MAMBA3_GPU_PROJ_F16=0` keeps f32, a diagnostic for A/B runs.
 pub fn proj_f16(w: &Weights) -> bool {
-    if w.dtype == DType::F32 || std::env::var("MAMBA3_GPU_PROJ_F16").is_ok_and(|v| v == "0") {
+    if w.dtype == DType::F32 || !crate::options::env().proj_f16 {
         return false;
     }
     use rayon::prelude::*;

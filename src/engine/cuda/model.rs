@@ -2,18 +2,19 @@
 //! buffers of eager passes and the captured CUDA graphs. The engine's `Model` calls it
 //! for `Device::Cuda`; states are already on the device when `forward` is called.
 
-use super::context::Gpu;
+use crate::cuda::context::Gpu;
 use super::forward::prefill_gemm_specs;
 use super::forward::Pipe;
-use super::gemm::Lt;
+use crate::cuda::gemm::Lt;
 use super::graphs::Graphs;
-use super::kernels::{KernelConfig, Kernels, ScanMath};
+use super::kernels::Kernels;
+use crate::cuda::kernels::{KernelConfig, ScanMath};
 use super::state::CudaState;
 use super::weights::{in_proj_kind, proj_f16, scan_f16, GpuWeights};
 use super::work::{Caps, Layout, Work};
-use crate::cpu::{LogitsWant, SeqState};
-use crate::engine::state::{State, StateData};
-use crate::engine::GpuOptions;
+use crate::engine::LogitsWant;
+use crate::model::state_layout::{StateBuf, StateLayout};
+use crate::options::GpuOptions;
 use crate::error::{Error, Result};
 use crate::model::{DType, Dims, Weights};
 use std::collections::HashMap;
@@ -138,7 +139,7 @@ impl CudaModel {
     /// Change the numeric options (kernels for new ones are compiled on first use).
     /// Graphs captured under other options refuse to replay.
     pub fn set_options(&self, o: GpuOptions) -> Result<()> {
-        let lanes = super::context::MAX_LANES;
+        let lanes = crate::cuda::context::MAX_LANES;
         if o.decode_lanes > lanes {
             return Err(Error::Input(format!(
                 "GPU option decode_lanes: expected 0 (by the batch) to {lanes}, found {}",
@@ -183,7 +184,7 @@ impl CudaModel {
             d: self.weights.dims,
             dtype: self.weights.dtype,
             opts,
-            probe: super::probe::enabled(),
+            probe: crate::cuda::probe::enabled(),
             timed: crate::timeline::level() >= 2,
             lane: 0,
             background: false,
@@ -204,23 +205,13 @@ impl CudaModel {
         Ok(self.kernels(&mut inner, o)?.from_cache)
     }
 
-    /// A fresh state on the device (a host state if device memory cannot be had now; it is
-    /// moved to the device, or the error reported, at its first use).
-    pub fn new_state(&self, fingerprint: u64) -> State {
-        let d = self.weights.dims;
-        match CudaState::zeros(&self.gpu, &d) {
-            Ok(s) => State {
-                model: fingerprint,
-                dims: d,
-                position: 0,
-                data: StateData::Cuda(s),
-            },
-            Err(_) => State::new_host(fingerprint, d),
-        }
+    /// A fresh (zero) state on the device.
+    pub fn new_state(&self, layout: &StateLayout) -> Result<CudaState> {
+        CudaState::zeros(&self.gpu, layout)
     }
 
-    pub fn upload_state(&self, host: &SeqState<f32>) -> Result<CudaState> {
-        CudaState::from_host(&self.gpu, &self.weights.dims, host)
+    pub fn upload_state(&self, layout: &StateLayout, host: &StateBuf<f32>) -> Result<CudaState> {
+        CudaState::from_host(&self.gpu, layout, host)
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -228,16 +219,19 @@ impl CudaModel {
     }
 
     /// The device addresses of the states' buffers (each made unique first).
-    pub(crate) fn state_ptrs(&self, states: &mut [&mut State]) -> Result<Vec<u64>> {
+    pub(crate) fn state_ptrs(&self, states: &mut [&mut CudaState]) -> Result<Vec<u64>> {
         states
             .iter_mut()
             .enumerate()
-            .map(|(b, s)| match &mut s.data {
-                StateData::Cuda(cs) if cs.is_on(&self.gpu) => cs.unique_ptr(),
-                _ => Err(Error::State(format!(
-                    "state {b} is not on {} (place it on the model's device first)",
-                    self.gpu.name
-                ))),
+            .map(|(b, cs)| {
+                if cs.is_on(&self.gpu) {
+                    cs.unique_ptr()
+                } else {
+                    Err(Error::State(format!(
+                        "state {b} is not on {} (place it on the model's device first)",
+                        self.gpu.name
+                    )))
+                }
             })
             .collect()
     }
@@ -247,7 +241,7 @@ impl CudaModel {
     pub fn forward(
         &self,
         seqs: &[&[u32]],
-        states: &mut [&mut State],
+        states: &mut [&mut CudaState],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
         let vp = self.weights.dims.vocab_padded;
@@ -265,7 +259,7 @@ impl CudaModel {
     pub fn decode_eager_into(
         &self,
         tokens: &[u32],
-        states: &mut [&mut State],
+        states: &mut [&mut CudaState],
         dst: &mut [f32],
     ) -> Result<()> {
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
@@ -296,7 +290,7 @@ impl CudaModel {
     fn pass<R>(
         &self,
         seqs: &[&[u32]],
-        states: &mut [&mut State],
+        states: &mut [&mut CudaState],
         want: LogitsWant,
         read: impl FnOnce(&Gpu, u64, usize) -> Result<R>,
     ) -> Result<R> {
@@ -366,9 +360,9 @@ impl CudaModel {
 /// prefill is the one a user waits for. It brought the first token 36–60 ms sooner
 /// (docs/benchmarks.md, 2026-12-05 13:22 and 14:03).
 fn warm_rows() -> Result<usize> {
-    match std::env::var("MAMBA3_GPU_LT_WARM") {
-        Err(_) => Ok(16),
-        Ok(v) => v.trim().parse().map_err(|_| {
+    match &crate::options::env().lt_warm {
+        None => Ok(16),
+        Some(v) => v.trim().parse().map_err(|_| {
             Error::Input(format!(
                 "MAMBA3_GPU_LT_WARM: expected a number of rows (0: no warm-up), found {v:?}"
             ))
@@ -385,7 +379,7 @@ fn scan_math(dtype: DType, scan_f16: bool, o: GpuOptions) -> ScanMath {
         // f16 operands: TF32's mantissa at the cost of 16 bits (docs/benchmarks.md);
         // `MAMBA3_GPU_SCAN_F16=0` keeps TF32, a diagnostic for A/B runs
         (_, false, _)
-            if scan_f16 && std::env::var("MAMBA3_GPU_SCAN_F16").map_or(true, |v| v != "0") =>
+            if scan_f16 && crate::options::env().scan_f16 =>
         {
             ScanMath::F16
         }
@@ -426,4 +420,49 @@ pub(crate) fn split_logits(
         at += n;
     }
     out
+}
+
+#[cfg(test)]
+mod warm_up_tests {
+    use crate::engine::LogitsWant;
+    use super::super::forward::prefill_gemm_specs;
+    use super::super::weights::{in_proj_kind, proj_f16};
+    use super::super::model::CudaModel;
+    use crate::model::{Config, DType, Weights};
+    use std::sync::Arc;
+
+    /// The start-up's warm-up (`Lt::warm` over `forward::prefill_gemm_specs`) runs the very
+    /// products of a 16-token prefill: that prefill makes no plan of its own.
+    /// `cargo test --release --features cuda --lib warm_up -- --include-ignored`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn warm_up_covers_a_short_prefill() {
+        for (dtype, mlp) in [(DType::BF16, true), (DType::F16, false), (DType::F32, true)] {
+            let mut cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);
+            // 200 rounds up to a hidden width of 256, not d_inner's 128: fc2's product is
+            // then not out_proj's (which would share its plan)
+            cfg.d_intermediate = if mlp { 200 } else { 0 };
+            let w = Arc::new(Weights::synthetic(cfg, dtype, 3).unwrap());
+            let m = CudaModel::new(w.clone(), 0).unwrap();
+            let opts = m.options().unwrap();
+            let specs =
+                prefill_gemm_specs(&w.dims, dtype, opts, (in_proj_kind(&w), proj_f16(&w)), 16);
+            m.lt.warm(&m.gpu, 1, &specs).unwrap();
+            let warmed = m.lt.plan_count();
+            let distinct: std::collections::HashSet<_> = specs.iter().collect();
+            assert_eq!(distinct.len(), if mlp { 5 } else { 3 }, "{dtype:?}");
+            assert_eq!(warmed, distinct.len(), "{dtype:?}");
+            let prompt: Vec<u32> = (0..16).map(|t| (t * 7 + 3) % 300).collect();
+            let mut state = m.new_state(&crate::mixers::mamba3::state::layout(&w.dims)).unwrap();
+            let logits = m
+                .forward(&[&prompt], &mut [&mut state], LogitsWant::Last)
+                .unwrap();
+            assert!(logits[0].iter().all(|v| v.is_finite()), "{dtype:?}");
+            assert_eq!(
+                m.lt.plan_count(),
+                warmed,
+                "{dtype:?}: the prefill made new plans"
+            );
+        }
+    }
 }

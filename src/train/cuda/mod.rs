@@ -20,13 +20,13 @@ pub mod flat;
 mod kernels;
 mod pass;
 
-use super::context::{DevBuf, Gpu};
-use super::gemm::{ElemType, Lt};
-use super::kernels::{KernelConfig, ScanMath};
+use crate::cuda::context::{DevBuf, Gpu};
+use crate::cuda::gemm::{ElemType, Lt};
+use crate::cuda::kernels::{KernelConfig, ScanMath};
 use crate::error::{Error, Result};
 use crate::model::{Config, DType, Dims};
 use crate::train::optim::AdamW;
-use crate::train::params::Params;
+use crate::mixers::mamba3::params::Params;
 use crate::train::{Backend, Batch};
 use acts::Acts;
 use flat::{Addrs, FlatLayout};
@@ -66,7 +66,7 @@ pub struct CudaTrainer {
 
 /// Tensors of the GEMMs (rounded to 16 bits in mixed precision).
 fn is_matrix(name: &str) -> bool {
-    crate::train::params::decays(name)
+    crate::mixers::mamba3::params::decays(name)
 }
 
 impl CudaTrainer {

@@ -2,7 +2,7 @@
 //! gradients, AdamW's two moments), the tensors that take weight decay first so that
 //! AdamW is one launch with one boundary, and typed addresses into any of them.
 
-use crate::train::params::{decays, Params};
+use crate::mixers::mamba3::params::{decays, Params};
 
 /// Every tensor starts at a multiple of this many elements (16-byte aligned GEMM operands,
 /// also in 16-bit copies); the gaps stay zero.

@@ -1,13 +1,13 @@
-//! The backward of the training mixer of [`super::scan`] (whose module doc has the
+//! The backward of the training mixer of [`super::forward`] (whose module doc has the
 //! derivation, in the spec's notation): per (sequence, head) chunk by chunk in reverse with
 //! the state gradient carried back, then per token through the rotation, the phases, the
 //! per-head scalars and the B/C norms into the in_proj row.
 
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the math
 
-use super::ops::{rms_bwd, silu_grad};
-use super::params::LayerParams;
-use super::scan::{chunk_weights, gather_x, scalars, MixerSaved, MixerShape};
+use crate::cpu::ops::{rms_bwd, silu_grad};
+use crate::mixers::mamba3::params::LayerParams;
+use super::forward::{chunk_weights, gather_x, scalars, MixerSaved, MixerShape};
 use crate::cpu::math::{heavy_tail, sigmoid, silu, softplus};
 use crate::cpu::matmul::{gemm, View, ViewMut};
 use crate::cpu::Real;

@@ -14,13 +14,12 @@
 //! bucket is padded with a scratch state, and as every kernel of the small-batch decode
 //! treats each row on its own, the padding does not change the other rows' results.
 
-use super::context::{dev_err, PinnedBuf};
+use crate::cuda::context::{dev_err, PinnedBuf};
 use super::model::{split_logits, CudaModel};
 use super::state::CudaState;
 use super::work::{Caps, Layout, Work};
-use crate::cpu::LogitsWant;
-use crate::engine::state::State;
-use crate::engine::GpuOptions;
+use crate::engine::LogitsWant;
+use crate::options::GpuOptions;
 use crate::error::{Error, Result};
 use cudarc::driver::CudaGraph;
 use std::collections::BTreeMap;
@@ -87,7 +86,7 @@ impl CudaModel {
         let d = self.weights.dims;
         let gpu = self.gpu();
         let work = Work::new(gpu, &d, self.weights.dtype.size(), Caps::of(&lay))?;
-        let mut scratch = CudaState::zeros(gpu, &d)?;
+        let mut scratch = CudaState::zeros(gpu, &crate::mixers::mamba3::state::layout(&d))?;
         let sp = scratch.unique_ptr()?;
         let n = lay.seqs.len();
         work.put_layout(gpu, &lay)?;
@@ -174,7 +173,7 @@ impl CudaModel {
     }
 
     /// Replay the decode graph of the smallest bucket ≥ the batch.
-    pub fn decode_graph(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Vec<Vec<f32>>> {
+    pub fn decode_graph(&self, tokens: &[u32], states: &mut [&mut CudaState]) -> Result<Vec<Vec<f32>>> {
         let vp = self.weights.dims.vocab_padded;
         let mut logits = vec![0f32; tokens.len() * vp];
         self.decode_graph_into(tokens, states, &mut logits)?;
@@ -186,7 +185,7 @@ impl CudaModel {
     pub fn decode_graph_into(
         &self,
         tokens: &[u32],
-        states: &mut [&mut State],
+        states: &mut [&mut CudaState],
         dst: &mut [f32],
     ) -> Result<()> {
         let b = tokens.len();
@@ -215,7 +214,7 @@ impl CudaModel {
     pub fn prefill_graph(
         &self,
         seqs: &[&[u32]],
-        states: &mut [&mut State],
+        states: &mut [&mut CudaState],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();

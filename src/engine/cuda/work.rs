@@ -7,8 +7,8 @@
 //! sequence is cut (`SegPlan`) is chosen by a model of the scan's makespan, and the scan's
 //! blocks are launched longest first (`Layout::order`).
 
-use super::context::{DevBuf, Gpu};
-use crate::cpu::LogitsWant;
+use crate::cuda::context::{DevBuf, Gpu};
+use crate::engine::LogitsWant;
 use crate::error::Result;
 use crate::model::Dims;
 use std::cmp::Reverse;
@@ -42,7 +42,7 @@ impl Layout {
     pub fn new(lens: &[usize], d: &Dims, slots: usize, want: LogitsWant) -> Layout {
         static FORCED: OnceLock<Option<SegPlan>> = OnceLock::new();
         let forced = FORCED.get_or_init(|| {
-            let v = std::env::var("MAMBA3_GPU_CHUNKS_PER_SEGMENT").ok()?;
+            let v = crate::options::env().chunks_per_segment.clone()?;
             let (per, tail) = v.split_once('/').unwrap_or((&v, "0"));
             Some(SegPlan {
                 per: per.trim().parse().ok()?,
@@ -406,7 +406,7 @@ impl Work {
             tokens: gpu.alloc::<u32>(r)?,
             res: f(r * d.d_model)?,
             xin: a(r * 2 * d.d_model)?,
-            proj: f(r * super::kernels::proj_ld(d))?,
+            proj: f(r * crate::cuda::kernels::proj_ld(d))?,
             bcn: f(r * 2 * d.ngroups * d.d_state)?,
             tok: f(r * h * 4)?,
             theta: f(r * s)?,
@@ -435,7 +435,7 @@ impl Work {
                 // rows of up to 16 sequences: residual, in_proj row, mixer outputs, MLP row,
                 // a flag per head
                 let row = d.d_model
-                    + super::kernels::proj_ld(d)
+                    + crate::cuda::kernels::proj_ld(d)
                     + d.d_inner
                     + 2 * d.mlp_hidden
                     + d.nheads;
@@ -459,7 +459,7 @@ impl Work {
 #[cfg(test)]
 mod tests {
     use super::{Layout, SegPlan};
-    use crate::cpu::LogitsWant;
+    use crate::engine::LogitsWant;
 
     fn plan(chunks: usize, seqs: usize, slots: usize) -> SegPlan {
         SegPlan::choose(&vec![chunks; seqs], 24, slots)

@@ -9,10 +9,10 @@
 //! lane's projections, latency-bound at these sizes, then overlap another lane's work.
 //! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
-use super::context::{DevBuf, Gpu, MAX_LANES};
+use crate::cuda::context::{DevBuf, Gpu, MAX_LANES};
 use super::forward::Pipe;
-use super::gemm::ElemType;
-use super::kernels::proj_ld;
+use crate::cuda::gemm::ElemType;
+use crate::cuda::kernels::proj_ld;
 use super::work::Work;
 use crate::error::Result;
 
@@ -316,8 +316,7 @@ struct Trace {
 
 impl Trace {
     fn new(gpu: &Gpu, phases: usize, grid: usize) -> Result<Trace> {
-        static PATH: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
-        let path = PATH.get_or_init(|| std::env::var_os("MAMBA3_GPU_TRACE").map(Into::into));
+        let path = &crate::options::env().gpu_trace;
         let on = match path {
             Some(p) => {
                 let buf = gpu.alloc::<u64>(phases * grid * FUSED_MARKS)?;

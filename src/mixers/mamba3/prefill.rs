@@ -17,10 +17,10 @@
 //! `S_enter = h⁻ + Δ_0(1 − λ_0)·outer(v⁻, k⁻)` (spec §3.4): the look-back term of the
 //! window's first token reaches across the seam.
 
-use super::math::{rotate_pairs, wrap_angle};
-use super::matmul::{gemm, View, ViewMut};
-use super::mixer::{MixerCtx, TokenPre};
-use super::real::Real;
+use crate::cpu::math::{rotate_pairs, wrap_angle};
+use crate::cpu::matmul::{gemm, View, ViewMut};
+use super::token::{MixerCtx, TokenPre};
+use crate::cpu::real::Real;
 use super::state::LayerState;
 use rayon::prelude::*;
 
@@ -48,7 +48,7 @@ pub fn mixer_prefill<F: Real>(
     ctx: &MixerCtx,
     proj: &[F],
     spans: &[Span],
-    states: &mut [&mut LayerState<F>],
+    states: &mut [LayerState<F>],
     out: &mut [F],
 ) {
     let d = &ctx.d;
@@ -58,7 +58,7 @@ pub fn mixer_prefill<F: Real>(
         .flat_map(|b| (0..d.nheads).map(move |h| (b, h)))
         .collect();
     let results: Vec<HeadOut<F>> = {
-        let states_ro: Vec<&LayerState<F>> = states.iter().map(|s| &**s).collect();
+        let states_ro: Vec<&LayerState<F>> = states.iter().collect();
         tasks
             .par_iter()
             .map(|&(b, h)| scan_head(ctx, proj, &pre, spans[b], h, states_ro[b]))
@@ -71,7 +71,7 @@ pub fn mixer_prefill<F: Real>(
             let o = &mut out[(sp.start + t) * d.d_inner + h * p_n..][..p_n];
             o.copy_from_slice(&r.y[t * p_n..(t + 1) * p_n]);
         }
-        let st = &mut *states[b];
+        let st = &mut states[b];
         st.angle[h * s_n..(h + 1) * s_n].copy_from_slice(&r.angle);
         st.ssm[h * p_n * n_n..(h + 1) * p_n * n_n].copy_from_slice(&r.ssm);
         st.k[h * n_n..(h + 1) * n_n].copy_from_slice(&r.k);

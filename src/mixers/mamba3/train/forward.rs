@@ -53,12 +53,12 @@
 //! through the B/C RMSNorm.
 //!
 //! All products are GEMMs on the `gemm` wrapper; (sequence, head) pairs run in parallel.
-//! The backward itself is in [`super::scan_backward`].
+//! The backward itself is in [`super::backward`].
 
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the math above
 
-use super::ops::rms_fwd;
-use super::params::LayerParams;
+use crate::cpu::ops::rms_fwd;
+use crate::mixers::mamba3::params::LayerParams;
 use crate::cpu::math::{a_value, rotate_pairs, sigmoid, silu, softplus, wrap_angle};
 use crate::cpu::matmul::{gemm, View, ViewMut};
 use crate::cpu::Real;

@@ -2,8 +2,9 @@
 //! model shape and numeric mode, cached on disk like the inference kernels.
 
 use crate::cuda::context::{Gpu, Kernel};
-use crate::cuda::kernels::{KernelConfig, Module, Program};
-use crate::cuda::scan::{check_smem, ScanKernels};
+use crate::cuda::kernels::{KernelConfig, Module};
+use crate::mixers::mamba3::cuda::program::TRAINING;
+use crate::mixers::mamba3::cuda::scan::{check_smem, ScanKernels};
 use crate::error::{Error, Result};
 
 pub struct TrainKernels {
@@ -33,7 +34,7 @@ pub struct TrainKernels {
 
 impl TrainKernels {
     pub fn load(gpu: &Gpu, cfg: &KernelConfig) -> Result<TrainKernels> {
-        let (module, _) = Module::load(gpu, Program::Training, cfg)?;
+        let (module, _) = Module::load(gpu, TRAINING, cfg)?;
         let get = |name| module.kernel(name);
         let global = |name: &str| module.global(name);
         let mlp = cfg.has_mlp();
