@@ -53,7 +53,11 @@ fn per_iter(gpu: &Gpu, n: i32, launch: &dyn Fn(i32) -> Result<()>) -> Result<f64
 
 fn main() -> Result<()> {
     let gpu = Gpu::new(0)?;
-    let (m, _) = Module::load(&gpu, probe_kernels::PROBES, &KernelConfig { defines: vec![] })?;
+    let (m, _) = Module::load(
+        &gpu,
+        probe_kernels::PROBES,
+        &KernelConfig { defines: vec![] },
+    )?;
     let kernel = |name| -> Result<Kernel> {
         let k = m.kernel(name)?;
         k.allow_smem(ONE_PER_SM as usize)?;

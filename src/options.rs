@@ -42,6 +42,15 @@ fn flag(name: &str, default: bool) -> bool {
     }
 }
 
+/// `--tf32` and `--fast` of the command line, set once by the command before it loads a
+/// model; every GPU model of the process starts with them (`GpuOptions::from_env`).
+static COMMAND_LINE: OnceLock<(bool, bool)> = OnceLock::new();
+
+/// Record the command line's `--tf32` and `--fast` (the first call wins).
+pub fn set_command_line(tf32: bool, fast: bool) {
+    let _ = COMMAND_LINE.set((tf32, fast));
+}
+
 /// The options read once per process.
 #[derive(Clone, Debug)]
 pub struct EnvOptions {
@@ -121,9 +130,10 @@ impl GpuOptions {
     /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`, `MAMBA3_GPU_DECODE_LANES=N`.
     pub fn from_env() -> GpuOptions {
         let d = GpuOptions::default();
+        let (tf32, fast) = COMMAND_LINE.get().copied().unwrap_or_default();
         GpuOptions {
-            tf32: flag("MAMBA3_GPU_TF32", d.tf32),
-            fast: flag("MAMBA3_GPU_FAST", d.fast),
+            tf32: tf32 || flag("MAMBA3_GPU_TF32", d.tf32),
+            fast: fast || flag("MAMBA3_GPU_FAST", d.fast),
             pdl: flag("MAMBA3_GPU_PDL", d.pdl),
             fused_decode: flag("MAMBA3_GPU_FUSED_DECODE", d.fused_decode),
             decode_lanes: var("MAMBA3_GPU_DECODE_LANES")

@@ -4,9 +4,9 @@
 
 mod gpu;
 use gpu::*;
+use mamba3::engine::{Device, GpuOptions, LogitsWant, Model, State};
 use mamba3::mixers::mamba3::state::{layers, zero_state};
 use mamba3::mixers::mamba3::Reference;
-use mamba3::engine::{Device, GpuOptions, LogitsWant, Model, State};
 use mamba3::model::{DType, TensorData, Weights};
 
 const CUDA: Device = Device::Cuda(0);
@@ -75,16 +75,16 @@ fn golden_checks(name: &str, dtype: DType, tol: f64) -> f64 {
     let (mut es, mut ec) = ([0f64; 4], [0f64; 4]);
     for (l, ls) in layers(&host, &d).iter().enumerate() {
         let gt = |f: &str| g.tensor(&format!("state.{l}.{f}"));
-        es[0] = es[0].max(rel_l2_angles(&to_f64(&ls.angle), &gt("angle")));
-        es[1] = es[1].max(rel_l2(&to_f64(&ls.ssm), &gt("ssm")));
-        es[2] = es[2].max(rel_l2(&to_f64(&ls.k), &gt("k")));
-        es[3] = es[3].max(rel_l2(&to_f64(&ls.v), &gt("v")));
+        es[0] = es[0].max(rel_l2_angles(&to_f64(ls.angle), &gt("angle")));
+        es[1] = es[1].max(rel_l2(&to_f64(ls.ssm), &gt("ssm")));
+        es[2] = es[2].max(rel_l2(&to_f64(ls.k), &gt("k")));
+        es[3] = es[3].max(rel_l2(&to_f64(ls.v), &gt("v")));
         if let Some(cs) = &cpu_state {
             let c = &layers(cs, &d)[l];
-            ec[0] = ec[0].max(rel_l2_angles(&to_f64(&ls.angle), &to_f64(&c.angle)));
-            ec[1] = ec[1].max(rel_l2(&to_f64(&ls.ssm), &to_f64(&c.ssm)));
-            ec[2] = ec[2].max(rel_l2(&to_f64(&ls.k), &to_f64(&c.k)));
-            ec[3] = ec[3].max(rel_l2(&to_f64(&ls.v), &to_f64(&c.v)));
+            ec[0] = ec[0].max(rel_l2_angles(&to_f64(ls.angle), &to_f64(c.angle)));
+            ec[1] = ec[1].max(rel_l2(&to_f64(ls.ssm), &to_f64(c.ssm)));
+            ec[2] = ec[2].max(rel_l2(&to_f64(ls.k), &to_f64(c.k)));
+            ec[3] = ec[3].max(rel_l2(&to_f64(ls.v), &to_f64(c.v)));
         }
     }
     assert_eq!(host.n_layer(), d.n_layer);
@@ -195,8 +195,11 @@ fn f16_scan_takes_activations_past_the_f16_range() {
     let mut worst_state = 0f64;
     let mut x_max = 0f32;
     let mut s_max = 0f32;
-    for (gl, cl) in layers(&gh, &gpu.dims()).iter().zip(layers(&ch, &gpu.dims())) {
-        worst_state = worst_state.max(rel_l2(&to_f64(&gl.ssm), &to_f64(&cl.ssm)));
+    for (gl, cl) in layers(&gh, &gpu.dims())
+        .iter()
+        .zip(layers(&ch, &gpu.dims()))
+    {
+        worst_state = worst_state.max(rel_l2(&to_f64(gl.ssm), &to_f64(cl.ssm)));
         x_max = cl.v.iter().fold(x_max, |m, v| m.max(v.abs()));
         s_max = cl.ssm.iter().fold(s_max, |m, v| m.max(v.abs()));
     }
@@ -275,12 +278,15 @@ fn random_configs_match_the_reference_in_f32() {
         for b in 0..seqs.len() {
             worst = worst.max(rel_l2(&to_f64(&got[b].data), &ref_head[b]));
             let host = states[b].to_host().unwrap();
-            for (ls, rs) in layers(&host, &m.dims()).iter().zip(layers(&ref_state[b], &m.dims())) {
+            for (ls, rs) in layers(&host, &m.dims())
+                .iter()
+                .zip(layers(&ref_state[b], &m.dims()))
+            {
                 worst = worst
-                    .max(rel_l2(&to_f64(&ls.ssm), &rs.ssm))
-                    .max(rel_l2(&to_f64(&ls.k), &rs.k))
-                    .max(rel_l2(&to_f64(&ls.v), &rs.v))
-                    .max(rel_l2_angles(&to_f64(&ls.angle), &rs.angle));
+                    .max(rel_l2(&to_f64(ls.ssm), rs.ssm))
+                    .max(rel_l2(&to_f64(ls.k), rs.k))
+                    .max(rel_l2(&to_f64(ls.v), rs.v))
+                    .max(rel_l2_angles(&to_f64(ls.angle), rs.angle));
             }
         }
         println!("case {ci} lens {lens:?}: packed prefill + states {worst:.3e}");
@@ -333,8 +339,8 @@ fn packed_batch_equals_each_sequence_alone() {
             worst = worst.max(rel_l2(&to_f64(&packed[b].data), &to_f64(&lg.data)));
             let (a, p) = (alone.to_host().unwrap(), states[b].to_host().unwrap());
             for (x, y) in layers(&a, &m.dims()).iter().zip(layers(&p, &m.dims())) {
-                worst = worst.max(rel_l2(&to_f64(&y.ssm), &to_f64(&x.ssm)));
-                worst = worst.max(rel_l2(&to_f64(&y.k), &to_f64(&x.k)));
+                worst = worst.max(rel_l2(&to_f64(y.ssm), &to_f64(x.ssm)));
+                worst = worst.max(rel_l2(&to_f64(y.k), &to_f64(x.k)));
             }
         }
         println!("{dtype:?}: packed vs alone, worst rel L2 {worst:.3e}");
@@ -418,12 +424,15 @@ fn short_prefills_match_the_reference() {
                 let (mut last, mut none) = (st.clone(), st.clone());
                 let all = m.prefill(piece, &mut st, LogitsWant::All).unwrap();
                 worst = worst.max(rel_l2(&to_f64(&all.data), &want.concat()));
-                for (ls, rs) in layers(&st.to_host().unwrap(), &m.dims()).iter().zip(layers(&rs, &m.dims())) {
+                for (ls, rs) in layers(&st.to_host().unwrap(), &m.dims())
+                    .iter()
+                    .zip(layers(&rs, &m.dims()))
+                {
                     worst = worst
-                        .max(rel_l2(&to_f64(&ls.ssm), &rs.ssm))
-                        .max(rel_l2(&to_f64(&ls.k), &rs.k))
-                        .max(rel_l2(&to_f64(&ls.v), &rs.v))
-                        .max(rel_l2_angles(&to_f64(&ls.angle), &rs.angle));
+                        .max(rel_l2(&to_f64(ls.ssm), rs.ssm))
+                        .max(rel_l2(&to_f64(ls.k), rs.k))
+                        .max(rel_l2(&to_f64(ls.v), rs.v))
+                        .max(rel_l2_angles(&to_f64(ls.angle), rs.angle));
                 }
                 // The last row alone (a head GEMM of another shape: close, not the same bits)
                 // and no logits at all: the same state.

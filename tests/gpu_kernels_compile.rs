@@ -18,7 +18,9 @@
 mod gpu;
 #[path = "../benches/kernels/program.rs"]
 mod probe_kernels;
-use mamba3::cuda::kernels::{compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath};
+use mamba3::cuda::kernels::{
+    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath,
+};
 use mamba3::mixers::mamba3::cuda::program::{INFERENCE, KERNEL_NAMES, TRAINING};
 use mamba3::model::DType;
 use std::path::PathBuf;
@@ -209,11 +211,7 @@ fn every_kernel_compiles_under_nvrtc() {
     for key in programs {
         let (what, arch, kc) = key;
         let parts: Vec<_> = entries.iter().filter(|(k, ..)| k == key).collect();
-        assert_eq!(
-            parts.len(),
-            INFERENCE.parts().len(),
-            "{what} {arch}"
-        );
+        assert_eq!(parts.len(), INFERENCE.parts().len(), "{what} {arch}");
         let half = kc.define("ACT") != Some("0");
         let mlp = kc.has_mlp();
         // (the tensor-core kernels tile their input widths by 8)

@@ -63,7 +63,12 @@ fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
 }
 
-fn states_close(a: &SeqState<f64>, b: &SeqState<f64>, d: &Dims, tol: f64) -> Result<(), TestCaseError> {
+fn states_close(
+    a: &SeqState<f64>,
+    b: &SeqState<f64>,
+    d: &Dims,
+    tol: f64,
+) -> Result<(), TestCaseError> {
     for (x, y) in layers(a, d).iter().zip(layers(b, d)) {
         for (u, v) in [(x.ssm, y.ssm), (x.k, y.k), (x.v, y.v)] {
             let e = rel_l2(u, v);

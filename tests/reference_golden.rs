@@ -19,10 +19,10 @@ fn reference_matches_goldens_in_f64() {
         let mut st = zero_state::<f64>(&w.dims);
         r.run(&g.input_ids[..g.prefix], &mut st);
         for (l, ls) in layers(&st, &w.dims).iter().enumerate() {
-            let e_ssm = rel_l2(&ls.ssm, &g.tensor(&format!("state.{l}.ssm")));
-            let e_k = rel_l2(&ls.k, &g.tensor(&format!("state.{l}.k")));
-            let e_v = rel_l2(&ls.v, &g.tensor(&format!("state.{l}.v")));
-            let e_a = rel_l2_angles(&ls.angle, &g.tensor(&format!("state.{l}.angle")));
+            let e_ssm = rel_l2(ls.ssm, &g.tensor(&format!("state.{l}.ssm")));
+            let e_k = rel_l2(ls.k, &g.tensor(&format!("state.{l}.k")));
+            let e_v = rel_l2(ls.v, &g.tensor(&format!("state.{l}.v")));
+            let e_a = rel_l2_angles(ls.angle, &g.tensor(&format!("state.{l}.angle")));
             assert!(
                 e_ssm < 1e-5 && e_k < 1e-5 && e_v < 1e-5 && e_a < 1e-5,
                 "{name} layer {l}: ssm {e_ssm:e} k {e_k:e} v {e_v:e} angle {e_a:e}"

@@ -62,10 +62,18 @@ pub struct RunOpts {
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// f32 models on a GPU: GEMMs and scan products on TF32 tensor cores.
+    #[arg(long)]
+    pub tf32: bool,
+    /// 16-bit models on a GPU: the prefill scan's products on 16-bit tensor cores (faster,
+    /// a little less accurate).
+    #[arg(long)]
+    pub fast: bool,
 }
 
 impl RunOpts {
     pub fn init_threads(&self) {
+        crate::options::set_command_line(self.tf32, self.fast);
         if let Some(n) = self.threads {
             // Only fails if the pool was already built, in which case it is in use already.
             let _ = rayon::ThreadPoolBuilder::new()

@@ -448,4 +448,3 @@ impl<'g> Module<'g> {
         Ok(v[0] as u32)
     }
 }
-

@@ -9,18 +9,22 @@
 
 use crate::cpu::math::{rms_norm, silu};
 use crate::cpu::matmul::matmul_t;
-use crate::mixers::mamba3::token::MixerCtx;
-use crate::mixers::mamba3::prefill::{mixer_prefill, Span};
 use crate::cpu::real::Real;
+use crate::error::{Error, Result};
+use crate::mixers::mamba3::prefill::{mixer_prefill, Span};
 use crate::mixers::mamba3::state::{layer, layout, zero_state, LayerState, SeqState};
 use crate::mixers::mamba3::step::mixer_step;
-use crate::error::{Error, Result};
+use crate::mixers::mamba3::token::MixerCtx;
 use crate::model::config::NORM_EPS;
 use crate::model::weights::Weights;
 use rayon::prelude::*;
 use std::sync::Arc;
 
+use super::backend::{Backend, MAX_TOKENS_PER_PASS};
 pub use super::logits::LogitsWant;
+use super::logits::{HostBuf, StepLogits};
+use super::state::StateData;
+use crate::model::state_layout::{StateBuf, StateLayout};
 
 pub struct CpuModel<F> {
     pub weights: Arc<Weights>,
@@ -253,5 +257,63 @@ impl<F: Real> CpuModel<F> {
         let mut logits = vec![F::zero(); picked.len() * vp];
         matmul_t(&normed, picked.len(), w.head(), &mut logits);
         Ok((logits, spans, vp))
+    }
+}
+
+/// The host data of states placed on the host (each made unique: copy-on-write).
+fn host_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut StateBuf<f32>>> {
+    states
+        .iter_mut()
+        .map(|s| match s {
+            StateData::Host(h) => Ok(Arc::make_mut(h)),
+            #[cfg(feature = "cuda")]
+            StateData::Cuda(_) => Err(Error::State(
+                "a state on a GPU reached the CPU model (place it first)".into(),
+            )),
+        })
+        .collect()
+}
+
+impl Backend for CpuModel<f32> {
+    fn device_name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn max_tokens_per_pass(&self) -> usize {
+        MAX_TOKENS_PER_PASS
+    }
+
+    fn new_state(&self, _layout: &StateLayout) -> Option<StateData> {
+        None
+    }
+
+    fn place(&self, _layout: &StateLayout, data: &mut StateData) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let StateData::Cuda(s) = data {
+            *data = StateData::Host(Arc::new(s.to_host(_layout)?));
+        }
+        let _ = data;
+        Ok(())
+    }
+
+    fn forward(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut StateData],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        CpuModel::forward(self, seqs, &mut host_states(states)?, want)
+    }
+
+    fn decode_into(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut StateData],
+        out: &mut StepLogits,
+    ) -> Result<()> {
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        let data = self.forward_flat(&seqs, &mut host_states(states)?, LogitsWant::Last)?;
+        out.buf = HostBuf::Heap(data);
+        Ok(())
     }
 }

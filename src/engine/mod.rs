@@ -2,6 +2,7 @@
 //! sequence, prefill (stateless or continued windows, batches of different lengths) and
 //! batched decode.
 
+pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -10,8 +11,8 @@ pub mod logits;
 pub mod model;
 pub mod state;
 
-pub use logits::LogitsWant;
 pub use device::{Device, DeviceChoice};
+pub use logits::LogitsWant;
 pub use logits::{Logits, StepLogits};
 pub use model::{GpuOptions, Model};
 pub use state::State;

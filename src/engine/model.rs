@@ -1,45 +1,27 @@
 //! `Model`: weights resident on one device, and the calls every user of the engine makes —
 //! `new_state`, `prefill`, `decode` — whatever the device.
 
-use super::device::Device;
-use super::logits::HostBuf;
-pub use super::logits::{Logits, StepLogits};
-pub use crate::options::GpuOptions;
-use super::state::{State, StateData};
+use super::backend::Backend;
+pub use super::backend::{MAX_TOKENS_PER_PASS, MAX_TOKENS_PER_PASS_GPU};
 use super::cpu::CpuModel;
+use super::device::Device;
 use super::logits::LogitsWant;
+pub use super::logits::{Logits, StepLogits};
+use super::state::{State, StateData};
 use crate::error::{Error, Result};
 use crate::mixers::{state_layout, MixerKind};
-use crate::model::state_layout::{StateBuf, StateLayout};
+use crate::model::state_layout::StateLayout;
 use crate::model::{Config, DType, Dims, Weights};
+pub use crate::options::GpuOptions;
 use std::path::Path;
 use std::sync::Arc;
-
-enum Backend {
-    Cpu(CpuModel<f32>),
-    #[cfg(feature = "cuda")]
-    Cuda(Box<crate::engine::cuda::CudaModel>),
-}
 
 pub struct Model {
     weights: Arc<Weights>,
     /// The named tensors of a sequence's state (the mixer's).
     state_layout: Arc<StateLayout>,
     device: Device,
-    backend: Backend,
-}
-
-/// At most this many tokens go through one pass of the layers; longer prompts are read as
-/// consecutive continued windows, which is exact and bounds activation memory.
-pub const MAX_TOKENS_PER_PASS: usize = 8192;
-
-/// The same bound on a GPU, where memory is plentiful and larger passes run faster.
-pub const MAX_TOKENS_PER_PASS_GPU: usize = 65536;
-
-fn no_graphs_on_cpu(what: &str) -> Error {
-    Error::Device(format!(
-        "{what} need a CUDA device; this model runs on the CPU"
-    ))
+    backend: Box<dyn Backend>,
 }
 
 impl Model {
@@ -76,7 +58,7 @@ impl Model {
                 state_layout: Self::layout_of(&weights),
                 weights,
                 device,
-                backend: Backend::Cuda(Box::new(model)),
+                backend: Box::new(model),
             });
         }
         let weights = crate::timeline::stage("checkpoint read and converted", || {
@@ -87,13 +69,13 @@ impl Model {
 
     pub fn from_weights(weights: Weights, device: Device) -> Result<Model> {
         let weights = Arc::new(weights);
-        let backend = match device {
-            Device::Cpu => Backend::Cpu(CpuModel::new(weights.clone())),
+        let backend: Box<dyn Backend> = match device {
+            Device::Cpu => Box::new(CpuModel::<f32>::new(weights.clone())),
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => Backend::Cuda(Box::new(crate::engine::cuda::CudaModel::new(
+            Device::Cuda(ordinal) => Box::new(crate::engine::cuda::CudaModel::new(
                 weights.clone(),
                 ordinal,
-            )?)),
+            )?),
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
                 return Err(Error::Device(
@@ -135,37 +117,20 @@ impl Model {
     }
     /// A human-readable name of the device (the GPU's name on CUDA).
     pub fn device_name(&self) -> String {
-        match &self.backend {
-            Backend::Cpu(_) => format!("cpu ({} threads)", rayon::current_num_threads()),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.device_name(),
-        }
+        self.backend.device_name()
     }
 
     /// Wait until queued device work has finished (a no-op on the CPU); for timing.
     pub fn synchronize(&self) -> Result<()> {
-        match &self.backend {
-            Backend::Cpu(_) => Ok(()),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.synchronize(),
-        }
+        self.backend.synchronize()
     }
 
     /// A fresh (zero) state for one sequence, on this model's device.
     pub fn new_state(&self) -> State {
         let host = State::new_host(self.weights.fingerprint, self.state_layout.clone());
-        match &self.backend {
-            Backend::Cpu(_) => host,
-            #[cfg(feature = "cuda")]
-            // (a host state if device memory cannot be had now: it is moved to the device,
-            // or the error reported, at its first use)
-            Backend::Cuda(m) => match m.new_state(&self.state_layout) {
-                Ok(s) => State {
-                    data: StateData::Cuda(s),
-                    ..host
-                },
-                Err(_) => host,
-            },
+        match self.backend.new_state(&self.state_layout) {
+            Some(data) => State { data, ..host },
+            None => host,
         }
     }
 
@@ -180,28 +145,7 @@ impl Model {
     /// Move a state of this model onto this model's device (a no-op when it is there).
     pub fn place(&self, state: &mut State) -> Result<()> {
         self.check_state(state, 0)?;
-        match (&self.backend, &state.data) {
-            (Backend::Cpu(_), StateData::Host(_)) => Ok(()),
-            #[cfg(feature = "cuda")]
-            (Backend::Cpu(_), StateData::Cuda(s)) => {
-                let host = s.to_host(&state.layout)?;
-                state.data = StateData::Host(Arc::new(host));
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            (Backend::Cuda(m), StateData::Host(h)) => {
-                state.data = StateData::Cuda(m.upload_state(&self.state_layout, h)?);
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            (Backend::Cuda(m), StateData::Cuda(s)) => {
-                if !s.is_on(m.gpu()) {
-                    let host = s.to_host(&state.layout)?;
-                    state.data = StateData::Cuda(m.upload_state(&self.state_layout, &host)?);
-                }
-                Ok(())
-            }
-        }
+        self.backend.place(&self.state_layout, &mut state.data)
     }
 
     fn check_state(&self, s: &State, b: usize) -> Result<()> {
@@ -222,11 +166,7 @@ impl Model {
 
     /// How many tokens one pass of the layers takes at most on this model's device.
     pub fn max_tokens_per_pass(&self) -> usize {
-        match &self.backend {
-            Backend::Cpu(_) => MAX_TOKENS_PER_PASS,
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => MAX_TOKENS_PER_PASS_GPU,
-        }
+        self.backend.max_tokens_per_pass()
     }
 
     /// Prefill a batch of sequences of any lengths, each from and into its own state.
@@ -282,11 +222,8 @@ impl Model {
     /// `[B, vocab_padded]` logits. On a GPU with a captured decode graph that holds the
     /// batch (see [`Model::capture_decode_graph`]) the step is a graph replay.
     pub fn decode(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Logits> {
-        #[cfg(feature = "cuda")]
-        if let Backend::Cuda(m) = &self.backend {
-            if m.decode_bucket(tokens.len())?.is_some() {
-                return self.decode_graph(tokens, states);
-            }
+        if self.backend.has_decode_graph(tokens.len())? {
+            return self.decode_graph(tokens, states);
         }
         self.decode_eager(tokens, states)
     }
@@ -303,21 +240,8 @@ impl Model {
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
         self.check_and_place(&seqs, states)?;
         let vp = self.weights.dims.vocab_padded;
-        match &self.backend {
-            Backend::Cpu(m) => {
-                let data = m.forward_flat(&seqs, &mut host_states(states), LogitsWant::Last)?;
-                out.buf = HostBuf::Heap(data);
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => {
-                let dst = out.pinned(m, tokens.len() * vp)?;
-                if m.decode_bucket(tokens.len())?.is_some() {
-                    m.decode_graph_into(tokens, &mut cuda_states(states), dst)?;
-                } else {
-                    m.decode_eager_into(tokens, &mut cuda_states(states), dst)?;
-                }
-            }
-        }
+        self.backend
+            .decode_into(tokens, &mut data_of(states), out)?;
         for s in states.iter_mut() {
             s.position += 1;
         }
@@ -348,44 +272,25 @@ impl Model {
 
     /// The GPU options (`None` on the CPU).
     pub fn gpu_options(&self) -> Result<Option<GpuOptions>> {
-        match &self.backend {
-            Backend::Cpu(_) => Ok(None),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.options().map(Some),
-        }
+        self.backend.gpu_options()
     }
 
     /// Change the GPU options (an error on the CPU).
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn set_gpu_options(&self, o: GpuOptions) -> Result<()> {
-        match &self.backend {
-            Backend::Cpu(_) => Err(no_graphs_on_cpu("GPU options")),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.set_options(o),
-        }
+        self.backend.set_gpu_options(o)
     }
 
     /// Make room now for passes of up to `rows` tokens over up to `seqs` sequences (with
     /// the last position's logits of each), so that serving never stops to regrow the
     /// GPU's work buffers; a no-op on the CPU.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn reserve_passes(&self, rows: usize, seqs: usize) -> Result<()> {
-        match &self.backend {
-            Backend::Cpu(_) => Ok(()),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.reserve_passes(rows, seqs),
-        }
+        self.backend.reserve_passes(rows, seqs)
     }
 
     /// Capture the decode step for batches of up to `bucket` sequences as one CUDA graph;
     /// [`Model::decode`] replays it from then on for batches that fit.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn capture_decode_graph(&self, bucket: usize) -> Result<()> {
-        match &self.backend {
-            Backend::Cpu(_) => Err(no_graphs_on_cpu("CUDA graphs")),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.capture_decode(bucket),
-        }
+        self.backend.capture_decode_graph(bucket)
     }
 
     /// Replay the captured decode graph of the smallest bucket that holds the batch; an
@@ -393,36 +298,25 @@ impl Model {
     pub fn decode_graph(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Logits> {
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
         self.check_and_place(&seqs, states)?;
-        #[cfg(feature = "cuda")]
-        if let Backend::Cuda(m) = &self.backend {
-            let rows = m.decode_graph(tokens, &mut cuda_states(states))?;
-            for s in states.iter_mut() {
-                s.position += 1;
-            }
-            return Ok(Logits::from_rows(
-                rows.concat(),
-                self.weights.dims.vocab_padded,
-            ));
+        let rows = self.backend.decode_graph(tokens, &mut data_of(states))?;
+        for s in states.iter_mut() {
+            s.position += 1;
         }
-        Err(no_graphs_on_cpu("CUDA graphs"))
+        Ok(Logits::from_rows(
+            rows.concat(),
+            self.weights.dims.vocab_padded,
+        ))
     }
 
     /// Capture one prefill pass of sequences of exactly these lengths as a CUDA graph.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn capture_prefill_graph(&self, lens: &[usize], want: LogitsWant) -> Result<()> {
-        match &self.backend {
-            Backend::Cpu(_) => Err(no_graphs_on_cpu("CUDA graphs")),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => {
-                if lens.iter().sum::<usize>() > self.max_tokens_per_pass() {
-                    return Err(Error::input(format!(
-                        "a prefill graph holds one pass of at most {} tokens",
-                        self.max_tokens_per_pass()
-                    )));
-                }
-                m.capture_prefill(lens, want)
-            }
+        if lens.iter().sum::<usize>() > self.max_tokens_per_pass() {
+            return Err(Error::input(format!(
+                "a prefill graph holds one pass of at most {} tokens",
+                self.max_tokens_per_pass()
+            )));
         }
+        self.backend.capture_prefill_graph(lens, want)
     }
 
     /// Replay the prefill graph captured for exactly these lengths; an error if there is
@@ -434,29 +328,22 @@ impl Model {
         want: LogitsWant,
     ) -> Result<Vec<Logits>> {
         self.check_and_place(seqs, states)?;
-        #[cfg(feature = "cuda")]
-        if let Backend::Cuda(m) = &self.backend {
-            let rows = m.prefill_graph(seqs, &mut cuda_states(states), want)?;
-            for (s, t) in states.iter_mut().zip(seqs) {
-                s.position += t.len() as u64;
-            }
-            let vocab = self.weights.dims.vocab_padded;
-            return Ok(rows
-                .into_iter()
-                .map(|d| Logits::from_rows(d, vocab))
-                .collect());
+        let rows = self
+            .backend
+            .prefill_graph(seqs, &mut data_of(states), want)?;
+        for (s, t) in states.iter_mut().zip(seqs) {
+            s.position += t.len() as u64;
         }
-        let _ = want; // (used only with CUDA support)
-        Err(no_graphs_on_cpu("CUDA graphs"))
+        let vocab = self.weights.dims.vocab_padded;
+        Ok(rows
+            .into_iter()
+            .map(|d| Logits::from_rows(d, vocab))
+            .collect())
     }
 
     /// Drop every captured CUDA graph (a no-op on the CPU).
     pub fn clear_graphs(&self) -> Result<()> {
-        match &self.backend {
-            Backend::Cpu(_) => Ok(()),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.clear_graphs(),
-        }
+        self.backend.clear_graphs()
     }
 
     /// One pass of the layers over a checked batch whose states are on this device.
@@ -466,11 +353,7 @@ impl Model {
         states: &mut [&mut State],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
-        let out = match &self.backend {
-            Backend::Cpu(m) => m.forward(seqs, &mut host_states(states), want)?,
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => m.forward(seqs, &mut cuda_states(states), want)?,
-        };
+        let out = self.backend.forward(seqs, &mut data_of(states), want)?;
         for (s, t) in states.iter_mut().zip(seqs) {
             s.position += t.len() as u64;
         }
@@ -478,28 +361,9 @@ impl Model {
     }
 }
 
-/// The host data of states placed on the host (each made unique: copy-on-write).
-fn host_states<'a>(states: &'a mut [&mut State]) -> Vec<&'a mut StateBuf<f32>> {
-    states
-        .iter_mut()
-        .map(|s| match &mut s.data {
-            StateData::Host(h) => Arc::make_mut(h),
-            #[cfg(feature = "cuda")]
-            StateData::Cuda(_) => unreachable!("placed on the host above"),
-        })
-        .collect()
-}
-
-/// The device data of states placed on a GPU.
-#[cfg(feature = "cuda")]
-fn cuda_states<'a>(states: &'a mut [&mut State]) -> Vec<&'a mut crate::engine::cuda::CudaState> {
-    states
-        .iter_mut()
-        .map(|s| match &mut s.data {
-            StateData::Cuda(c) => c,
-            StateData::Host(_) => unreachable!("placed on the device above"),
-        })
-        .collect()
+/// The device data of each state.
+fn data_of<'a>(states: &'a mut [&mut State]) -> Vec<&'a mut StateData> {
+    states.iter_mut().map(|s| &mut s.data).collect()
 }
 
 /// Hidden states for embeddings (a separate, small addition: the product layer's

@@ -105,7 +105,11 @@ impl State {
 
     /// Read a state file written by [`State::save`], checking that it belongs to the model
     /// with `fingerprint` and `layout`. The result is a host state.
-    pub(crate) fn load_host(path: &Path, fingerprint: u64, layout: Arc<StateLayout>) -> Result<State> {
+    pub(crate) fn load_host(
+        path: &Path,
+        fingerprint: u64,
+        layout: Arc<StateLayout>,
+    ) -> Result<State> {
         let file = TensorFile::open(path)?;
         let meta = file.metadata();
         let where_ = path.display();

@@ -129,7 +129,10 @@ mod tests {
     fn offsets_and_names_follow_the_layout() {
         let l = StateLayout {
             n_layer: 2,
-            tensors: vec![StateTensor::new("conv", &[3, 4]), StateTensor::new("ssm", &[3, 5])],
+            tensors: vec![
+                StateTensor::new("conv", &[3, 4]),
+                StateTensor::new("ssm", &[3, 5]),
+            ],
         };
         assert_eq!((l.layer_len(), l.len(), l.offset_in_layer(1)), (27, 54, 12));
         assert_eq!(l.file_name(1, 0), "state.1.conv");

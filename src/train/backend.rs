@@ -5,8 +5,8 @@
 
 use super::model::{loss_and_grad, Batch};
 use super::optim::{clip_global_norm, scale, AdamW};
-use crate::mixers::mamba3::params::Params;
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::params::Params;
 
 pub trait Backend {
     /// A short name for logs ("cpu", "cuda:0").

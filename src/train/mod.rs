@@ -26,6 +26,6 @@ pub mod plot;
 pub mod tokenizer;
 pub mod trainer;
 
+pub use crate::mixers::mamba3::params::Params;
 pub use backend::{Backend, CpuBackend};
 pub use model::{loss_and_grad, Batch};
-pub use crate::mixers::mamba3::params::Params;

@@ -13,13 +13,13 @@
 //! which is the official fused add-norm of spec §2.7 written without the `(hs, res)` pair.
 //! The backward walks the same list in reverse; the mixer's part is in [`crate::mixers::mamba3::train::forward`].
 
-use crate::cpu::ops::{linear, linear_dw, linear_dx, rms_bwd, rms_fwd, silu_grad};
-use crate::mixers::mamba3::params::{LayerParams, Params};
-use crate::mixers::mamba3::train::forward::{mixer_forward, MixerSaved, MixerShape};
-use crate::mixers::mamba3::train::backward::mixer_backward;
 use crate::cpu::math::silu;
+use crate::cpu::ops::{linear, linear_dw, linear_dx, rms_bwd, rms_fwd, silu_grad};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::params::{LayerParams, Params};
+use crate::mixers::mamba3::train::backward::mixer_backward;
+use crate::mixers::mamba3::train::forward::{mixer_forward, MixerSaved, MixerShape};
 use crate::model::dtype::Element;
 use crate::model::Dims;
 use rayon::prelude::*;

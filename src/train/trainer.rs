@@ -14,9 +14,9 @@
 use super::backend::Backend;
 use super::data::{read_text, Dataset};
 use super::optim::{AdamW, AdamWConfig, Schedule};
-use crate::mixers::mamba3::params::Params;
 use super::tokenizer::{TokenizerSpec, TrainTokenizer};
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::params::Params;
 use crate::model::config::Config;
 use crate::model::dtype::DType;
 use crate::model::tensor_file::{write_safetensors, RawTensor, TensorFile};

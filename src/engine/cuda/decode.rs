@@ -9,11 +9,11 @@
 //! lane's projections, latency-bound at these sizes, then overlap another lane's work.
 //! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
 
-use crate::cuda::context::{DevBuf, Gpu, MAX_LANES};
 use super::forward::Pipe;
+use super::work::Work;
+use crate::cuda::context::{DevBuf, Gpu, MAX_LANES};
 use crate::cuda::gemm::ElemType;
 use crate::cuda::kernels::proj_ld;
-use super::work::Work;
 use crate::error::Result;
 
 /// Decode batches up to this size use the fused-norm GEMV kernels; larger ones cuBLASLt.

@@ -20,17 +20,17 @@
 //! range (kernels/scan.cu; TF32 when the B/C norm weights could overflow f16, the model's
 //! dtype with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
 
-use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
-use crate::cuda::gemm::{ElemType, GemmSpec, Lt};
 use super::kernels::Kernels;
-use crate::cuda::kernels::{proj_ld, ScanMath};
-use crate::cuda::probe::Region;
-use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
 use super::weights::{GpuWeights, InProjInput, InProjKind};
 use super::work::{Layout, Work};
-use crate::options::GpuOptions as CudaOptions;
+use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
+use crate::cuda::gemm::{ElemType, GemmSpec, Lt};
+use crate::cuda::kernels::{proj_ld, ScanMath};
+use crate::cuda::probe::Region;
 use crate::error::Result;
+use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
 use crate::model::{DType, Dims};
+use crate::options::GpuOptions as CudaOptions;
 
 pub use super::decode::GEMV_MAX_ROWS;
 

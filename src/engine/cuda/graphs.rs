@@ -14,13 +14,13 @@
 //! bucket is padded with a scratch state, and as every kernel of the small-batch decode
 //! treats each row on its own, the padding does not change the other rows' results.
 
-use crate::cuda::context::{dev_err, PinnedBuf};
 use super::model::{split_logits, CudaModel};
 use super::state::CudaState;
 use super::work::{Caps, Layout, Work};
+use crate::cuda::context::{dev_err, PinnedBuf};
 use crate::engine::LogitsWant;
-use crate::options::GpuOptions;
 use crate::error::{Error, Result};
+use crate::options::GpuOptions;
 use cudarc::driver::CudaGraph;
 use std::collections::BTreeMap;
 
@@ -173,7 +173,11 @@ impl CudaModel {
     }
 
     /// Replay the decode graph of the smallest bucket ≥ the batch.
-    pub fn decode_graph(&self, tokens: &[u32], states: &mut [&mut CudaState]) -> Result<Vec<Vec<f32>>> {
+    pub fn decode_graph(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut CudaState],
+    ) -> Result<Vec<Vec<f32>>> {
         let vp = self.weights.dims.vocab_padded;
         let mut logits = vec![0f32; tokens.len() * vp];
         self.decode_graph_into(tokens, states, &mut logits)?;

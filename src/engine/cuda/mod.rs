@@ -14,6 +14,7 @@
 //! layer loop of `CpuModel`); the mathematics is written once, in those twins' module docs
 //! and in the spec.
 
+pub mod backend;
 pub mod decode;
 pub mod forward;
 pub mod graphs;

@@ -2,21 +2,21 @@
 //! buffers of eager passes and the captured CUDA graphs. The engine's `Model` calls it
 //! for `Device::Cuda`; states are already on the device when `forward` is called.
 
-use crate::cuda::context::Gpu;
 use super::forward::prefill_gemm_specs;
 use super::forward::Pipe;
-use crate::cuda::gemm::Lt;
 use super::graphs::Graphs;
 use super::kernels::Kernels;
-use crate::cuda::kernels::{KernelConfig, ScanMath};
 use super::state::CudaState;
 use super::weights::{in_proj_kind, proj_f16, scan_f16, GpuWeights};
 use super::work::{Caps, Layout, Work};
+use crate::cuda::context::Gpu;
+use crate::cuda::gemm::Lt;
+use crate::cuda::kernels::{KernelConfig, ScanMath};
 use crate::engine::LogitsWant;
-use crate::model::state_layout::{StateBuf, StateLayout};
-use crate::options::GpuOptions;
 use crate::error::{Error, Result};
+use crate::model::state_layout::{StateBuf, StateLayout};
 use crate::model::{DType, Dims, Weights};
+use crate::options::GpuOptions;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -378,11 +378,7 @@ fn scan_math(dtype: DType, scan_f16: bool, o: GpuOptions) -> ScanMath {
         (_, true, _) => ScanMath::Half,
         // f16 operands: TF32's mantissa at the cost of 16 bits (docs/benchmarks.md);
         // `MAMBA3_GPU_SCAN_F16=0` keeps TF32, a diagnostic for A/B runs
-        (_, false, _)
-            if scan_f16 && crate::options::env().scan_f16 =>
-        {
-            ScanMath::F16
-        }
+        (_, false, _) if scan_f16 && crate::options::env().scan_f16 => ScanMath::F16,
         (_, false, _) => ScanMath::Tf32,
     }
 }
@@ -424,10 +420,10 @@ pub(crate) fn split_logits(
 
 #[cfg(test)]
 mod warm_up_tests {
-    use crate::engine::LogitsWant;
     use super::super::forward::prefill_gemm_specs;
-    use super::super::weights::{in_proj_kind, proj_f16};
     use super::super::model::CudaModel;
+    use super::super::weights::{in_proj_kind, proj_f16};
+    use crate::engine::LogitsWant;
     use crate::model::{Config, DType, Weights};
     use std::sync::Arc;
 
@@ -453,7 +449,9 @@ mod warm_up_tests {
             assert_eq!(distinct.len(), if mlp { 5 } else { 3 }, "{dtype:?}");
             assert_eq!(warmed, distinct.len(), "{dtype:?}");
             let prompt: Vec<u32> = (0..16).map(|t| (t * 7 + 3) % 300).collect();
-            let mut state = m.new_state(&crate::mixers::mamba3::state::layout(&w.dims)).unwrap();
+            let mut state = m
+                .new_state(&crate::mixers::mamba3::state::layout(&w.dims))
+                .unwrap();
             let logits = m
                 .forward(&[&prompt], &mut [&mut state], LogitsWant::Last)
                 .unwrap();

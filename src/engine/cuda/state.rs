@@ -31,7 +31,11 @@ impl CudaState {
     }
 
     /// The host state's bytes on the device (the same flat layout).
-    pub fn from_host(gpu: &Arc<Gpu>, layout: &StateLayout, host: &StateBuf<f32>) -> Result<CudaState> {
+    pub fn from_host(
+        gpu: &Arc<Gpu>,
+        layout: &StateLayout,
+        host: &StateBuf<f32>,
+    ) -> Result<CudaState> {
         if !host.fits(layout) {
             return Err(Error::State(format!(
                 "state holds {} values, the model's state {} ({})",

@@ -17,11 +17,11 @@
 //! `S_enter = h⁻ + Δ_0(1 − λ_0)·outer(v⁻, k⁻)` (spec §3.4): the look-back term of the
 //! window's first token reaches across the seam.
 
+use super::state::LayerState;
+use super::token::{MixerCtx, TokenPre};
 use crate::cpu::math::{rotate_pairs, wrap_angle};
 use crate::cpu::matmul::{gemm, View, ViewMut};
-use super::token::{MixerCtx, TokenPre};
 use crate::cpu::real::Real;
-use super::state::LayerState;
 use rayon::prelude::*;
 
 /// Rows `start..start+len` of the packed token matrix belong to one sequence.

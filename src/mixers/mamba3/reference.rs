@@ -3,9 +3,9 @@
 //! checked against, generic over f32/f64 so tests can run it in f64. No chunking, no
 //! activation rounding, no tricks.
 
+use super::state::{layer, LayerState, SeqState};
 use crate::cpu::math::{a_value, rms_norm, rotate_pairs, sigmoid, silu, softplus, wrap_angle};
 use crate::cpu::real::Real;
-use super::state::{layer, LayerState, SeqState};
 use crate::model::config::{AActivation, Dims, NORM_EPS};
 use crate::model::weights::{LayerWeights, Matrix, Weights};
 

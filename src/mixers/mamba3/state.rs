@@ -53,7 +53,11 @@ impl<'a, F> LayerState<'a, F> {
 }
 
 /// Layer `l` of a sequence's state.
-pub fn layer<'a, F: Copy + num_traits::Zero>(st: &'a mut SeqState<F>, l: usize, d: &Dims) -> LayerState<'a, F> {
+pub fn layer<'a, F: Copy + num_traits::Zero>(
+    st: &'a mut SeqState<F>,
+    l: usize,
+    d: &Dims,
+) -> LayerState<'a, F> {
     LayerState::of(st.layer_mut(l), d)
 }
 
@@ -76,7 +80,10 @@ pub struct LayerRef<'a, F> {
 }
 
 /// Every layer of a sequence's state, read-only (for comparisons and tests).
-pub fn layers<'a, F: Copy + num_traits::Zero>(st: &'a SeqState<F>, d: &Dims) -> Vec<LayerRef<'a, F>> {
+pub fn layers<'a, F: Copy + num_traits::Zero>(
+    st: &'a SeqState<F>,
+    d: &Dims,
+) -> Vec<LayerRef<'a, F>> {
     (0..st.n_layer())
         .map(|l| {
             let [angle, ssm, k, v] = parts(st.layer(l), d);

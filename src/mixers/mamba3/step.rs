@@ -8,11 +8,11 @@
 //! Phases are wrapped to [0, 2π) as in prefill (the official decode does not wrap; the
 //! result is the same modulo 2π).
 
+use super::state::LayerState;
+use super::token::MixerCtx;
 use crate::cpu::math::{rotate_pairs, wrap_angle};
 use crate::cpu::matmul::dot;
-use super::token::MixerCtx;
 use crate::cpu::real::Real;
-use super::state::LayerState;
 use rayon::prelude::*;
 
 /// One head of one sequence: its slices of the state and of the output.

@@ -2,10 +2,10 @@
 //! forward keeps for the backward, per layer, and the backward's scratch. Activations that
 //! feed a GEMM are in the activation dtype (`act`, 2 or 4 bytes); everything else is f32.
 
-use crate::engine::LogitsWant;
 use crate::cuda::context::{DevBuf, Gpu};
 use crate::cuda::kernels::proj_ld;
 use crate::engine::cuda::work::Layout;
+use crate::engine::LogitsWant;
 use crate::error::Result;
 use crate::model::Dims;
 

@@ -3,9 +3,9 @@
 
 use crate::cuda::context::{Gpu, Kernel};
 use crate::cuda::kernels::{KernelConfig, Module};
+use crate::error::{Error, Result};
 use crate::mixers::mamba3::cuda::program::TRAINING;
 use crate::mixers::mamba3::cuda::scan::{check_smem, ScanKernels};
-use crate::error::{Error, Result};
 
 pub struct TrainKernels {
     // the forward (shared with inference)

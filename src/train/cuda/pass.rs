@@ -9,8 +9,8 @@ use super::CudaTrainer;
 use crate::cuda::context::{KArg, Kernel};
 use crate::cuda::gemm::{ElemType, GemmOp, GemmSpec};
 use crate::cuda::kernels::proj_ld;
-use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
 use crate::error::Result;
+use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
 
 /// Kernel parameters of `scan_bwd` (`ScanBwdArgs` in kernels/scan_bwd.cu).
 #[repr(C)]

@@ -3,7 +3,9 @@
 //! of every layer) and the training program (the forward's scan, its backward, and the
 //! training row kernels), and the constants one model's kernels are compiled with.
 
-use crate::cuda::kernels::{f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, GEMV, TRAIN};
+use crate::cuda::kernels::{
+    f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, GEMV, TRAIN,
+};
 use crate::error::{Error, Result};
 use crate::model::{Config, DType, Dims};
 
@@ -156,5 +158,4 @@ impl KernelConfig {
         ];
         Ok(KernelConfig { defines }.tuned())
     }
-
 }

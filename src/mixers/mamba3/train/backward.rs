@@ -5,12 +5,12 @@
 
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the math
 
-use crate::cpu::ops::{rms_bwd, silu_grad};
-use crate::mixers::mamba3::params::LayerParams;
 use super::forward::{chunk_weights, gather_x, scalars, MixerSaved, MixerShape};
 use crate::cpu::math::{heavy_tail, sigmoid, silu, softplus};
 use crate::cpu::matmul::{gemm, View, ViewMut};
+use crate::cpu::ops::{rms_bwd, silu_grad};
 use crate::cpu::Real;
+use crate::mixers::mamba3::params::LayerParams;
 use crate::model::config::AActivation;
 use rayon::prelude::*;
 

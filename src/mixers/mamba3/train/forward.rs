@@ -57,11 +57,11 @@
 
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the math above
 
-use crate::cpu::ops::rms_fwd;
-use crate::mixers::mamba3::params::LayerParams;
 use crate::cpu::math::{a_value, rotate_pairs, sigmoid, silu, softplus, wrap_angle};
 use crate::cpu::matmul::{gemm, View, ViewMut};
+use crate::cpu::ops::rms_fwd;
 use crate::cpu::Real;
+use crate::mixers::mamba3::params::LayerParams;
 use crate::model::config::{AActivation, Dims};
 use rayon::prelude::*;
 

@@ -1,0 +1,105 @@
+//! [`Backend`]: what a device does for the engine's [`Model`](super::Model). The CPU
+//! (`super::cpu::CpuModel<f32>`) and CUDA (`super::cuda::CudaModel`) models implement it;
+//! `Model` holds one as a trait object and never asks which. The GPU-only calls (options,
+//! graphs) have defaults that say a GPU is needed.
+//!
+//! Every call receives states already checked against the model and placed on the
+//! backend's device ([`Backend::place`]).
+
+use super::logits::StepLogits;
+use super::state::StateData;
+use super::LogitsWant;
+use crate::error::{Error, Result};
+use crate::model::state_layout::StateLayout;
+use crate::options::GpuOptions;
+
+/// At most this many tokens go through one pass of the layers on the CPU; longer prompts
+/// are read as consecutive continued windows, which is exact and bounds activation memory.
+pub const MAX_TOKENS_PER_PASS: usize = 8192;
+
+/// The same bound on a GPU, where memory is plentiful and larger passes run faster.
+pub const MAX_TOKENS_PER_PASS_GPU: usize = 65536;
+
+pub(crate) fn needs_gpu(what: &str) -> Error {
+    Error::Device(format!(
+        "{what} need a CUDA device; this model runs on the CPU"
+    ))
+}
+
+pub(crate) trait Backend {
+    /// A human-readable name of the device.
+    fn device_name(&self) -> String;
+
+    /// How many tokens one pass of the layers takes at most.
+    fn max_tokens_per_pass(&self) -> usize;
+
+    /// Wait until queued device work has finished.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// A fresh (zero) state's data on this device; `None` keeps the host state (always on
+    /// the CPU; on a GPU when device memory cannot be had now).
+    fn new_state(&self, layout: &StateLayout) -> Option<StateData>;
+
+    /// Move a state's data onto this device (a no-op when it is there).
+    fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()>;
+
+    /// One pass of the layers: each sequence from its state; each sequence's logits rows
+    /// (all positions, the last, or none), flattened.
+    fn forward(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut StateData],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>>;
+
+    /// One decode step of one token per sequence into `out` (a captured graph's replay
+    /// where one holds the batch).
+    fn decode_into(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut StateData],
+        out: &mut StepLogits,
+    ) -> Result<()>;
+
+    fn gpu_options(&self) -> Result<Option<GpuOptions>> {
+        Ok(None)
+    }
+    fn set_gpu_options(&self, _o: GpuOptions) -> Result<()> {
+        Err(needs_gpu("GPU options"))
+    }
+    /// Size the work buffers for passes of up to `rows` tokens over `seqs` sequences.
+    fn reserve_passes(&self, _rows: usize, _seqs: usize) -> Result<()> {
+        Ok(())
+    }
+    fn capture_decode_graph(&self, _bucket: usize) -> Result<()> {
+        Err(needs_gpu("CUDA graphs"))
+    }
+    /// Whether a captured decode graph holds a batch of `batch`.
+    fn has_decode_graph(&self, _batch: usize) -> Result<bool> {
+        Ok(false)
+    }
+    /// Replay the decode graph: `[batch, vocab_padded]` logits rows.
+    fn decode_graph(
+        &self,
+        _tokens: &[u32],
+        _states: &mut [&mut StateData],
+    ) -> Result<Vec<Vec<f32>>> {
+        Err(needs_gpu("CUDA graphs"))
+    }
+    fn capture_prefill_graph(&self, _lens: &[usize], _want: LogitsWant) -> Result<()> {
+        Err(needs_gpu("CUDA graphs"))
+    }
+    fn prefill_graph(
+        &self,
+        _seqs: &[&[u32]],
+        _states: &mut [&mut StateData],
+        _want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        Err(needs_gpu("CUDA graphs"))
+    }
+    fn clear_graphs(&self) -> Result<()> {
+        Ok(())
+    }
+}
