@@ -1,4 +1,4 @@
-//! The two floors the CPU numbers are judged against (see docs/benchmarks.md):
+//! The two floors the CPU numbers are judged against (see docs/performance.md, "This project's 2-core machine"):
 //! - the GEMM rate this machine reaches through the `gemm` crate on the prefill's own
 //!   shapes (so "prefill at ≥ 80% of GEMM" compares like with like), and
 //! - the memory read bandwidth (decode reads every weight once per token).

@@ -328,7 +328,7 @@ fn decode_skeleton(gpu: &Gpu, m: &Module) -> Result<()> {
 /// The decode state of the benchmark shape (24 layers, 24 heads × 64 × 128 f32) at
 /// batches 16 … 128, read and written in place once per layer by one block per (head,
 /// sequence), one launch per layer; against it, mixer_step's time per layer
-/// (docs/benchmarks.md).
+/// (docs/performance.md, "Decode floors").
 fn state_stream(gpu: &Gpu, k: &Kernel) -> Result<()> {
     const LAYERS: usize = 24;
     const HEADS: usize = 24;

@@ -1,5 +1,5 @@
 //! The projections at the benchmark shape (d_model 768, d_inner 1536, in_proj 3432 wide,
-//! bf16 model: docs/benchmarks.md, "GPU") — a prefill's (32768 and 4096 rows) and a large
+//! bf16 model: docs/performance.md, "The GPU benchmark shape") — a prefill's (32768 and 4096 rows) and a large
 //! decode batch's lanes (64 and 32 rows) — each GEMM with every algorithm cuBLASLt's
 //! heuristic proposes for it, and the in_proj output written as f32 or 16-bit. Questions:
 //! does the heuristic's first guess leave time on the table (the engine times the large

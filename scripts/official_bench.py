@@ -3,7 +3,7 @@
 
 The official pipeline: state-spaces/mamba's `MambaLMHeadModel` with
 `ssm_cfg.layer = "Mamba3"`, its `backbone(ids)` forward (Triton kernels), bf16, on the
-shape of docs/benchmarks.md. The sources are not part of this repository: point --src at a
+shape of docs/performance.md. The sources are not part of this repository: point --src at a
 directory holding the `mamba_ssm` package of state-spaces/mamba with an empty
 `__init__.py` (the real one imports compiled extensions that need not be installed).
 Prints one JSON object per shape; the first call's time (Triton autotuning) separately.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarise a MAMBA3_GPU_TRACE file of the fused decode (src/cuda/decode.rs writes it):
+"""Summarise a MAMBA3_GPU_TRACE file of the fused decode (src/engine/cuda/decode.rs writes it):
 `trace_summary.py FILE 3|5` (phases per layer). Per kind of phase, averaged over the
 layers, how long the phase adds to the step, how long its first and last worker took to see
 the previous phase done, and how long the work took."""

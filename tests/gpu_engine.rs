@@ -125,7 +125,7 @@ fn goldens_bf16_and_f16() {
 }
 
 /// The faster bf16 mode (16-bit in_proj input and scan operands): reported, with a looser
-/// bound; docs/benchmarks.md says what it costs.
+/// bound; docs/decisions.md, "bf16 fast mode", says what it costs.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn goldens_bf16_fast_mode() {
@@ -238,7 +238,7 @@ fn random_cases() -> Vec<(mamba3::model::Config, Vec<usize>)> {
         // long sequences: several segments per sequence (phases A and B)
         (config(64, 1, 32, 16, 2, 1.0, false, 64, 16), vec![600, 301]),
         // 40 sequences, 320 (sequence, head) pairs: segments of unequal lengths, launched
-        // longest first (src/cuda/work.rs, `SegPlan`)
+        // longest first (src/engine/cuda/work.rs, `SegPlan`)
         (
             config(64, 1, 32, 16, 1, 0.5, false, 0, 16),
             (0..40).map(|i| 120 + (37 * i) % 150).collect(),

@@ -1,4 +1,4 @@
-//! Training on the GPU (src/cuda/train) against the CPU trainer: the gradients of every
+//! Training on the GPU (src/train/cuda) against the CPU trainer: the gradients of every
 //! parameter tensor equal the CPU's (f32, to 1e-4 relative, measured against the CPU in
 //! f64) on configs with ngroups > 1, rope 1.0, the output norm, the MLP, tied and untied
 //! heads and windows longer than one chunk; bf16 mixed precision stays close; two runs

@@ -6,12 +6,12 @@
 // host times two iteration counts and divides the difference.
 //
 // Why: at batch 1 a decode layer is three grid-wide phases (kernels/decode_layers.cu), and
-// each hand-over plus the staging after it costs ≈ 2 µs (docs/benchmarks.md). A design with
+// each hand-over plus the staging after it costs ≈ 2 µs (docs/decisions.md, "Where a fused decode layer's time goes"). A design with
 // one block cluster per head (the head's in_proj rows, its mixer and its share of out_proj
 // inside the cluster, one grid-wide hand-over per layer) would trade two of the three for
 // cluster barriers and shared-memory exchanges, and needs each SM to fill ≈ 150 KB of
 // shared memory with weights per layer; these probes price those three (such a kernel was
-// built, measured 1.7× slower than the fused decode and removed: docs/benchmarks.md). The
+// built, measured 1.7× slower than the fused decode and removed: docs/decisions.md, "Cluster decode"). The
 // last, probe_state_stream, measures how close mixer_step comes to the state traffic's
 // floor at a large batch.
 

@@ -1,7 +1,7 @@
 //! Choosing a large GEMM's algorithm by timing. cuBLASLt's heuristic ranks the algorithms
 //! it proposes for a shape by a model of the GPU, and its first guess is not always its
 //! fastest: at the benchmark shape's B=8 T=4096 prefill on an H100 the third of in_proj's
-//! was 4 % faster than the first, and the eighth of out_proj's 13 % (docs/benchmarks.md).
+//! was 4 % faster than the first, and the eighth of out_proj's 13 % (docs/decisions.md, "GEMM algorithms chosen by timing").
 //!
 //! So the plan of a product of at least [`TUNE_MACS`] multiply-adds times the first
 //! [`TRIED`] candidates once, on the operands of its first call, and keeps the fastest
@@ -18,7 +18,7 @@
 //! `MAMBA3_GPU_GEMM_TUNE=0` turns tuning off: the first guess everywhere.
 
 use super::context::Gpu;
-use super::gemm::GemmSpec;
+use super::gemm_spec::GemmSpec;
 use crate::error::Result;
 use std::collections::HashMap;
 use std::io::Write;

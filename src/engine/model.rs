@@ -39,7 +39,7 @@ impl Model {
             // the cuBLASLt library (`Lt::new` waits for it; an error shows there). That
             // load holds the context's creation back ≈ 150 ms, but loaded once the context
             // exists it holds the weights upload back as long, and loaded by `Lt::new` it
-            // was slower still (docs/benchmarks.md, 2026-12-05 14:03).
+            // was slower still (docs/decisions.md, "cuBLASLt library loaded at start").
             std::thread::spawn(crate::cuda::gemm::Lt::load_library);
             let gpu = std::thread::spawn(move || {
                 crate::timeline::stage("CUDA device opened (thread)", || {

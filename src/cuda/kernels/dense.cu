@@ -1,6 +1,6 @@
 // Row-wise kernels around the GEMMs: embedding lookup, RMSNorm (spec §2.7) and the
 // GatedMLP activation. CPU twins: the embedding loop and `norm_rows` in
-// src/cpu/forward.rs, `rms_norm` in src/cpu/math.rs.
+// src/engine/cpu.rs, `rms_norm` in src/cpu/math.rs.
 
 // res[r] = E[tokens[r]] (f32). One block per row. An untied table is f32 (EMBED_F32).
 #if EMBED_F32
@@ -24,7 +24,7 @@ extern "C" __global__ void embed(const unsigned* __restrict__ tokens, const emb_
 //   0: act_t, D_MODEL wide;
 //   1: [hi | lo] in act_t, 2·D_MODEL wide, hi = round(v), lo = round(v − hi): a GEMM
 //      against [W | W] then sees the f32 value to ~2⁻¹⁶ (16-bit models only);
-//   2: f16, D_MODEL wide (the in_proj input of 16-bit models; see src/cuda/weights.rs).
+//   2: f16, D_MODEL wide (the in_proj input of 16-bit models; see src/engine/cuda/weights.rs).
 #if IN_PART(PART_ROWS)
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w,
                                          void* __restrict__ out, int rows,

@@ -7,17 +7,15 @@
 //! batches run the projections through cuBLASLt. A batch that takes the launch per kernel
 //! may be cut into lanes of rows on streams of their own (`GpuOptions::decode_lanes`): one
 //! lane's projections, latency-bound at these sizes, then overlap another lane's work.
-//! CPU twin: `CpuModel::forward` with one token per sequence (src/cpu/forward.rs).
+//! CPU twin: `CpuModel::forward` with one token per sequence (src/engine/cpu.rs).
 
 use super::forward::Pipe;
-use super::work::Work;
+use super::work::{Work, GEMV_MAX_ROWS};
 use crate::cuda::context::{DevBuf, Gpu, MAX_LANES};
 use crate::cuda::gemm::ElemType;
 use crate::cuda::kernels::proj_ld;
 use crate::error::Result;
 
-/// Decode batches up to this size use the fused-norm GEMV kernels; larger ones cuBLASLt.
-pub const GEMV_MAX_ROWS: usize = 16;
 /// Input rows the f32 GEMV stages in shared memory at a time (`GEMV_BG` in kernels/gemv.cu).
 const GEMV_BG: usize = 4;
 
@@ -161,7 +159,7 @@ impl Pipe<'_> {
         let (smem, grid) = (*smem, self.gpu.sms);
         // One block per SM: with more (head, sequence) pairs than blocks, some blocks walk
         // two heads one after the other and the launch per kernel is faster (measured:
-        // docs/benchmarks.md), so the fused step is for batches whose heads fit in one wave.
+        // docs/decisions.md, "Fused decode step"), so the fused step is for batches whose heads fit in one wave.
         if !self.opts.fused_decode
             || self.probe
             || nb > GEMV_MAX_ROWS
@@ -281,7 +279,7 @@ impl Pipe<'_> {
 
 /// Lanes of a decode batch of `nb` that runs one launch per kernel: `option` when it is
 /// not 0 (at most one per row), else by the batch, as measured on the H200 at d_model 768
-/// (docs/benchmarks.md): two lanes of at most 8 rows from 6 to 16 rows, one from 17 to 32,
+/// (docs/decisions.md, "Decode lanes"): two lanes of at most 8 rows from 6 to 16 rows, one from 17 to 32,
 /// two above. Lanes of one or two rows lose; so do lanes of 9 – 16 rows (the GEMV's slow
 /// two-tile form). Four lanes of 8 gain 3–6 % at 24 – 32 rows in a CUDA graph, but
 /// launched eagerly each lane's launches cost the host as much as the whole step's (the

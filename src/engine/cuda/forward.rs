@@ -1,6 +1,6 @@
 //! The GPU forward pass: the launch sequence of a prefill (spec §4 per layer) and of a
 //! decode step (spec §3.3), over buffers that are already on the device. The CPU twin is
-//! `CpuModel::forward` in src/cpu/forward.rs.
+//! `CpuModel::forward` in src/engine/cpu.rs.
 //!
 //! Prefill, per layer: RMSNorm → in_proj GEMM → `prefill_pre` → `angle_pass` →
 //! `scan_states` → `scan_pass` → `scan_outputs` (gated) → out_proj GEMM adding into the
@@ -18,7 +18,7 @@
 //! `fast`: see `weights::InProjInput`), and the scan runs on f16 tensor cores, whose
 //! mantissa is TF32's, with its data-dependent operands scaled per chunk against f16's
 //! range (kernels/scan.cu; TF32 when the B/C norm weights could overflow f16, the model's
-//! dtype with `fast`). See docs/benchmarks.md for what each choice costs in accuracy and time.
+//! dtype with `fast`). See docs/decisions.md, "Numerics of the 16-bit modes", for what each choice costs in accuracy and time.
 
 use super::kernels::Kernels;
 use super::weights::{GpuWeights, InProjInput, InProjKind};
@@ -32,7 +32,6 @@ use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
 use crate::model::{DType, Dims};
 use crate::options::GpuOptions as CudaOptions;
 
-pub use super::decode::GEMV_MAX_ROWS;
 
 /// The in_proj GEMM's operand type, its K and the norm's output mode (`NORM_*`) for a
 /// layer whose prefill input is of kind `kind` (`weights::InProjInput`).

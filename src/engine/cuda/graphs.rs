@@ -14,6 +14,7 @@
 //! bucket is padded with a scratch state, and as every kernel of the small-batch decode
 //! treats each row on its own, the padding does not change the other rows' results.
 
+use super::captured::{CaptureKey, Captured, Graphs};
 use super::model::{split_logits, CudaModel};
 use super::state::CudaState;
 use super::work::{Caps, Layout, Work};
@@ -21,44 +22,6 @@ use crate::cuda::context::{dev_err, PinnedBuf};
 use crate::engine::LogitsWant;
 use crate::error::{Error, Result};
 use crate::options::GpuOptions;
-use cudarc::driver::CudaGraph;
-use std::collections::BTreeMap;
-
-/// What a graph was captured with; replay needs all of it unchanged.
-#[derive(Clone, Debug, PartialEq)]
-struct CaptureKey {
-    opts: GpuOptions,
-    kernels: usize,
-    weights: u64,
-}
-
-struct Captured {
-    graph: CudaGraph,
-    work: Work,
-    /// the tokens of a replay, which the graph copies to `work.tokens` first
-    tokens_in: PinnedBuf<u32>,
-    /// a launch may still be running (it read no logits back, so nothing waited for it):
-    /// `tokens_in` must not be written before it is done
-    in_flight: bool,
-    key: CaptureKey,
-    /// padding rows' state (decode)
-    scratch: CudaState,
-    layout: Layout,
-    /// the state addresses in `work.states` now (a decode loop rarely changes them)
-    state_ptrs: Vec<u64>,
-}
-
-#[derive(Default)]
-pub struct Graphs {
-    decode: BTreeMap<usize, Captured>,
-    prefill: Vec<(Vec<usize>, LogitsWant, Captured)>,
-}
-
-impl Graphs {
-    pub fn decode_buckets(&self) -> Vec<usize> {
-        self.decode.keys().copied().collect()
-    }
-}
 
 enum Kind {
     Decode,

@@ -4,7 +4,7 @@
 //! - `weights`, `state`, `work`: what lives on the device;
 //! - `forward`: the prefill launch sequence (`Pipe`); `decode`: the decode step's;
 //! - `kernels`: one model's inference kernels, loaded;
-//! - `graphs`: CUDA-graph capture and replay;
+//! - `graphs`: CUDA-graph capture and replay; `captured`: what a captured graph holds;
 //! - `model`: `CudaModel`, what the engine's `Model` calls.
 //!
 //! Every kernel has a CPU twin of the same name (`embed` → the embedding loop of
@@ -15,6 +15,7 @@
 //! and in the spec.
 
 pub mod backend;
+pub mod captured;
 pub mod decode;
 pub mod forward;
 pub mod graphs;

@@ -4,7 +4,7 @@
 
 use super::forward::prefill_gemm_specs;
 use super::forward::Pipe;
-use super::graphs::Graphs;
+use super::captured::Graphs;
 use super::kernels::Kernels;
 use super::state::CudaState;
 use super::weights::{in_proj_kind, proj_f16, scan_f16, GpuWeights};
@@ -56,7 +56,7 @@ impl CudaModel {
         // short prefill's products, `Lt::warm`), and the inference kernels (from the disk
         // cache, or NVRTC). One after the other, the upload, cuBLASLt and the kernels took
         // 267–284, 116–150 and ≈ 20 ms, and the first prefill ≈ 100 ms more for cuBLASLt's
-        // kernels (docs/benchmarks.md, 2026-12-05).
+        // kernels (docs/decisions.md, "Weights upload and kernel loading").
         let opts = GpuOptions::from_env();
         let in_proj = in_proj_kind(&weights);
         let (scan_f16, proj_f16) = (scan_f16(&weights), proj_f16(&weights));
@@ -358,7 +358,7 @@ impl CudaModel {
 /// How many rows the start-up's warm-up products have (`MAMBA3_GPU_LT_WARM`, default 16; 0
 /// none). A prefill of another length may need other kernels; a short prompt's first
 /// prefill is the one a user waits for. It brought the first token 36–60 ms sooner
-/// (docs/benchmarks.md, 2026-12-05 13:22 and 14:03).
+/// (docs/decisions.md, "cuBLASLt warm-up during the upload").
 fn warm_rows() -> Result<usize> {
     match &crate::options::env().lt_warm {
         None => Ok(16),
@@ -376,7 +376,7 @@ fn scan_math(dtype: DType, scan_f16: bool, o: GpuOptions) -> ScanMath {
         (DType::F32, _, true) => ScanMath::Tf32,
         (DType::F32, _, false) => ScanMath::F32,
         (_, true, _) => ScanMath::Half,
-        // f16 operands: TF32's mantissa at the cost of 16 bits (docs/benchmarks.md);
+        // f16 operands: TF32's mantissa at the cost of 16 bits (docs/decisions.md, "f16 scan operands");
         // `MAMBA3_GPU_SCAN_F16=0` keeps TF32, a diagnostic for A/B runs
         (_, false, _) if scan_f16 && crate::options::env().scan_f16 => ScanMath::F16,
         (_, false, _) => ScanMath::Tf32,

@@ -4,10 +4,9 @@
 //! (copy-on-write, like host states), so a snapshot costs nothing until it is used.
 //!
 //! States live in pieces of larger device allocations, recycled by the GPU's state pool
-//! (`crate::cuda::pool`).
+//! (`crate::cuda::context::StatePool`).
 
-use crate::cuda::context::Gpu;
-use crate::cuda::pool::Slot;
+use crate::cuda::context::{Gpu, Slot};
 use crate::error::{Error, Result};
 use crate::model::state_layout::{StateBuf, StateLayout};
 use std::sync::Arc;

@@ -8,7 +8,7 @@ use crate::model::weights::Matrix;
 use crate::model::{DType, Element, LayerWeights, Weights};
 
 /// How the normed residual enters the in_proj GEMM of a 16-bit model. The input's rounding
-/// costs more accuracy than any other activation's (docs/benchmarks.md), so it is not
+/// costs more accuracy than any other activation's (docs/decisions.md, "bf16 mode: which activations are rounded"), so it is not
 /// rounded to bf16 unless asked (`fast`).
 pub enum InProjInput {
     /// f16 input (rounding error 2⁻¹¹ instead of bf16's 2⁻⁸) against an f16 copy of the
@@ -60,7 +60,7 @@ pub fn in_proj_kind(w: &Weights) -> Option<InProjKind> {
 /// 16-bit model whose every output stays well inside f16's range whatever the input. Row i
 /// of the output is ⟨W_i, rmsnorm(x) ⊙ w⟩, and rmsnorm(x) has 2-norm at most √d_model, so
 /// |out_i| ≤ |W_i|₂·max|w|·√d_model. (f16 rounds the output by 2⁻¹¹ relative, against the
-/// f32 accumulation; docs/benchmarks.md says what it costs in accuracy and buys in time.)
+/// f32 accumulation; docs/decisions.md, "in_proj output in f16", says what it costs in accuracy and buys in time.)
 /// `MAMBA3_GPU_PROJ_F16=0` keeps f32, a diagnostic for A/B runs.
 pub fn proj_f16(w: &Weights) -> bool {
     if w.dtype == DType::F32 || !crate::options::env().proj_f16 {

@@ -15,6 +15,9 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, OnceLock};
 
+/// Decode batches up to this size use the fused-norm GEMV kernels; larger ones cuBLASLt.
+pub const GEMV_MAX_ROWS: usize = 16;
+
 /// The tables of one pass, as uploaded (int4 rows; see the kernels' docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {
@@ -163,7 +166,7 @@ impl SegPlan {
     /// as many segments as there are free slots per head, and a batch whose blocks
     /// overfill the slots by a fraction a short first segment and a long last one, the
     /// short blocks filling the slots the long ones leave. (Calibrated on the H200 at
-    /// d_state 128: docs/benchmarks.md, "segments" and "segments of unequal lengths".)
+    /// d_state 128: docs/decisions.md, "Segment plan" and "Segments of unequal lengths".)
     pub fn choose(chunks: &[usize], heads: usize, slots: usize) -> SegPlan {
         // Planning runs on the host before every pass, the GPU idle meanwhile: the plans
         // of recent batch shapes are kept.
@@ -439,7 +442,7 @@ impl Work {
                     + d.d_inner
                     + 2 * d.mlp_hidden
                     + d.nheads;
-                let b = gpu.alloc::<u64>(super::decode::GEMV_MAX_ROWS * row)?;
+                let b = gpu.alloc::<u64>(GEMV_MAX_ROWS * row)?;
                 gpu.zero(b.ptr, b.bytes)?;
                 b
             },

@@ -1,9 +1,9 @@
 //! The launches of one layer's chunked mixer (spec §4): `prefill_pre` and `angle_pass`
 //! (per-token scalars, B̄/C̄, the angle cumsum), then the scan's three phases
 //! `scan_states` → `scan_pass` → `scan_outputs` (kernels/prefill_pre.cu, kernels/scan.cu).
-//! The prefill (src/cuda/forward.rs) and the training forward (src/cuda/train/pass.rs) run
+//! The prefill (src/engine/cuda/forward.rs) and the training forward (src/train/cuda/pass.rs) run
 //! the same sequence over their own buffers. CPU twins: `token_pre` and `scan_head` in
-//! src/cpu/prefill.rs, whose module doc holds the mathematics.
+//! src/mixers/mamba3/prefill.rs, whose module doc holds the mathematics.
 
 use crate::cuda::context::{dev_err, Gpu, KArg, Kernel};
 use crate::cuda::kernels::Module;
@@ -47,7 +47,7 @@ impl ScanArgs {
     /// `slots` scan blocks at once: the arguments and the grid of each. Blocks that fill
     /// more than one wave go heads fastest, so that the longest segments start first;
     /// one wave goes segments fastest, as before the order table, which measured faster
-    /// (docs/benchmarks.md, "segments of unequal lengths"). At most 65535 positions of the
+    /// (docs/decisions.md, "Scan grid order"). At most 65535 positions of the
     /// order per launch (the grid's y).
     pub(crate) fn launches(
         &self,

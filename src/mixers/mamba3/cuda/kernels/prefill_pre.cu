@@ -1,6 +1,6 @@
 // Per-token preprocessing of the chunked prefill (spec §2.1–§2.4, §4.2): the CPU twin is
-// `MixerCtx::token_pre` in src/cpu/mixer.rs plus the per-token part of `scan_head` in
-// src/cpu/prefill.rs. One block per chunk of one sequence (≤ CHUNK tokens).
+// `MixerCtx::token_pre` in src/mixers/mamba3/token.rs plus the per-token part of `scan_head` in
+// src/mixers/mamba3/prefill.rs. One block per chunk of one sequence (≤ CHUNK tokens).
 //
 // Chunk table entry (int4): {start row, tokens in chunk, end row of the sequence (exclusive),
 // sequence index}. Input: the in_proj rows (`proj_t`: f32, or f16 with PROJ_F16). Outputs,

@@ -1,5 +1,5 @@
 // The chunked scan of the prefill (spec §4), parallel over chunks as well as heads.
-// CPU twin: `scan_head` in src/cpu/prefill.rs, whose module doc holds the mathematics:
+// CPU twin: `scan_head` in src/mixers/mamba3/prefill.rs, whose module doc holds the mathematics:
 //
 //   y_j = Σ_{s<j} e^{Lc_j − Lc_s}·c_s·⟨q̃_j, k̃_s⟩·x_s + γ_j·⟨q̃_j, k̃_j⟩·x_j + e^{Lc_j}·S·q̃_j + D·x_j
 //   S'  = e^{Lc_end}·S + Σ_s e^{Lc_end − Lc_s}·c_s·outer(x_s, k̃_s)
@@ -679,7 +679,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_outpu
 // thread — one block per SM for a grid of 1536 blocks, each thread's walk a few dependent
 // round trips to memory. `PASS_BATCH=8 PASS_MINB=4` takes 64 registers, no stack, four
 // blocks per SM, and was no faster: B=8 T=4096 24.92, 25.11 ms against 25.07, B=1 2 %
-// slower; docs/benchmarks.md.)
+// slower; docs/decisions.md, "scan_pass blocks per SM".)
 // Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
 #ifndef PASS_BATCH
 #define PASS_BATCH 16

@@ -1,5 +1,5 @@
 // The backward of the chunked scan, for training. CPU twin: `head_backward` in
-// src/train/scan_backward.rs; the derivation is in the module doc of src/train/scan.rs.
+// src/mixers/mamba3/train/backward.rs; the derivation is in the module doc of src/mixers/mamba3/train/forward.rs.
 //
 // One block per (sequence, head) walks the sequence's chunks in reverse. The gradient of
 // the state leaving the chunk, dS' (P×N, f32), lives in registers for the whole walk

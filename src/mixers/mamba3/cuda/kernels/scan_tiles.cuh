@@ -57,7 +57,7 @@ typedef float op_t;
 // the benchmark shape with f32 operands the block takes 163.75 KB, just inside the 164 KB
 // shared-memory carve-out that leaves L1 92 KB; 35 KB more (transposed copies of x, wx
 // and k̃ for ldmatrix) moved it to the 228 KB carve-out (L1 28 KB) and cost 11 % at
-// B=8 T=4096 — more than the instructions it saved (docs/benchmarks.md). The loads each
+// B=8 T=4096 — more than the instructions it saved (docs/decisions.md, "Shared memory is worth more as L1"). The loads each
 // chunk issues at its start (SCAN_EARLY, ≈ 80 KB) are staged in L1.
 #define SCAN_TILES (SZ_Q + SZ_K + SZ_X + SZ_W + SZ_MCS + SZ_SO)
 
