@@ -20,8 +20,8 @@
 //! (`gemm_tune`).
 
 use super::context::{dev_err, DevBuf, Gpu};
-use super::gemm_tune::{self as tune, Choices};
 pub use super::gemm_spec::{ElemType, GemmOp, GemmSpec};
+use super::gemm_tune::{self as tune, Choices};
 use crate::error::{Error, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;

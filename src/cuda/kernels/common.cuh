@@ -151,42 +151,6 @@ __device__ __forceinline__ unsigned long long load_acquire(const unsigned long l
     return v;
 }
 
-// ---- tagged values: the fused decode's hand-over by the data itself (FUSED_TAGGED) -------
-// A value and the tag of the write that produced it share one 8-byte word, which is read
-// and written whole (single-copy atomic). A reader that loads until every word carries the
-// tag it expects has its data in the same loads that tell it the data is there: no fence
-// by the writer, no counter, no second round trip (kernels/decode_layers.cu says why).
-__device__ __forceinline__ void tag_store(unsigned long long* p, float v, unsigned tag) {
-    const unsigned long long w = ((unsigned long long)tag << 32) | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
-}
-// Nanoseconds a reader of tagged values sleeps between attempts (0: none).
-#ifndef FUSED_TAG_SLEEP
-#define FUSED_TAG_SLEEP 0
-#endif
-__device__ __forceinline__ void tag_backoff() {
-#if FUSED_TAG_SLEEP > 0
-    __nanosleep(FUSED_TAG_SLEEP);
-#endif
-}
-// One attempt at four tagged values (32-byte aligned) into v: whether all carry `tag`.
-__device__ __forceinline__ bool tag_try4(const unsigned long long* p, unsigned tag, float4& v) {
-    unsigned long long a, b, c, d;
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(c), "=l"(d) : "l"(p + 2) : "memory");
-    v = make_float4(__uint_as_float((unsigned)a), __uint_as_float((unsigned)b), __uint_as_float((unsigned)c),
-                    __uint_as_float((unsigned)d));
-    return (unsigned)(a >> 32) == tag && (unsigned)(b >> 32) == tag && (unsigned)(c >> 32) == tag &&
-           (unsigned)(d >> 32) == tag;
-}
-// One attempt at one tagged value.
-__device__ __forceinline__ bool tag_try(const unsigned long long* p, unsigned tag, float& v) {
-    unsigned long long a;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(a) : "l"(p) : "memory");
-    v = __uint_as_float((unsigned)a);
-    return (unsigned)(a >> 32) == tag;
-}
-
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); `red` holds 32 floats.
 // Every thread gets the total.
 __device__ __forceinline__ float block_sum(float v, float* red) {
@@ -199,7 +163,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(t);
 }
 
-// One sequence's state in one layer, inside its per-sequence buffer (see src/cuda/state.rs):
+// One sequence's state in one layer, inside its per-sequence buffer (see src/engine/cuda/state.rs):
 // [angle H·S | ssm H·P·N | k H·N | v H·P], f32, layers one after another.
 #define ST_ANGLE 0
 #define ST_SSM (NHEADS * NANGLES)
@@ -209,7 +173,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 // The prefill's in_proj output (`proj`, read by prefill_pre and the scan): f32, or f16
 // with PROJ_F16 (16-bit models whose in_proj output is bounded well inside f16's range:
-// src/cuda/weights.rs `proj_f16`). The decode's in_proj rows are always f32.
+// src/engine/cuda/weights.rs `proj_f16`). The decode's in_proj rows are always f32.
 #ifndef PROJ_F16
 #define PROJ_F16 0
 #endif

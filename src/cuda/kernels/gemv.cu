@@ -226,13 +226,10 @@ __device__ __forceinline__ void tc_smem_parts(act_t*& xhi, act_t*& xlo, float*& 
 // (float4s; thread tid takes k = 4·(tid + 256·i) …), then, for the RMS norm, the rows' sums
 // of squares over the block, then the stores. Short code on purpose: it runs once per
 // launch or phase, so its instruction fetches are part of the latency. The input is read
-// through L2 (`__ldcg`): in the fused decode other blocks of the same launch wrote it. With
-// TAGGED it is read instead from `in_tag` (the same layout, tagged values: common.cuh),
-// each group of loads repeated until every value carries `tag`.
-template <int K, int NT, int mode, bool TAGGED = false>
+// through L2 (`__ldcg`): in the fused decode other blocks of the same launch wrote it.
+template <int K, int NT, int mode>
 __device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc<K>::KT], int nb, act_t* xhi,
-                                         act_t* xlo, const unsigned long long* in_tag = nullptr,
-                                         unsigned tag = 0) {
+                                         act_t* xlo) {
     constexpr int NBP = 8 * NT, LD = Tc<K>::LD, KT = Tc<K>::KT;
     __shared__ float s_part[TC_WARPS][NBP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -247,33 +244,19 @@ __device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc
 #pragma unroll 1
     for (int b0 = 0; b0 < nb; b0 += 4) {
         float4 v[4][KT], gt[4][mode == 2 ? KT : 1];
-        bool ready;
-        do {
-            ready = true;
 #pragma unroll
-            for (int b = 0; b < 4; ++b)
+        for (int b = 0; b < 4; ++b)
 #pragma unroll
-                for (int i = 0; i < KT; ++i) {
-                    const int k = 4 * (threadIdx.x + TC_WARPS * 32 * i);
-                    const bool ok = b0 + b < nb && k < K;
-                    const size_t at = (size_t)(b0 + b) * in_w + k;
-                    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-                    float4& g = gt[b][mode == 2 ? i : 0];
-                    if (TAGGED) {
-                        v[b][i] = zero;
-                        if (mode == 2) g = zero;
-                        if (ok) {
-                            ready &= tag_try4(in_tag + at, tag, v[b][i]);
-                            if (mode == 2) ready &= tag_try4(in_tag + at + K, tag, g);
-                        }
-                    } else {
-                        const float4* row = reinterpret_cast<const float4*>(in + at);
-                        v[b][i] = ok ? __ldcg(row) : zero;
-                        if (mode == 2) g = ok ? __ldcg(row + K / 4) : zero;
-                    }
-                }
-            if (TAGGED && !ready) tag_backoff();
-        } while (TAGGED && !ready);
+            for (int i = 0; i < KT; ++i) {
+                const int k = 4 * (threadIdx.x + TC_WARPS * 32 * i);
+                const bool ok = b0 + b < nb && k < K;
+                const size_t at = (size_t)(b0 + b) * in_w + k;
+                const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+                float4& g = gt[b][mode == 2 ? i : 0];
+                const float4* row = reinterpret_cast<const float4*>(in + at);
+                v[b][i] = ok ? __ldcg(row) : zero;
+                if (mode == 2) g = ok ? __ldcg(row + K / 4) : zero;
+            }
         float scale[4] = {1.f, 1.f, 1.f, 1.f};
         if (mode == 1) {
 #pragma unroll
@@ -331,13 +314,11 @@ __device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc
 // (the first PFW from `pf`), the warps' partial sums meet in `red` and are added in warp
 // order; out[b·ldo + n] (+)= the sum. With `acc_out`, thread e's old value of element
 // e = 16·b + r is `prev` when `has_prev` (loaded ahead by `tc_prev`), else read here.
-// With TAGGED each output is also written to `out_tag` (the same layout) tagged `tag`.
-template <int K, int NT, bool TAGGED = false>
+template <int K, int NT>
 __device__ __forceinline__ void tc_tile(const uint4 (&pf)[Tc<K>::PFW][2], const w_t* __restrict__ W, int N,
                                         int n0, const act_t* xhi, const act_t* xlo, float* red,
                                         float* out, int ldo, int nb, int acc_out, float prev = 0.f,
-                                        bool has_prev = false, unsigned long long* out_tag = nullptr,
-                                        unsigned tag = 0) {
+                                        bool has_prev = false) {
     constexpr int NBP = 8 * NT;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const w_t* wr0 = W + (size_t)min(n0 + g, N - 1) * K;
@@ -383,7 +364,6 @@ __device__ __forceinline__ void tc_tile(const uint4 (&pf)[Tc<K>::PFW][2], const 
         float* o = out + (size_t)b * ldo + n;
         const float val = acc_out ? (has_prev && e == (int)threadIdx.x ? prev : __ldcg(o)) + s : s;
         *o = val;
-        if (TAGGED) tag_store(out_tag + (size_t)b * ldo + n, val, tag);
     }
 }
 

@@ -188,7 +188,6 @@ impl Pipe<'_> {
                 &nb_i,
                 &work.sync.ptr,
                 &trace.ptr(),
-                &work.tagged.ptr,
             ],
         )?;
         trace.write(self.gpu)?;

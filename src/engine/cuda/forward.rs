@@ -32,7 +32,6 @@ use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
 use crate::model::{DType, Dims};
 use crate::options::GpuOptions as CudaOptions;
 
-
 /// The in_proj GEMM's operand type, its K and the norm's output mode (`NORM_*`) for a
 /// layer whose prefill input is of kind `kind` (`weights::InProjInput`).
 fn in_proj_operands(

@@ -2,9 +2,9 @@
 //! buffers of eager passes and the captured CUDA graphs. The engine's `Model` calls it
 //! for `Device::Cuda`; states are already on the device when `forward` is called.
 
+use super::captured::Graphs;
 use super::forward::prefill_gemm_specs;
 use super::forward::Pipe;
-use super::captured::Graphs;
 use super::kernels::Kernels;
 use super::state::CudaState;
 use super::weights::{in_proj_kind, proj_f16, scan_f16, GpuWeights};

@@ -389,13 +389,9 @@ pub struct Work {
     /// final-normed picked rows (act) and their logits (f32)
     pub hfin: DevBuf,
     pub logits: DevBuf,
-    /// the fused decode's phase counters (kernels/decode_layers.cu: up to 32, a 128-byte
-    /// line apart), its count of finished blocks (zero between launches) and its count of
-    /// launches (word 2)
+    /// the fused decode's phase counter and its count of finished blocks (kernels/
+    /// decode_layers.cu; both zero between launches)
     pub sync: DevBuf,
-    /// the fused decode's tagged values (`FUSED_TAGGED`; `TG_*` in kernels/decode_layers.cu),
-    /// zeroed once: no tag is 0
-    pub tagged: DevBuf,
 }
 
 impl Work {
@@ -430,19 +426,7 @@ impl Work {
             hfin: a(c.picked * d.d_model)?,
             logits: f(c.picked * d.vocab_padded)?,
             sync: {
-                let b = gpu.alloc::<u64>(32 * 16)?;
-                gpu.zero(b.ptr, b.bytes)?;
-                b
-            },
-            tagged: {
-                // rows of up to 16 sequences: residual, in_proj row, mixer outputs, MLP row,
-                // a flag per head
-                let row = d.d_model
-                    + crate::cuda::kernels::proj_ld(d)
-                    + d.d_inner
-                    + 2 * d.mlp_hidden
-                    + d.nheads;
-                let b = gpu.alloc::<u64>(GEMV_MAX_ROWS * row)?;
+                let b = gpu.alloc::<u64>(2)?;
                 gpu.zero(b.ptr, b.bytes)?;
                 b
             },

@@ -3,7 +3,7 @@
 // (`gemv_tc_*`), `mixer_step`, out_proj GEMV adding into the residual, and the MLP's two
 // GEMVs when there is one — run by the same device functions, in the same order, so the
 // result is bit-identical to the unfused launches. CPU twin: the layer loop of
-// `CpuModel::forward` (src/cpu/forward.rs) with one token per sequence.
+// `CpuModel::forward` (src/engine/cpu.rs) with one token per sequence.
 //
 // Why: at batch 1 a layer is three kernels of a few microseconds each, and most of every
 // kernel is waiting — for its launch, for its weights, for the previous kernel. Here the
@@ -18,77 +18,20 @@
 // (blocks that have tiles or heads in it) adds W; the workers of the next phase wait until
 // the count reaches the sum over all earlier phases — every block computes the same sums.
 // `sync[1]` counts the blocks that are done; the last one resets the counts for the next
-// launch (at that point no block is waiting on them any more). With FUSED_SYNC_PARTS = P
-// > 1 the count is split in P counters a 128-byte line apart (block b arrives at counter
-// b mod P, and lane j < P of the polling warp waits for counter j's share), so that the
-// arrivals and the polls of 132 blocks do not all queue at one address — an experiment
-// sized by the hand-over probes of benches/gpu_floors.rs.
-//
-// With FUSED_TAGGED = 1 there are no counters: every value a phase writes for other blocks
-// (in_proj's row, the mixer's outputs, the residual, the MLP's hidden row) also goes, with a
-// tag naming the launch, the layer and the buffer, into `tagged` (tagged values:
-// common.cuh), and a block that needs them loads them there until they carry the tag. A
-// counter costs a hand-over three memory round trips after the last block's work: the
-// writer's fence, the poll that sees the count, and the load of the data; the tags leave
-// one, and each block waits only for the values it reads (the mixer for its head's row,
-// not for every tile of in_proj). The residual is also written as plain f32 (the next
-// layer's accumulation reads it back in the same thread; the LM head after the launch);
-// layer 0 reads it plain (the embedding, written before the launch). Overwriting a buffer
-// in the next layer is safe without counters: a block writes it only after reading data
-// that every reader of the old values had to produce first (the residual needs every
-// out_proj tile, each tile every mixer output, each mixer some in_proj tile of every
-// block that reads the residual). One race is left, a split head's states, and a flag
-// closes it (`first_mixer_head`). Tags: `sync[2]` counts the launches (the last block
-// adds one); tag = launch · 6L + 6l + buffer + 1, so a stale value never matches.
-// FUSED_TAGGED = 2 keeps the counter to say when to start reading, but arrives without the
-// fence and polls without acquiring: the tags make the data safe.
+// launch (at that point no block is waiting on them any more). Other hand-overs were
+// measured and removed (docs/decisions.md, "Hand-over spread or tagged").
 
 #if ACT != 0 && D_MODEL % 8 == 0 && D_INNER % 8 == 0 && (MLP_HIDDEN == 0 || MLP_HIDDEN % 8 == 0)
-#ifndef FUSED_PREFETCH
 #define FUSED_PREFETCH 1
-#endif
 // The thread that polls for the end of a phase: not thread 0, which is still behind the
 // fence of this block's own arrival when the block goes on to the next phase.
-#ifndef FUSED_POLLER
 #define FUSED_POLLER 32
-#endif
 // Layers whose parameter addresses are copied to shared memory at the start: every poll
 // (an acquire) invalidates L1, so a layer's addresses read from global memory at its start
 // are an L2 round trip on the way to its first wait. Later layers read them from global.
-#ifndef FUSED_TABLE
 #define FUSED_TABLE 64
-#endif
-#ifndef FUSED_SYNC_PARTS
-#define FUSED_SYNC_PARTS 1
-#endif
-#define FUSED_SYNC_STRIDE 16  // words from one counter to the next (src/cuda/work.rs sizes them)
-#ifndef FUSED_TAGGED
-#define FUSED_TAGGED 0
-#endif
-#if FUSED_TAGGED == 2 && FUSED_SYNC_PARTS != 1
-#error "FUSED_TAGGED=2 counts arrivals on one counter"
-#endif
-// The tagged buffers, in 8-byte words, rows of the batch (≤ 16) apart: the residual, the
-// in_proj row, the mixer's outputs, the MLP's [v | g] row, and a flag per (sequence, head).
-// src/cuda/work.rs sizes them by the same sum.
-#define TAG_ROWS 16
-#define TG_RES 0
-#define TG_PROJ (TG_RES + TAG_ROWS * D_MODEL)
-#define TG_Y (TG_PROJ + TAG_ROWS * PROJ_LD)
-#define TG_VG (TG_Y + TAG_ROWS * D_INNER)
-#define TG_FLAG (TG_VG + TAG_ROWS * 2 * MLP_HIDDEN)
-// buffers of a layer's tags
-#define TG_K_PROJ 0
-#define TG_K_Y 1
-#define TG_K_RES 2  // after out_proj
-#define TG_K_VG 3
-#define TG_K_RES_MLP 4  // after the MLP
-#define TG_K_FLAG 5
-#if FUSED_SYNC_PARTS < 1 || FUSED_SYNC_PARTS > 32 || (FUSED_SYNC_PARTS > 1 && FUSED_POLLER % 32 != 0)
-#error "FUSED_SYNC_PARTS: 1 … 32 counters, polled by a whole warp"
-#endif
 
-// Device addresses of one layer's parameters, as src/cuda/weights.rs lays them out.
+// Device addresses of one layer's parameters, as src/engine/cuda/weights.rs lays them out.
 struct LayerW {
     const float* norm;
     const w_t* in_proj;
@@ -105,14 +48,9 @@ __device__ __forceinline__ unsigned long long global_ns() {
     return t;
 }
 
-// Blocks b < n with b mod FUSED_SYNC_PARTS = part.
-__device__ __forceinline__ unsigned long long part_blocks(int n, int part) {
-    return n > part ? (unsigned long long)((n - part + FUSED_SYNC_PARTS - 1) / FUSED_SYNC_PARTS) : 0ull;
-}
-
 struct Phases {
     unsigned long long* count;
-    // arrivals of every earlier phase (split counters: at the counter of this thread's lane)
+    // arrivals of every earlier phase
     unsigned long long before;
     // when not null: per (phase, block) the times (ns) of entering the phase, of the end of
     // the wait, of the arrival and of one or two points in between (MAMBA3_GPU_TRACE, a
@@ -126,69 +64,26 @@ struct Phases {
     // The poller marks the end of its wait itself: a timer read just after the barrier
     // can run before the barrier resolves (seen in the traces).
     __device__ __forceinline__ void wait() const {
-#if FUSED_TAGGED == 1
-        mark(1, FUSED_POLLER);  // (nothing to wait for here: the loads wait for their tags)
-#elif FUSED_TAGGED == 2
-        // the count says when to start; the tags, not this load, make the data safe to read
-        if (threadIdx.x == FUSED_POLLER) {
-            unsigned long long v;
-            do {
-                asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(count) : "memory");
-            } while (v < before);
-            mark(1, FUSED_POLLER);
-        }
-#elif FUSED_SYNC_PARTS == 1
         if (threadIdx.x == FUSED_POLLER) {
             while (load_acquire(count) < before) {
             }
             mark(1, FUSED_POLLER);
         }
-#else
-        if ((threadIdx.x >> 5) == (FUSED_POLLER >> 5)) {
-            const int lane = threadIdx.x & 31;
-            bool seen;
-            do {
-                seen = lane >= FUSED_SYNC_PARTS || load_acquire(count + lane * FUSED_SYNC_STRIDE) >= before;
-            } while (!__all_sync(0xffffffffu, seen));
-            mark(1, FUSED_POLLER);
-        }
-#endif
-#if FUSED_TAGGED != 1
         __syncthreads();
-#endif
     }
     // This block's part of the phase is written.
     __device__ __forceinline__ void arrive() const {
-#if FUSED_TAGGED == 1
-        mark(2);
-#else
         __syncthreads();
         if (threadIdx.x == 0) {
             mark(2);
-            if (!FUSED_TAGGED) __threadfence();  // (tagged data need no fence before the count)
-            atomicAdd(count + (blockIdx.x % FUSED_SYNC_PARTS) * FUSED_SYNC_STRIDE, 1ull);
+            __threadfence();
+            atomicAdd(count, 1ull);
         }
-#endif
     }
-    // The phase had `workers` workers: the first blocks, or with `last` the last ones.
-    __device__ __forceinline__ void next(int workers, bool last = false) {
-#if FUSED_SYNC_PARTS == 1
-        (void)last;
+    // The phase had `workers` workers.
+    __device__ __forceinline__ void next(int workers) {
         before += (unsigned long long)workers;
-#else
-        const int part = threadIdx.x & 31, lo = last ? (int)gridDim.x - workers : 0;
-        before += part_blocks(lo + workers, part) - part_blocks(lo, part);
-#endif
         ++phase;
-    }
-};
-
-// The tagged buffers and this launch's tags (FUSED_TAGGED).
-struct LaunchTags {
-    unsigned long long* words;  // `tagged`: TG_* words in
-    unsigned base;              // this launch's number · 6 · layers
-    __device__ __forceinline__ unsigned of(int layer, int buffer) const {
-        return base + 6u * (unsigned)layer + (unsigned)buffer + 1u;
     }
 };
 
@@ -199,14 +94,10 @@ __device__ __forceinline__ int first_tile(bool reverse) {
 
 // out (+)= transform(in) · Wᵀ over N rows in 16-row tiles; tile t goes to block t mod G,
 // or to block G − 1 − (t mod G) with `reverse` (so that a small GEMV lands on other blocks
-// than the heavy ones of the GEMV before it). With TIN the input is read from `in_tag`
-// until it carries `tin`; with TOUT the outputs are also written to `out_tag`, tagged `tout`
-// (FUSED_TAGGED).
-template <int K, int NT, int mode, bool TIN = false, bool TOUT = false>
+// than the heavy ones of the GEMV before it).
+template <int K, int NT, int mode>
 __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const float* nw, const w_t* W,
-                                           float* out, int ldo, int nb, int N, int acc, bool reverse,
-                                           const unsigned long long* in_tag = nullptr, unsigned tin = 0,
-                                           unsigned long long* out_tag = nullptr, unsigned tout = 0) {
+                                           float* out, int ldo, int nb, int N, int acc, bool reverse) {
     // Two tiles' weights are loaded ahead when both fit in TC_PF k blocks per warp.
     constexpr int PFT = Tc<K>::PFW == Tc<K>::KBW && 2 * Tc<K>::KBW <= TC_PF ? 2 : 1;
     const int tiles = (N + 15) / 16, G = gridDim.x;
@@ -225,34 +116,28 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
         act_t *xhi, *xlo;
         float* red;
         tc_smem_parts<K, NT>(xhi, xlo, red);
-        tc_stage<K, NT, mode, TIN>(in, nwr, nb, xhi, xlo, in_tag, tin);
+        tc_stage<K, NT, mode>(in, nwr, nb, xhi, xlo);
         ph.mark(3);
 #pragma unroll
         for (int j = 0; j < PFT; ++j)
             if (first + j * G < tiles)
-                tc_tile<K, NT, TOUT>(pf[j], W, N, 16 * (first + j * G), xhi, xlo, red, out, ldo, nb, acc, prev,
-                                     j == 0, out_tag, tout);
+                tc_tile<K, NT>(pf[j], W, N, 16 * (first + j * G), xhi, xlo, red, out, ldo, nb, acc, prev,
+                               j == 0);
         for (int t = first + PFT * G; t < tiles; t += G) {
             tc_prefetch<K>(pf[0], W, N, 16 * t);
-            tc_tile<K, NT, TOUT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc, 0.f, false, out_tag,
-                                 tout);
+            tc_tile<K, NT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc, 0.f, false);
         }
         ph.arrive();  // (its mark 2 is also the end of the tiles)
     }
-    ph.next(min(tiles, G), reverse);  // (reversed, the tiles' blocks are the last ones)
+    ph.next(min(tiles, G));
 }
 
 // Blocks per head in the mixer phase: with few (head, sequence) pairs most SMs would idle
 // while one block per head updates all its state rows, so a head's rows are split between
 // two blocks while they all fit in one wave (not with the output norm, which spans the
 // head). Both read the head's whole in_proj row and form k̃, q̃. Measured at B=1 (docs/
-// benchmarks.md): ≈ 287 → 271 µs per step; four blocks per head were no better.
-#ifndef FUSED_MIXER_SPLIT
+// decisions.md, "Mixer split over two blocks per head"): ≈ 287 → 271 µs per step; four blocks per head were no better.
 #define FUSED_MIXER_SPLIT 1  // log2 of the most blocks per head
-#endif
-#if FUSED_TAGGED && FUSED_MIXER_SPLIT > 1
-#error "FUSED_TAGGED: a split head's flag is for two blocks (FUSED_MIXER_SPLIT ≤ 1)"
-#endif
 // log2 of the blocks per head for a batch of nb
 __device__ __forceinline__ int mixer_split(int nb) {
     int split = OUTNORM ? 0 : FUSED_MIXER_SPLIT;
@@ -273,21 +158,13 @@ struct MixItem {
 
 // The head states of this block's first mixer item of a layer, loaded before the block
 // arrives at the in_proj phase: with a split head, the block of rows 0 … writes them in the
-// mixer phase, which the other block's arrival then precedes — or, with FUSED_TAGGED,
-// which waits for the flag that the other block raises here once it has read them. (A
-// later item of a block comes only without the split: its head is this block's alone.)
+// mixer phase, which the other block's arrival then precedes. (A later item of a block
+// comes only without the split: its head is this block's alone.)
 __device__ __forceinline__ void first_mixer_head(StepHead& hd, float* const* __restrict__ states, int layer,
-                                                 int nb, int split, const LaunchTags& lt) {
+                                                 int nb, int split) {
     if ((int)blockIdx.x < NHEADS * nb << split) {
         const MixItem it(blockIdx.x, split);
         mixer_head(hd, states, layer, it.h, it.b);
-        if (FUSED_TAGGED && it.p0 > 0) {
-            __syncthreads();  // every thread's loads, then the flag (released by the fence)
-            if (threadIdx.x == 0) {
-                __threadfence();
-                tag_store(lt.words + TG_FLAG + it.b * NHEADS + it.h, 0.f, lt.of(layer, TG_K_FLAG));
-            }
-        }
     }
 }
 
@@ -295,7 +172,7 @@ __device__ __forceinline__ void first_mixer_head(StepHead& hd, float* const* __r
 // `hd`: the first item's head states (first_mixer_head); `split` as mixer_split gives it.
 __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const MixerW& w, const float* proj,
                                             float* const* __restrict__ states, int layer, int nb, int split,
-                                            float* yf, StepHead& hd, const LaunchTags& lt) {
+                                            float* yf, StepHead& hd) {
     const int items = NHEADS * nb << split, G = gridDim.x;
     int i = blockIdx.x;
     ph.mark(0);
@@ -306,14 +183,7 @@ __device__ __forceinline__ void fused_mixer(Phases& ph, StepSmem& sm, const Mixe
         ph.wait();
         for (;;) {
             const auto mark = [&](int k) { ph.mark(k); };
-#if FUSED_TAGGED
-            const MixTags tg = {lt.words + TG_PROJ, lt.words + TG_Y,
-                                split > 0 ? lt.words + TG_FLAG + it.b * NHEADS + it.h : nullptr,
-                                lt.of(layer, TG_K_PROJ), lt.of(layer, TG_K_Y), lt.of(layer, TG_K_FLAG)};
-            mixer_run<true>(sm, ah, hd, w, proj, states, layer, it.h, it.b, yf, nullptr, mark, it.p0, it.p1, tg);
-#else
             mixer_run(sm, ah, hd, w, proj, states, layer, it.h, it.b, yf, nullptr, mark, it.p0, it.p1);
-#endif
             i += G;
             if (i >= items) break;
             it = MixItem(i, split);
@@ -335,7 +205,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 // Thread j of the block asks L2 for its j-th piece of a layer: its tiles of each GEMV (as
 // `fused_gemv` assigns them) and its mixer items' state rows. Issued a layer ahead, so that
 // the loads each phase makes before its wait hit L2 instead of DRAM. Measured at batch 1
-// (docs/benchmarks.md): the mixer's phase 4.9 → 4.4 µs per layer, the step 1–3 % shorter;
+// (docs/decisions.md, "L2 prefetch of the next layer"): the mixer's phase 4.9 → 4.4 µs per layer, the step 1–3 % shorter;
 // the GEMVs' input staging did not move (it is not waiting on the weights).
 struct PrefetchList {
     int j;  // pieces counted so far
@@ -368,10 +238,8 @@ template <int NT>
 __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const LayerW* __restrict__ layers,
                                              const LayerW* tab, int n_layers, float* res, float* proj,
                                              float* yf, float* vg, float* const* __restrict__ states,
-                                             int nb, const LaunchTags& lt) {
+                                             int nb) {
     auto layer = [&](int l) { return l < FUSED_TABLE ? tab[l] : layers[l]; };
-    constexpr bool T = FUSED_TAGGED;
-    unsigned long long* const tg = lt.words;
     const int split = mixer_split(nb);
     for (int l = 0; l < n_layers; ++l) {
         const LayerW w = layer(l);
@@ -379,25 +247,13 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
         // Let the head's GEMV (launched next, with PDL) start loading its weights.
         if (l == n_layers - 1) griddep_launch();
         StepHead hd;
-        first_mixer_head(hd, states, l, nb, split, lt);
-        // (tagged: layer 0 reads the embedding plain; a later one the residual tagged by the
-        // layer before)
-        if (T && l > 0)
-            fused_gemv<D_MODEL, NT, 1, T, T>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false,
-                                             tg + TG_RES, lt.of(l - 1, MLP_HIDDEN > 0 ? TG_K_RES_MLP : TG_K_RES),
-                                             tg + TG_PROJ, lt.of(l, TG_K_PROJ));
-        else
-            fused_gemv<D_MODEL, NT, 1, false, T>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0,
-                                                 false, nullptr, 0, tg + TG_PROJ, lt.of(l, TG_K_PROJ));
-        fused_mixer(ph, sm, w.mix, proj, states, l, nb, split, yf, hd, lt);
-        fused_gemv<D_INNER, NT, 0, T, T>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true,
-                                         tg + TG_Y, lt.of(l, TG_K_Y), tg + TG_RES, lt.of(l, TG_K_RES));
+        first_mixer_head(hd, states, l, nb, split);
+        fused_gemv<D_MODEL, NT, 1>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
+        fused_mixer(ph, sm, w.mix, proj, states, l, nb, split, yf, hd);
+        fused_gemv<D_INNER, NT, 0>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true);
 #if MLP_HIDDEN > 0
-        fused_gemv<D_MODEL, NT, 1, T, T>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0,
-                                         false, tg + TG_RES, lt.of(l, TG_K_RES), tg + TG_VG, lt.of(l, TG_K_VG));
-        fused_gemv<MLP_HIDDEN, NT, 2, T, T>(ph, vg, nullptr, w.fc2, res, D_MODEL, nb, D_MODEL, 1, true,
-                                            tg + TG_VG, lt.of(l, TG_K_VG), tg + TG_RES,
-                                            lt.of(l, TG_K_RES_MLP));
+        fused_gemv<D_MODEL, NT, 1>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0, false);
+        fused_gemv<MLP_HIDDEN, NT, 2>(ph, vg, nullptr, w.fc2, res, D_MODEL, nb, D_MODEL, 1, true);
 #endif
     }
 }
@@ -411,15 +267,13 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
 #define FUSED_TABLE_AT(NT) ((FUSED_SMEM(NT) + 15) / 16 * 16)  // the layer table, after the GEMVs'
 
 // res: the embedded rows (nb × D_MODEL f32), left as the last layer's output; proj, yf, vg:
-// the unfused decode's buffers; sync: the zeroed counters owned by this launch's buffers
-// (and the count of launches, word 2); tagged: the tagged buffers (TG_*, zeroed once).
+// the unfused decode's buffers; sync: the zeroed counters owned by this launch's buffers.
 // One entry point per row tile (nb ≤ 8, ≤ 16): registers are allotted per kernel.
 template <int NT>
 __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ layers, int n_layers, float* res,
                                                    float* proj, float* yf, float* vg,
                                                    float* const* __restrict__ states, int nb,
-                                                   unsigned long long* sync, unsigned long long* trace,
-                                                   unsigned long long* tagged) {
+                                                   unsigned long long* sync, unsigned long long* trace) {
     __shared__ StepSmem sm;
     extern __shared__ __align__(16) unsigned char fused_dyn[];
     LayerW* tab = reinterpret_cast<LayerW*>(fused_dyn + FUSED_TABLE_AT(NT));
@@ -433,15 +287,13 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
     if (FUSED_PREFETCH) prefetch_layer(FUSED_TABLE > 0 ? tab[0] : layers[0], states, 0, nb, mixer_split(nb));
     griddep_wait();
     Phases ph = {sync, 0ull, trace, 0};
-    const LaunchTags lt = {tagged, (unsigned)(sync[2] * 6ull * (unsigned long long)n_layers)};
-    fused_layers<NT>(ph, sm, layers, tab, n_layers, res, proj, yf, vg, states, nb, lt);
+    fused_layers<NT>(ph, sm, layers, tab, n_layers, res, proj, yf, vg, states, nb);
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(sync + 1, 1ull) == gridDim.x - 1) {
-            for (int j = 0; j < FUSED_SYNC_PARTS; ++j) atomicExch(sync + j * FUSED_SYNC_STRIDE, 0ull);
+            atomicExch(sync, 0ull);
             atomicExch(sync + 1, 0ull);
-            if (FUSED_TAGGED) atomicAdd(sync + 2, 1ull);  // the next launch's tags
         }
     }
 }
@@ -450,8 +302,8 @@ __device__ __forceinline__ void decode_layers_body(const LayerW* __restrict__ la
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 1)                                  \
         name(const LayerW* __restrict__ layers, int n_layers, float* res, float* proj, float* yf,     \
              float* vg, float* const* __restrict__ states, int nb, unsigned long long* sync,          \
-             unsigned long long* trace, unsigned long long* tagged) {                                \
-        decode_layers_body<NT>(layers, n_layers, res, proj, yf, vg, states, nb, sync, trace, tagged); \
+             unsigned long long* trace) {                                                            \
+        decode_layers_body<NT>(layers, n_layers, res, proj, yf, vg, states, nb, sync, trace);         \
     }                                                                                                \
     extern "C" __device__ int name##_smem = FUSED_TABLE_AT(NT) + FUSED_TABLE * (int)sizeof(LayerW);
 #if IN_PART(PART_FUSED8)

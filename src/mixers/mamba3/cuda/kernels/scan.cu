@@ -36,7 +36,6 @@ enum TokTable { TOK_GAM, TOK_SC, TOK_LC, TOK_ELC, TOK_XW, TOK_EML, TOK_TABLES };
 
 // k steps unrolled in the forward's products: all of them on the tensor cores (ldmatrix
 // fragments); a few with exact f32 FMA.
-#ifndef SCAN_KUNROLL
 #if SCAN_MMA == 0
 #define SCAN_KUNROLL 2
 #elif SCAN_MMA == 1
@@ -44,16 +43,11 @@ enum TokTable { TOK_GAM, TOK_SC, TOK_LC, TOK_ELC, TOK_XW, TOK_EML, TOK_TABLES };
 #else
 #define SCAN_KUNROLL 16
 #endif
-#endif
 // Global loads issued together in the operand builds (registers permitting; 4 against 2 in
 // the 16-bit modes: B=8 T=4096 fast −2.5 %, B=1 T=16384 −2.4 to −2.8 %, H100, 2026-12-05).
-#ifndef SCAN_LOAD_BATCH
 #define SCAN_LOAD_BATCH 4
-#endif
 // Two blocks per SM when they fit (the 16-bit mode at the benchmark shape).
-#ifndef SCAN_MINB
 #define SCAN_MINB (SCAN_SMEM <= 110 * 1024 ? 2 : 1)
-#endif
 
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int scan_smem_bytes = SCAN_SMEM;
@@ -97,9 +91,7 @@ __device__ __forceinline__ int f16_shift(float m) {
 // With f16 in_proj rows and f16 operands scaled per chunk, a thread keeps its x quads as
 // stored (two registers each, not four) from the load for the chunk's maximum, before the
 // chunk's first barrier, to the build, instead of loading them twice.
-#ifndef SCAN_X_RAW
 #define SCAN_X_RAW (SCAN_SCALED && PROJ_F16)
-#endif
 #if SCAN_X_RAW
 // (load_x_quad's quad, not unpacked)
 __device__ __forceinline__ uint2 load_x_raw(const ScanArgs& A, int start, int len, int h, int it) {
@@ -681,12 +673,8 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MINB) scan_outpu
 // blocks per SM, and was no faster: B=8 T=4096 24.92, 25.11 ms against 25.07, B=1 2 %
 // slower; docs/decisions.md, "scan_pass blocks per SM".)
 // Sequence table entry (int4): {first chunk, chunks, first segment, segments}.
-#ifndef PASS_BATCH
 #define PASS_BATCH 16
-#endif
-#ifndef PASS_MINB
 #define PASS_MINB 1
-#endif
 #define PASS_THREADS 256
 #if IN_PART(PART_ROWS)
 extern "C" __global__ void __launch_bounds__(PASS_THREADS, PASS_MINB)

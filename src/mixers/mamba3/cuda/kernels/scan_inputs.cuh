@@ -37,9 +37,7 @@ __device__ __forceinline__ int scalar_row() {
 // SCAN_EARLY: B̄/C̄ and x too are loaded at the chunk's start, with the scalars — with f32
 // operands (one block per SM, registers to spare); the 16-bit mode's two blocks per SM
 // have no registers for them and load them in the builds.
-#ifndef SCAN_EARLY
 #define SCAN_EARLY (SCAN_MMA < 2)
-#endif
 // B̄, C̄ (K̃, Q̃) quads come in two regions of every row: the first NQ_ROT quads hold the
 // columns n < 2·NANGLES, which turn by rotary angles, the other NQ_FLAT quads none. A thread's
 // quad is in one region or the other at compile time, so that the build rotates only the
@@ -122,9 +120,7 @@ __device__ __forceinline__ float4 load_x_quad(const ScanArgs& A, int start, int 
 
 // The output's D skip reads x from its operand copy sX with 16-bit operands (the copy's
 // rounding is below that of the 16-bit output), not from global memory.
-#ifndef SCAN_SKIP_FROM_SX
 #define SCAN_SKIP_FROM_SX (SCAN_MMA >= 2)
-#endif
 
 // This warp's gate inputs for its output tiles (fragment layout): xz[tile][row half][x | z]
 // [column], f32, zero outside the chunk and the head.

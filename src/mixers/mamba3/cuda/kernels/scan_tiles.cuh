@@ -66,14 +66,11 @@ typedef float op_t;
 // the latency the products and builds wait on (B=8 T=4096 on the H200: 46.0 vs 51.4 ms),
 // and each warp's smaller share of the tiles fits 128 registers. Otherwise 256 (the
 // 16-bit mode's two blocks per SM would spill at 64 registers; the training program's
-// backward is written for 8 warps). A tuning variant may set it (MAMBA3_GPU_DEFINES,
-// inference only).
-#ifndef SCAN_THREADS
+// backward is written for 8 warps).
 #if SCAN_MMA < 2 && !defined(PROGRAM_TRAINING) && SCAN_TILES > 110 * 1024
 #define SCAN_THREADS 512
 #else
 #define SCAN_THREADS 256
-#endif
 #endif
 #define SCAN_WARPS (SCAN_THREADS / 32)
 

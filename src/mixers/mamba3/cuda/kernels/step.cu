@@ -1,6 +1,6 @@
 // The fused decode step of one mixer layer (spec §3.3): split, activations, B/C norms,
 // angle update, rotation, state update, output, D skip and gate in one launch, one block
-// per (head, sequence). CPU twin: `mixer_step` in src/cpu/step.rs:
+// per (head, sequence). CPU twin: `mixer_step` in src/mixers/mamba3/step.rs:
 //
 //   φ ← wrap(φ + θ·Δ);  k̃, q̃ = rotate(B̄ + B_bias), rotate(C̄ + C_bias)
 //   h ← α·h + β·outer(v_prev, k_prev) + γ·outer(x, k̃),   y = h·q̃ + D·x
@@ -102,65 +102,16 @@ struct NoMark {
     __device__ void operator()(int) const {}
 };
 
-// The fused decode's tagged buffers for one mixer item (FUSED_TAGGED: common.cuh,
-// kernels/decode_layers.cu): the in_proj row is read from `proj` (the layout of the f32
-// one) until it carries `proj_tag`; the outputs are also written to `y`, tagged `y_tag`;
-// with a split head, the block that writes the head's states first waits until `partner`
-// carries `partner_tag` (the other block has read them).
-struct MixTags {
-    const unsigned long long* proj;
-    unsigned long long* y;
-    const unsigned long long* partner;
-    unsigned proj_tag, y_tag, partner_tag;
-};
-
-// mixer_run's loads of the in_proj row with FUSED_TAGGED: the same elements, read from
-// `tg.proj` and repeated until all of them carry `tg.proj_tag` (each attempt issues every
-// load before looking at any tag).
-__device__ __forceinline__ void mixer_row_tagged(const MixTags& tg, int h, int b, int g,
-                                                 float (&rb)[STEP_PER(DSTATE)], float (&rc)[STEP_PER(DSTATE)],
-                                                 float (&ra)[STEP_PER(DSTATE)], float (&rx)[STEP_PER(HEADDIM)],
-                                                 float (&rz)[STEP_PER(HEADDIM)], float& raw_dt, float& raw_a,
-                                                 float& raw_trap) {
-    const int tid = threadIdx.x;
-    const unsigned long long* row = tg.proj + (size_t)b * PROJ_LD;
-    bool ready = true;
-    auto load = [&](bool use, int off, float& v) {
-        v = 0.f;
-        if (use) ready &= tag_try(row + off, tg.proj_tag, v);
-    };
-    do {
-        ready = true;
-#pragma unroll
-        for (int j = 0; j < STEP_PER(DSTATE); ++j) {
-            const int n = tid + STEP_THREADS * j;
-            load(n < DSTATE, B_OFF + g * DSTATE + n, rb[j]);
-            load(n < DSTATE, C_OFF + g * DSTATE + n, rc[j]);
-            load(n < 2 * NANGLES, ANG_OFF + n / 2, ra[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
-            const int pp = tid + STEP_THREADS * j;
-            load(pp < HEADDIM, X_OFF + h * HEADDIM + pp, rx[j]);
-            load(pp < HEADDIM, Z_OFF + h * HEADDIM + pp, rz[j]);
-        }
-        load(true, DT_OFF + h, raw_dt);
-        load(true, A_OFF + h, raw_a);
-        load(true, TRAP_OFF + h, raw_trap);
-        if (!ready) tag_backoff();
-    } while (!ready);
-}
-
 // The rest of the step of head h, sequence b, once its in_proj row is in `proj` (read
 // through L2: in the fused decode other blocks of the same launch wrote it). `mark(k)` is
 // called between stages (the fused decode's trace). With rows p0 … p1 − 1 of a split head
 // (no output norm then: it spans the head), the block updates those rows and writes their
 // outputs; the block of p0 = 0 also writes the head's angle, k and v states.
-template <bool TAGGED = false, class Mark = NoMark>
+template <class Mark = NoMark>
 __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, const StepHead& hd, const MixerW& w,
                                           const float* proj, float* const* __restrict__ states, int layer,
                                           int h, int b, float* y_f32, act_t* y_act, Mark mark = {},
-                                          int p0 = 0, int p1 = HEADDIM, MixTags tg = {}) {
+                                          int p0 = 0, int p1 = HEADDIM) {
     const bool head_states = p0 == 0;
     const int g = h / HEADS_PER_GROUP, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* st = states[b] + (size_t)layer * ST_LAYER;
@@ -173,30 +124,23 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
     float rb[STEP_PER(DSTATE)], rc[STEP_PER(DSTATE)], ra[STEP_PER(DSTATE)];
     float rx[STEP_PER(HEADDIM)], rz[STEP_PER(HEADDIM)];
     float raw_dt, raw_a, raw_trap;
-    if (TAGGED) {
-        mixer_row_tagged(tg, h, b, g, rb, rc, ra, rx, rz, raw_dt, raw_a, raw_trap);
-    } else {
 #pragma unroll
-        for (int j = 0; j < STEP_PER(DSTATE); ++j) {
-            const int n = tid + STEP_THREADS * j;
-            rb[j] = n < DSTATE ? __ldcg(row + B_OFF + g * DSTATE + n) : 0.f;
-            rc[j] = n < DSTATE ? __ldcg(row + C_OFF + g * DSTATE + n) : 0.f;
-            ra[j] = n < 2 * NANGLES ? __ldcg(row + ANG_OFF + n / 2) : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
-            const int pp = tid + STEP_THREADS * j;
-            rx[j] = pp < HEADDIM ? __ldcg(row + X_OFF + h * HEADDIM + pp) : 0.f;
-            rz[j] = pp < HEADDIM ? __ldcg(row + Z_OFF + h * HEADDIM + pp) : 0.f;
-        }
-        // every thread needs Δ, A and λ: the same three words for all, read by all
-        raw_dt = __ldcg(row + DT_OFF + h);
-        raw_a = __ldcg(row + A_OFF + h);
-        raw_trap = __ldcg(row + TRAP_OFF + h);
+    for (int j = 0; j < STEP_PER(DSTATE); ++j) {
+        const int n = tid + STEP_THREADS * j;
+        rb[j] = n < DSTATE ? __ldcg(row + B_OFF + g * DSTATE + n) : 0.f;
+        rc[j] = n < DSTATE ? __ldcg(row + C_OFF + g * DSTATE + n) : 0.f;
+        ra[j] = n < 2 * NANGLES ? __ldcg(row + ANG_OFF + n / 2) : 0.f;
     }
-    if (TAGGED && head_states && tg.partner && tid == 0)
-        while ((unsigned)(load_acquire(tg.partner) >> 32) != tg.partner_tag) {
-        }
+#pragma unroll
+    for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
+        const int pp = tid + STEP_THREADS * j;
+        rx[j] = pp < HEADDIM ? __ldcg(row + X_OFF + h * HEADDIM + pp) : 0.f;
+        rz[j] = pp < HEADDIM ? __ldcg(row + Z_OFF + h * HEADDIM + pp) : 0.f;
+    }
+    // every thread needs Δ, A and λ: the same three words for all, read by all
+    raw_dt = __ldcg(row + DT_OFF + h);
+    raw_a = __ldcg(row + A_OFF + h);
+    raw_trap = __ldcg(row + TRAP_OFF + h);
     float ssb = 0.f, ssc = 0.f;
 #pragma unroll
     for (int j = 0; j < STEP_PER(DSTATE); ++j) {
@@ -331,7 +275,6 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         const size_t o = (size_t)b * D_INNER + h * HEADDIM + pp;
         if (y_f32) y_f32[o] = v;
         else y_act[o] = from_f<act_t>(v);
-        if (TAGGED) tag_store(tg.y + o, v, tg.y_tag);
     }
 }
 
