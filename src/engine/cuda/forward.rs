@@ -373,145 +373,128 @@ impl Pipe<'_> {
         )
     }
 
-    /// A prefill pass over `lay` (tables, tokens and state addresses already in `work`).
+    /// A prefill pass over `lay` (tables, tokens and state addresses already in `work`):
+    /// the launch sequence of the module doc. Each step checks what it wrote when the
+    /// debug probe or the step timeline is on (`Pipe::look`).
     pub fn prefill(&self, work: &Work, lay: &Layout) -> Result<()> {
-        let d = &self.d;
-        let (rows, nseg, nseq, nchunk) =
-            (lay.rows, lay.segs.len(), lay.seqs.len(), lay.chunks.len());
+        self.prefill_embed(work, lay.rows)?;
+        for l in 0..self.w.layers.len() {
+            self.prefill_in_proj(work, l, lay.rows)?;
+            self.prefill_mixer(work, l, lay)?;
+            self.prefill_out_proj(work, l, lay.rows)?;
+            self.prefill_mlp(work, l, lay.rows)?;
+        }
+        self.prefill_head(work, lay.picked.len())
+    }
+
+    fn prefill_embed(&self, work: &Work, rows: usize) -> Result<()> {
+        let dm = self.d.d_model;
         self.embed(work, rows)?;
-        self.look(
-            "embed",
-            None,
-            work.res.ptr,
+        self.look("embed", None, work.res.ptr, rows, dm, dm, true)
+    }
+
+    /// RMSNorm and the in_proj GEMM of every row (f32 rows, or f16 where `prefill_proj`).
+    fn prefill_in_proj(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+        let d = &self.d;
+        let proj_type = self.prefill_proj();
+        self.in_proj_gemm(work, l, (0, rows), proj_type)?;
+        let dtype = if proj_type == ElemType::F16 {
+            DType::F16
+        } else {
+            DType::F32
+        };
+        let (ptr, cols, ld) = (work.proj.ptr, d.d_in_proj, proj_ld(d));
+        let region = Region {
+            ptr,
             rows,
-            d.d_model,
-            d.d_model,
+            cols,
+            ld,
+            dtype,
+        };
+        self.look_at("in_proj", Some(l), region)
+    }
+
+    /// The chunked mixer of layer `l` (the mixer's launches: `mixers::mamba3::cuda::scan`):
+    /// per-token preprocessing, then the scan, which writes the gated output and the states.
+    fn prefill_mixer(&self, work: &Work, l: usize, lay: &Layout) -> Result<()> {
+        let (d, lw, rows) = (&self.d, &self.w.layers[l], lay.rows);
+        let mixer = ChunkScan {
+            args: ScanArgs {
+                proj: work.proj.ptr,
+                bcn: work.bcn.ptr,
+                tok: work.tok.ptr,
+                theta: work.theta.ptr,
+                phi0: work.phi0.ptr,
+                chunks: work.chunks.ptr,
+                segs: work.segs.ptr,
+                order: work.order.ptr,
+                b_bias: lw.b_bias.ptr,
+                c_bias: lw.c_bias.ptr,
+                d_skip: lw.d.ptr,
+                out_norm: lw.out_norm.as_ref().map_or(0, |b| b.ptr),
+                sbuf: work.sbuf.ptr,
+                sdecay: work.sdecay.ptr,
+                y: work.y.ptr,
+                y_pre: 0,
+                states: work.states.ptr,
+                layer: l as i32,
+                qk: lw.scan_qk,
+                heads_fastest: 0, // set by `launches`
+            },
+            seqs: work.seqs.ptr,
+            csum: work.csum.ptr,
+            b_norm: lw.b_norm.ptr,
+            c_norm: lw.c_norm.ptr,
+            dt_bias: lw.dt_bias.ptr,
+            nchunk: lay.chunks.len(),
+            nseg: lay.segs.len(),
+            nseq: lay.seqs.len(),
+        };
+        let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
+            self.launch(k, grid, threads, smem, args)
+        };
+        mixer.pre(d, &self.k.scan, &launch)?;
+        let (bcw, tw) = (2 * d.ngroups * d.d_state, 4 * d.nheads);
+        let (bcn, tok) = (work.bcn.ptr, work.tok.ptr);
+        self.look("prefill_pre (B̄, C̄)", Some(l), bcn, rows, bcw, bcw, true)?;
+        self.look(
+            "prefill_pre (token scalars)",
+            Some(l),
+            tok,
+            rows,
+            tw,
+            tw,
             true,
         )?;
-        for (l, lw) in self.w.layers.iter().enumerate() {
-            let layer = l as i32;
-            let proj_type = self.prefill_proj();
-            self.in_proj_gemm(work, l, (0, rows), proj_type)?;
-            self.look_at(
-                "in_proj",
-                Some(l),
-                Region {
-                    ptr: work.proj.ptr,
-                    rows,
-                    cols: d.d_in_proj,
-                    ld: proj_ld(d),
-                    dtype: if proj_type == ElemType::F16 {
-                        DType::F16
-                    } else {
-                        DType::F32
-                    },
-                },
-            )?;
-            let mixer = ChunkScan {
-                args: ScanArgs {
-                    proj: work.proj.ptr,
-                    bcn: work.bcn.ptr,
-                    tok: work.tok.ptr,
-                    theta: work.theta.ptr,
-                    phi0: work.phi0.ptr,
-                    chunks: work.chunks.ptr,
-                    segs: work.segs.ptr,
-                    order: work.order.ptr,
-                    b_bias: lw.b_bias.ptr,
-                    c_bias: lw.c_bias.ptr,
-                    d_skip: lw.d.ptr,
-                    out_norm: lw.out_norm.as_ref().map_or(0, |b| b.ptr),
-                    sbuf: work.sbuf.ptr,
-                    sdecay: work.sdecay.ptr,
-                    y: work.y.ptr,
-                    y_pre: 0,
-                    states: work.states.ptr,
-                    layer,
-                    qk: lw.scan_qk,
-                    heads_fastest: 0, // set by `launches`
-                },
-                seqs: work.seqs.ptr,
-                csum: work.csum.ptr,
-                b_norm: lw.b_norm.ptr,
-                c_norm: lw.c_norm.ptr,
-                dt_bias: lw.dt_bias.ptr,
-                nchunk,
-                nseg,
-                nseq,
-            };
-            let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
-                self.launch(k, grid, threads, smem, args)
-            };
-            mixer.pre(d, &self.k.scan, &launch)?;
-            let bcw = 2 * d.ngroups * d.d_state;
-            self.look(
-                "prefill_pre (B̄, C̄)",
-                Some(l),
-                work.bcn.ptr,
-                rows,
-                bcw,
-                bcw,
-                true,
-            )?;
-            let tw = 4 * d.nheads;
-            self.look(
-                "prefill_pre (token scalars)",
-                Some(l),
-                work.tok.ptr,
-                rows,
-                tw,
-                tw,
-                true,
-            )?;
-            mixer.scan(d, &self.k.scan, &launch)?;
-            self.look(
-                "scan_outputs",
-                Some(l),
-                work.y.ptr,
-                rows,
-                d.d_inner,
-                d.d_inner,
-                false,
-            )?;
-            self.out_proj_gemm(work, l, 0, rows)?;
-            self.look(
-                "out_proj",
-                Some(l),
-                work.res.ptr,
-                rows,
-                d.d_model,
-                d.d_model,
-                true,
-            )?;
-            self.mlp_gemm(work, l, 0, rows)?;
-            if lw.mlp.is_some() {
-                let hw = 2 * d.mlp_hidden;
-                self.look("fc1", Some(l), work.vg.ptr, rows, hw, hw, true)?;
-                let (a, hd) = (work.act.ptr, d.mlp_hidden);
-                self.look("swiglu_rows", Some(l), a, rows, hd, hd, false)?;
-                self.look(
-                    "fc2",
-                    Some(l),
-                    work.res.ptr,
-                    rows,
-                    d.d_model,
-                    d.d_model,
-                    true,
-                )?;
-            }
+        mixer.scan(d, &self.k.scan, &launch)?;
+        let di = d.d_inner;
+        self.look("scan_outputs", Some(l), work.y.ptr, rows, di, di, false)
+    }
+
+    /// out_proj, adding into the residual.
+    fn prefill_out_proj(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+        let dm = self.d.d_model;
+        self.out_proj_gemm(work, l, 0, rows)?;
+        self.look("out_proj", Some(l), work.res.ptr, rows, dm, dm, true)
+    }
+
+    /// The MLP when the layer has one: norm, fc1, SwiGLU, fc2 adding into the residual.
+    fn prefill_mlp(&self, work: &Work, l: usize, rows: usize) -> Result<()> {
+        self.mlp_gemm(work, l, 0, rows)?;
+        if self.w.layers[l].mlp.is_none() {
+            return Ok(());
         }
-        let picked = lay.picked.len();
+        let (dm, hd) = (self.d.d_model, self.d.mlp_hidden);
+        self.look("fc1", Some(l), work.vg.ptr, rows, 2 * hd, 2 * hd, true)?;
+        self.look("swiglu_rows", Some(l), work.act.ptr, rows, hd, hd, false)?;
+        self.look("fc2", Some(l), work.res.ptr, rows, dm, dm, true)
+    }
+
+    /// The final norm and the head on the picked rows.
+    fn prefill_head(&self, work: &Work, picked: usize) -> Result<()> {
+        let (dm, vp) = (self.d.d_model, self.d.vocab_padded);
         self.head_gemm(work, picked, work.picked.ptr)?;
-        self.look(
-            "final norm",
-            None,
-            work.hfin.ptr,
-            picked,
-            d.d_model,
-            d.d_model,
-            false,
-        )?;
-        let vp = d.vocab_padded;
+        self.look("final norm", None, work.hfin.ptr, picked, dm, dm, false)?;
         self.look("head", None, work.logits.ptr, picked, vp, vp, true)
     }
 
