@@ -23,10 +23,16 @@
 //! `conv [D_i, K]` and `ssm [D_i, N]` — see [`State`].
 
 pub mod lm;
+pub mod prefill;
 pub mod reference;
+pub mod step;
 
 #[cfg(test)]
 pub(crate) mod golden_tests;
+#[cfg(test)]
+mod prefill_tests;
+#[cfg(test)]
+pub(crate) mod test_models;
 
 use crate::error::{Error, Result};
 use crate::model::family_config::Mamba1Config;

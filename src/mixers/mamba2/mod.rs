@@ -21,10 +21,14 @@
 //! The carried state (§3.6) is the official cache without its batch axis: per layer
 //! `conv [C_d, K]` and `ssm [H, P, N]` — see [`State`].
 
+pub mod prefill;
 pub mod reference;
+pub mod step;
 
 #[cfg(test)]
 mod golden_tests;
+#[cfg(test)]
+mod prefill_tests;
 
 use crate::error::Result;
 use crate::mixers::mamba1::check_layers;
