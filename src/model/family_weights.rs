@@ -273,12 +273,25 @@ impl<'a> TensorReader<'a> {
         Ok(None)
     }
 
-    /// Mark a stored tensor as accounted for without reading it (a duplicate tied head).
-    pub fn skip(&mut self, name: &str) {
+    /// Check the shape of a tensor that is not needed (a duplicate tied head) if it is
+    /// there, and account for it.
+    pub fn check_shape_if_present(&mut self, name: &str, shape: &[usize]) -> Result<()> {
         let full = self.full(name);
-        if let Some(stored) = self.src.resolve(&full) {
+        let src = self.src;
+        let Some(raw) = src.get(&full) else {
+            return Ok(());
+        };
+        if raw.shape != shape {
+            return Err(Error::Tensor {
+                name: full,
+                expected: format!("shape {shape:?} (from config)"),
+                found: format!("shape {:?}", raw.shape),
+            });
+        }
+        if let Some(stored) = src.resolve(&full) {
             self.used.insert(stored.to_string());
         }
+        Ok(())
     }
 
     /// Refuse stored tensors nothing read: the config does not describe this file.
@@ -336,10 +349,7 @@ pub fn load_lm<M>(
     let norm_f = r.vector("backbone.norm_f.weight", &[dm])?;
     let lm_head = if config.tie_embeddings {
         // `torch.save` writes the tied head under both names; it is the embedding.
-        if r.has("lm_head.weight") {
-            r.read("lm_head.weight", &[vp, dm], DType::F32, |_| ())?;
-        }
-        r.skip("lm_head.weight");
+        r.check_shape_if_present("lm_head.weight", &[vp, dm])?;
         None
     } else {
         Some(r.matrix("lm_head.weight", vp, dm)?)

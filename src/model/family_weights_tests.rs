@@ -181,3 +181,33 @@ fn matrices_take_the_dtype_asked_for_and_vectors_stay_f32() {
     let f32w = Mamba1Weights::load(&fixture("m1-tiny"), DType::F32).unwrap();
     assert_eq!(w.layers[0].mixer.a_log, f32w.layers[0].mixer.a_log);
 }
+
+#[test]
+fn a_sharded_transformers_folder_loads_like_the_single_file() {
+    let base = tensors_of("m2-tiny/hf/model.safetensors");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        config_of("m2-tiny/hf/config.json"),
+    )
+    .unwrap();
+    let mut map = serde_json::Map::new();
+    for (i, part) in base.chunks(base.len().div_ceil(3)).enumerate() {
+        let shard = format!("model-0000{}-of-00003.safetensors", i + 1);
+        write_safetensors(&dir.path().join(&shard), part, None).unwrap();
+        for (n, _) in part {
+            map.insert(n.clone(), shard.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let sharded = Mamba2Weights::load(dir.path(), DType::F32).unwrap();
+    let single = Mamba2Weights::load(&fixture("m2-tiny/hf"), DType::F32).unwrap();
+    assert_eq!(sharded.layers, single.layers);
+    assert_eq!(sharded.embedding, single.embedding);
+    assert_eq!(sharded.norm_f, single.norm_f);
+}

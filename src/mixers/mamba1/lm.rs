@@ -208,19 +208,30 @@ pub fn project<F: Real>(x: &[F], rows: usize, w: &Matrix, bias: Option<&[f32]>) 
     out
 }
 
+/// A depthwise causal conv's parameters: `weight` `[C, K]` (`conv1d.weight` `[C, 1, K]`),
+/// optional `bias` `[C]`.
+#[derive(Clone, Copy)]
+pub struct ConvTaps<'a> {
+    pub weight: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+    pub d_conv: usize,
+}
+
 /// Causal depthwise conv over `rows` new inputs `x` (row `t` = `x[t·stride + off ..][..C]`)
 /// continuing from `conv_state` `[C, K]` (the last K inputs, oldest first), then SiLU;
 /// updates the state to the last K inputs. Returns `[rows, C]`.
 pub fn conv_rows<F: Real>(
     x: &[F],
     rows: usize,
-    stride: usize,
-    off: usize,
+    (stride, off): (usize, usize),
     conv_state: &mut [F],
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    k: usize,
+    taps: ConvTaps,
 ) -> Vec<F> {
+    let ConvTaps {
+        weight,
+        bias,
+        d_conv: k,
+    } = taps;
     let c_n = conv_state.len() / k;
     // Inputs in time order, token-major so the loops below run along channels: the K held
     // inputs, then the new ones. The window of new token t is entries t+1 ..= t+K.
@@ -234,10 +245,10 @@ pub fn conv_rows<F: Real>(
         ext[(k + t) * c_n..(k + t + 1) * c_n]
             .copy_from_slice(&x[t * stride + off..t * stride + off + c_n]);
     }
-    let mut taps = vec![F::zero(); k * c_n];
+    let mut taps_t = vec![F::zero(); k * c_n];
     for c in 0..c_n {
         for j in 0..k {
-            taps[j * c_n + c] = F::from_f(weight[c * k + j] as f64);
+            taps_t[j * c_n + c] = F::from_f(weight[c * k + j] as f64);
         }
     }
     let mut out = vec![F::zero(); rows * c_n];
@@ -251,7 +262,7 @@ pub fn conv_rows<F: Real>(
         }
         for j in 0..k {
             let e = &ext[(t + 1 + j) * c_n..(t + 2 + j) * c_n];
-            let w = &taps[j * c_n..(j + 1) * c_n];
+            let w = &taps_t[j * c_n..(j + 1) * c_n];
             for c in 0..c_n {
                 o[c] = o[c] + e[c] * w[c];
             }

@@ -5,7 +5,7 @@
 //! blocks of channels in parallel, with each block's state held transposed `[N, block]`
 //! in L1 for the whole window.
 
-use super::lm::{conv_rows, lm_rows, project, rms_unit, LogitRows};
+use super::lm::{conv_rows, lm_rows, project, rms_unit, ConvTaps, LogitRows};
 use super::State;
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
@@ -55,19 +55,18 @@ pub fn mixer_rows<F: Real>(
     conv_state: &mut [F],
     ssm_state: &mut [F],
 ) -> Vec<F> {
-    let xc = conv_rows(
-        proj,
-        rows,
-        2 * c.d_inner,
-        0,
-        conv_state,
-        &mw.conv_weight,
-        mw.conv_bias.as_deref(),
-        c.d_conv,
-    );
+    let xc = conv_rows(proj, rows, (2 * c.d_inner, 0), conv_state, taps(c, mw));
     let (dbc, delta) = ssm_inputs(c, mw, &xc, rows);
     let y = scan_rows(c, mw, &xc, &delta, &dbc, rows, ssm_state);
     gate_rows(c, &y, proj, rows)
+}
+
+pub(crate) fn taps<'a>(c: &Mamba1Config, mw: &'a Mamba1Mixer) -> ConvTaps<'a> {
+    ConvTaps {
+        weight: &mw.conv_weight,
+        bias: mw.conv_bias.as_deref(),
+        d_conv: c.d_conv,
+    }
 }
 
 /// `[δ ; B ; C] = W_x·xc` per row (FalconMamba's norms applied) and `Δ` `[rows, D_i]`

@@ -4,7 +4,7 @@
 //! sequence (in parallel) on its own state.
 
 use super::lm::{conv_rows, lm_rows, project, LogitRows};
-use super::prefill::{gate_rows, scan_rows, ssm_inputs};
+use super::prefill::{gate_rows, scan_rows, ssm_inputs, taps};
 use super::State;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
@@ -32,7 +32,7 @@ pub fn step<F: Real>(
         }
     }
     let b = tokens.len();
-    let (di, k) = (cfg.d_inner, cfg.d_conv);
+    let di = cfg.d_inner;
     let wd = cfg.dt_rank + 2 * cfg.d_state;
     let logits = lm_rows(w, tokens, 0, LogitRows::All, |l, mw, normed| {
         let proj = project(normed, b, &mw.in_proj, mw.in_proj_bias.as_deref());
@@ -43,8 +43,7 @@ pub fn step<F: Real>(
             .for_each(|(i, (row, st))| {
                 let p = &proj[i * 2 * di..(i + 1) * 2 * di];
                 let conv = &mut st.layers[l].conv;
-                let (wt, bias) = (&mw.conv_weight, mw.conv_bias.as_deref());
-                row.copy_from_slice(&conv_rows(p, 1, 2 * di, 0, conv, wt, bias, k));
+                row.copy_from_slice(&conv_rows(p, 1, (2 * di, 0), conv, taps(&cfg, mw)));
             });
         let (dbc, delta) = ssm_inputs(&cfg, mw, &xc, b);
         let mut y = vec![F::zero(); b * di];

@@ -97,7 +97,7 @@ pub fn mamba1(
         d_model,
         n_layer,
         vocab,
-        seed % 2 == 0,
+        seed.is_multiple_of(2),
         |g| Mamba1Mixer {
             in_proj: g.matrix(2 * di, d_model, 2.0),
             in_proj_bias: g.maybe(m.proj_bias, 2 * di),

@@ -11,7 +11,7 @@ use crate::cpu::math::{silu, softplus};
 use crate::cpu::matmul::{gemm, View, ViewMut};
 use crate::cpu::Real;
 use crate::error::Result;
-use crate::mixers::mamba1::lm::{conv_rows, lm_rows, project, rms_unit, LogitRows};
+use crate::mixers::mamba1::lm::{conv_rows, lm_rows, project, rms_unit, ConvTaps, LogitRows};
 use crate::model::family_config::Mamba2Config;
 use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 use rayon::prelude::*;
@@ -52,21 +52,14 @@ pub fn mixer_rows<F: Real>(
 ) -> Vec<F> {
     let (d_ssm, h_n, width) = (c.d_ssm, c.nheads, c.d_in_proj());
     let xbc_off = 2 * c.d_mlp() + d_ssm;
-    let v = conv_rows(
-        proj,
-        rows,
-        width,
-        xbc_off,
-        conv_state,
-        &mw.conv_weight,
-        mw.conv_bias.as_deref(),
-        c.d_conv,
-    );
+    let v = conv_rows(proj, rows, (width, xbc_off), conv_state, taps(c, mw));
     let delta = deltas(c, mw, proj, rows);
+    let q = chunk.max(1).min(rows.max(1));
+    let cb = chunk_cb(c, &v, rows, q);
     let per_head: Vec<Vec<F>> = ssm_state
         .par_chunks_mut(c.headdim * c.d_state)
         .enumerate()
-        .map(|(h, s)| head_scan(c, mw, h, &v, &delta, rows, s, chunk.max(1)))
+        .map(|(h, s)| head_scan(c, mw, h, &v, &delta, &cb, rows, s, q))
         .collect();
     let p_n = c.headdim;
     let mut y = vec![F::zero(); rows * d_ssm];
@@ -77,6 +70,14 @@ pub fn mixer_rows<F: Real>(
         }
     }
     gate_rows(c, mw, proj, &y, rows)
+}
+
+pub(crate) fn taps<'a>(c: &Mamba2Config, mw: &'a Mamba2Mixer) -> ConvTaps<'a> {
+    ConvTaps {
+        weight: &mw.conv_weight,
+        bias: mw.conv_bias.as_deref(),
+        d_conv: c.d_conv,
+    }
 }
 
 /// Δ `[rows, H]` after the bias, the softplus and the clamp (spec §3.3).
@@ -142,6 +143,34 @@ pub(crate) fn gate_rows<F: Real>(
     o
 }
 
+/// `C·Bᵀ` of every chunk and group, shared by the group's heads: chunk `k`, group `g` at
+/// `[(k·G + g)·q², ..]`, `len × len` row-major for a chunk of `len` rows.
+fn chunk_cb<F: Real>(c: &Mamba2Config, v: &[F], rows: usize, q: usize) -> Vec<F> {
+    let (n, g_n, cd) = (c.d_state, c.ngroups, c.conv_dim());
+    let chunks = rows.div_ceil(q);
+    let mut cb = vec![F::zero(); chunks * g_n * q * q];
+    cb.par_chunks_mut(q * q)
+        .enumerate()
+        .for_each(|(slot, out)| {
+            let (k, g) = (slot / g_n, slot % g_n);
+            let start = k * q;
+            let len = q.min(rows - start);
+            let b_off = c.d_ssm + g * n;
+            let c_off = c.d_ssm + g_n * n + g * n;
+            let b_rows = View::strided(&v[start * cd + b_off..], len, n, cd, 1);
+            let c_rows = View::strided(&v[start * cd + c_off..], len, n, cd, 1);
+            gemm(
+                ViewMut::new(&mut out[..len * len], len, len),
+                None,
+                c_rows,
+                b_rows.t(),
+                F::one(),
+                1,
+            );
+        });
+    cb
+}
+
 /// Head `h` over all rows, chunk by chunk (spec §3.5): returns `y` `[rows, P]` (with the
 /// D skip) and advances its state `s` `[P, N]`.
 #[allow(clippy::too_many_arguments)]
@@ -151,9 +180,10 @@ fn head_scan<F: Real>(
     h: usize,
     v: &[F],
     delta: &[F],
+    cb: &[F],
     rows: usize,
     s: &mut [F],
-    chunk: usize,
+    q: usize,
 ) -> Vec<F> {
     let (p_n, n, h_n, cd) = (c.headdim, c.d_state, c.nheads, c.conv_dim());
     let g = c.group_of(h);
@@ -169,7 +199,6 @@ fn head_scan<F: Real>(
         } as f64)
     };
     let mut y = vec![F::zero(); rows * p_n];
-    let q = chunk.min(rows.max(1));
     let mut cum = vec![F::zero(); q];
     let mut xt = vec![F::zero(); q * p_n];
     let mut m = vec![F::zero(); q * q];
@@ -189,17 +218,9 @@ fn head_scan<F: Real>(
                 xt[i * p_n + p] = dlt * v[t * cd + x_off + p];
             }
         }
-        let b_rows = View::strided(&v[start * cd + b_off..], len, n, cd, 1);
-        let c_rows = View::strided(&v[start * cd + c_off..], len, n, cd, 1);
         // M = (C·Bᵀ) ∘ exp(s_i − s_j), lower triangle.
-        gemm(
-            ViewMut::new(&mut m[..len * len], len, len),
-            None,
-            c_rows,
-            b_rows.t(),
-            F::one(),
-            1,
-        );
+        let slot = ((start / q) * c.ngroups + g) * q * q;
+        m[..len * len].copy_from_slice(&cb[slot..slot + len * len]);
         for i in 0..len {
             for j in 0..len {
                 let e = &mut m[i * len + j];

@@ -3,7 +3,7 @@
 //! the conv and the state update (spec §3.3, one token: no chunking) run per sequence, in
 //! parallel, on its own state.
 
-use super::prefill::{deltas, gate_rows};
+use super::prefill::{deltas, gate_rows, taps};
 use super::State;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
@@ -46,8 +46,7 @@ pub fn step<F: Real>(
             .for_each(|(i, (row, st))| {
                 let p = &proj[i * width..(i + 1) * width];
                 let ls = &mut st.layers[l];
-                let (wt, bias) = (&mw.conv_weight, mw.conv_bias.as_deref());
-                let v = conv_rows(p, 1, width, xbc_off, &mut ls.conv, wt, bias, cfg.d_conv);
+                let v = conv_rows(p, 1, (width, xbc_off), &mut ls.conv, taps(&cfg, mw));
                 let dr = &delta[i * cfg.nheads..(i + 1) * cfg.nheads];
                 update_heads(&cfg, mw, &v, dr, &mut ls.ssm, row);
             });
