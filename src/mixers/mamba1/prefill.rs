@@ -1,11 +1,14 @@
 //! Fast Mamba-1 prefill on the CPU, from a fresh or a carried state. The projections are
 //! GEMMs over the window's rows; the selective scan (spec §2.3) keeps its sequential form —
 //! each `(channel, state)` pair has its own decay, so there is no matrix form — but runs
-//! along channels in the inner loop (contiguous, vectorisable, `exp_fast` in f32), over
+//! along channels in the inner loop (contiguous, vectorisable, `exp_fast` in f32, decays
+//! below the subnormal range flushed to 0), over
 //! blocks of channels in parallel, with each block's state held transposed `[N, block]`
 //! in L1 for the whole window.
 
-use super::lm::{conv_rows, lm_rows, project, rms_unit, ConvTaps, LogitRows};
+use super::lm::{
+    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, LogitRows,
+};
 use super::State;
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
@@ -169,6 +172,7 @@ fn scan_block<F: Real>(
     let d: Vec<F> = (0..width).map(|i| F::from_f(mw.d[c0 + i] as f64)).collect();
     let mut y = vec![F::zero(); rows * width];
     let mut dx = vec![F::zero(); width];
+    let cutoff = decay_cutoff::<F>();
     for t in 0..rows {
         let dl = &delta[t * di + c0..t * di + c0 + width];
         let xl = &xc[t * di + c0..t * di + c0 + width];
@@ -183,10 +187,7 @@ fn scan_block<F: Real>(
             let hj = &mut h[j * width..(j + 1) * width];
             let aj = &a[j * width..(j + 1) * width];
             let (bj, cj) = (b[j], cc[j]);
-            for i in 0..width {
-                hj[i] = (dl[i] * aj[i]).exp_fast() * hj[i] + dx[i] * bj;
-                yt[i] = yt[i] + hj[i] * cj;
-            }
+            update_lanes(hj, yt, aj, dl, &dx, (bj, cj), cutoff);
         }
     }
     for i in 0..width {
@@ -195,4 +196,25 @@ fn scan_block<F: Real>(
         }
     }
     y
+}
+
+/// `h ← exp(Δ·a)·h + Δx·b`, `y += h·c` along a block's channels: a function of its own so
+/// that its slices are known not to alias, one straight loop the compiler vectorises (in
+/// builds without overflow checks, which `exp_fast`'s exponent arithmetic would carry).
+#[inline(never)]
+fn update_lanes<F: Real>(
+    h: &mut [F],
+    y: &mut [F],
+    a: &[F],
+    delta: &[F],
+    dx: &[F],
+    (b, c): (F, F),
+    cutoff: F,
+) {
+    let w = h.len();
+    let (y, a, delta, dx) = (&mut y[..w], &a[..w], &delta[..w], &dx[..w]);
+    for i in 0..w {
+        h[i] = decay_exp(delta[i] * a[i], cutoff) * h[i] + dx[i] * b;
+        y[i] = y[i] + h[i] * c;
+    }
 }

@@ -11,7 +11,9 @@ use crate::cpu::math::{silu, softplus};
 use crate::cpu::matmul::{gemm, View, ViewMut};
 use crate::cpu::Real;
 use crate::error::Result;
-use crate::mixers::mamba1::lm::{conv_rows, lm_rows, project, rms_unit, ConvTaps, LogitRows};
+use crate::mixers::mamba1::lm::{
+    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, LogitRows,
+};
 use crate::model::family_config::Mamba2Config;
 use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 use rayon::prelude::*;
@@ -199,6 +201,7 @@ fn head_scan<F: Real>(
         } as f64)
     };
     let mut y = vec![F::zero(); rows * p_n];
+    let cutoff = decay_cutoff::<F>();
     let mut cum = vec![F::zero(); q];
     let mut xt = vec![F::zero(); q * p_n];
     let mut m = vec![F::zero(); q * q];
@@ -225,7 +228,7 @@ fn head_scan<F: Real>(
             for j in 0..len {
                 let e = &mut m[i * len + j];
                 *e = if j <= i {
-                    *e * (cum[i] - cum[j]).exp_fast()
+                    *e * decay_exp(cum[i] - cum[j], cutoff)
                 } else {
                     F::zero()
                 };
@@ -242,7 +245,7 @@ fn head_scan<F: Real>(
         );
         // The carried state's contribution: exp(s_i)·(C_i·Sᵀ).
         for i in 0..len {
-            let e = cum[i].exp_fast();
+            let e = decay_exp(cum[i], cutoff);
             for j in 0..n {
                 c_scaled[i * n + j] = e * v[(start + i) * cd + c_off + j];
             }
@@ -264,14 +267,14 @@ fn head_scan<F: Real>(
         // S ← exp(s_last)·S + x̃ᵀ·(exp(s_last − s_j)·B_j).
         let last = cum[len - 1];
         for i in 0..len {
-            let e = (last - cum[i]).exp_fast();
+            let e = decay_exp(last - cum[i], cutoff);
             for j in 0..n {
                 b_weighted[i * n + j] = e * v[(start + i) * cd + b_off + j];
             }
         }
         gemm(
             ViewMut::new(s, p_n, n),
-            Some(last.exp_fast()),
+            Some(decay_exp(last, cutoff)),
             View::new(&xt[..len * p_n], len, p_n).t(),
             View::new(&b_weighted[..len * n], len, n),
             F::one(),

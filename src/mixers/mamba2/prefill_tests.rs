@@ -213,3 +213,37 @@ fn batched_step_matches_the_reference_f64_and_f32() {
     batched_step_matches_the_reference::<f64>(&w, 1e-12);
     batched_step_matches_the_reference::<f32>(&w, TOL);
 }
+
+/// Rough speed of the fast paths against the reference on a mamba2-130m-shaped model of two
+/// layers (f32). Run by hand with the test profile's overflow checks off (they keep
+/// `exp_fast` from vectorising): `cargo test --config
+/// 'profile.test.package.mamba3.overflow-checks=false' --no-default-features --lib --
+/// --ignored --nocapture speed`.
+#[test]
+#[ignore]
+fn speed_against_the_reference() {
+    let mut c = config(768, 64, 1, 128);
+    c.chunk_size = 256;
+    let w = mamba2(c.clone(), 768, 2, 50288, 1);
+    let tokens = Gen::new(3).tokens(1024, 50288);
+    let mut st = State::<f32>::zeros(&c, 2);
+    let t0 = std::time::Instant::now();
+    prefill(&w, &mut st, &tokens, LogitRows::Last).unwrap();
+    let fast = tokens.len() as f64 / t0.elapsed().as_secs_f64();
+    let r = Reference::<f32>::new(&w);
+    let mut st = r.new_state();
+    let t0 = std::time::Instant::now();
+    r.forward(&mut st, &tokens[..32]).unwrap();
+    let slow = 32.0 / t0.elapsed().as_secs_f64();
+    let mut states: Vec<State<f32>> = (0..8).map(|_| State::zeros(&c, 2)).collect();
+    let t0 = std::time::Instant::now();
+    for i in 0..16 {
+        let mut refs: Vec<&mut State<f32>> = states.iter_mut().collect();
+        step(&w, &mut refs, &tokens[i * 8..(i + 1) * 8]).unwrap();
+    }
+    let dec = 128.0 / t0.elapsed().as_secs_f64();
+    eprintln!(
+        "mamba2 (2 layers of mamba2-130m, f32, {} threads): prefill {fast:.0} tok/s, reference {slow:.0} tok/s, batch-8 decode {dec:.0} tok/s",
+        rayon::current_num_threads()
+    );
+}

@@ -7,7 +7,7 @@ use super::prefill::{deltas, gate_rows, taps};
 use super::State;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
-use crate::mixers::mamba1::lm::{conv_rows, lm_rows, project, LogitRows};
+use crate::mixers::mamba1::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project, LogitRows};
 use crate::mixers::mamba1::step::check_batch;
 use crate::model::family_config::Mamba2Config;
 use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
@@ -76,7 +76,7 @@ fn update_heads<F: Real>(
         let g = c.group_of(h);
         let (bg, cg) = (&b[g * n..(g + 1) * n], &cc[g * n..(g + 1) * n]);
         let a = -F::from_f(mw.a_log[h] as f64).exp();
-        let decay = (delta[h] * a).exp_fast();
+        let decay = decay_exp(delta[h] * a, decay_cutoff());
         for p in 0..p_n {
             let ch = h * p_n + p;
             let dx = delta[h] * x[ch];
