@@ -422,6 +422,14 @@ fn mamba2_mixer(
 }
 
 impl LmWeights<Mamba1Mixer> {
+    /// The Mamba-1 mixer config (an error if `config` describes another family: the fields
+    /// are public, so the pairing is checked where it is relied on).
+    pub fn mixer_config(&self) -> Result<&Mamba1Config> {
+        self.config
+            .mamba1()
+            .ok_or_else(|| wrong_family("Mamba2", "Mamba1"))
+    }
+
     /// [`FamilyWeights::load`] for a folder that must hold a Mamba-1 model.
     pub fn load(path: &Path, dtype: DType) -> Result<Mamba1Weights> {
         match FamilyWeights::load(path, dtype)? {
@@ -432,6 +440,13 @@ impl LmWeights<Mamba1Mixer> {
 }
 
 impl LmWeights<Mamba2Mixer> {
+    /// The Mamba-2 mixer config (an error if `config` describes another family).
+    pub fn mixer_config(&self) -> Result<&Mamba2Config> {
+        self.config
+            .mamba2()
+            .ok_or_else(|| wrong_family("Mamba1", "Mamba2"))
+    }
+
     /// [`FamilyWeights::load`] for a folder that must hold a Mamba-2 model.
     pub fn load(path: &Path, dtype: DType) -> Result<Mamba2Weights> {
         match FamilyWeights::load(path, dtype)? {

@@ -182,12 +182,12 @@ fn m1_reference_matches_the_goldens_in_every_layout_f64_and_f32() {
     for layout in LAYOUTS {
         let w = load_m1(layout);
         against_golden(
-            &Reference::<f64>::new(&w),
+            &Reference::<f64>::new(&w).unwrap(),
             &g,
             &format!("m1-tiny {layout} f64"),
         );
         against_golden(
-            &Reference::<f32>::new(&w),
+            &Reference::<f32>::new(&w).unwrap(),
             &g,
             &format!("m1-tiny {layout} f32"),
         );
@@ -207,7 +207,7 @@ fn m1_layouts_hold_the_same_parameters() {
 #[test]
 fn out_of_range_tokens_and_foreign_states_are_errors() {
     let w = load_m1("model.safetensors");
-    let r = Reference::<f64>::new(&w);
+    let r = Reference::<f64>::new(&w).unwrap();
     let mut st = r.new_state();
     let e = r.step(&mut st, 256).unwrap_err().to_string();
     assert!(e.contains("256") && e.contains("out of range"), "{e}");

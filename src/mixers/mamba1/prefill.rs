@@ -29,7 +29,7 @@ pub fn prefill<F: Real>(
     tokens: &[u32],
     want: LogitRows,
 ) -> Result<Vec<F>> {
-    let cfg = w.config.mamba1().expect("Mamba-1 weights").clone();
+    let cfg = w.mixer_config()?.clone();
     state.check(&cfg, w.config.n_layer)?;
     let rows = tokens.len();
     let logits = lm_rows(w, tokens, state.position, want, |l, mw, normed| {

@@ -38,7 +38,7 @@ fn state_err<F: Real>(a: &State<F>, b: &State<f64>) -> f64 {
 }
 
 fn against_reference(w: &Mamba1Weights, tokens: &[u32], what: &str) {
-    let r = Reference::<f64>::new(w);
+    let r = Reference::<f64>::new(w).unwrap();
     let mut ref_state = r.new_state();
     let gold: Vec<f64> = r.forward(&mut ref_state, tokens).unwrap().concat();
     let t = tokens.len();
@@ -154,7 +154,7 @@ fn prefill_matches_the_goldens_and_continues_with_reference_steps() {
                 "{layout}: prefill state.{l} conv {ec:e} ssm {es:e}"
             );
         }
-        let r = Reference::<f64>::new(&w);
+        let r = Reference::<f64>::new(&w).unwrap();
         for &tok in &g.input_ids[g.prefix..] {
             got.extend(r.step(&mut st, tok).unwrap());
         }
@@ -209,7 +209,7 @@ fn batched_step_matches_the_reference<F: Real>(w: &Mamba1Weights, tol: f64) {
             got[i].extend(to64(row));
         }
     }
-    let r = Reference::<f64>::new(w);
+    let r = Reference::<f64>::new(w).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let mut st = r.new_state();
         r.forward(&mut st, p).unwrap();
@@ -262,7 +262,7 @@ fn speed_against_the_reference() {
     let t0 = std::time::Instant::now();
     prefill(&w, &mut st, &tokens, LogitRows::Last).unwrap();
     let fast = tokens.len() as f64 / t0.elapsed().as_secs_f64();
-    let r = Reference::<f32>::new(&w);
+    let r = Reference::<f32>::new(&w).unwrap();
     let mut st = r.new_state();
     let t0 = std::time::Instant::now();
     r.forward(&mut st, &tokens[..32]).unwrap();
@@ -278,4 +278,20 @@ fn speed_against_the_reference() {
         "mamba1 (2 layers of mamba-130m, f32, {} threads): prefill {fast:.0} tok/s, reference {slow:.0} tok/s, batch-8 decode {dec:.0} tok/s",
         rayon::current_num_threads()
     );
+}
+
+#[test]
+fn weights_paired_with_another_familys_config_are_an_error() {
+    let mut w = Mamba1Weights::load(&fixture("m1-tiny"), DType::F32).unwrap();
+    let m1_cfg = w.config.mamba1().unwrap().clone();
+    w.config =
+        crate::model::family_config::FamilyConfig::from_file(&fixture("m2-tiny/config.json"))
+            .unwrap();
+    let mut st = State::<f32>::zeros(&m1_cfg, 2);
+    let e = prefill(&w, &mut st, &[1], LogitRows::All)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Mamba2") && e.contains("Mamba1"), "{e}");
+    assert!(step(&w, &mut [&mut st], &[1]).is_err());
+    assert!(Reference::<f64>::new(&w).is_err());
 }

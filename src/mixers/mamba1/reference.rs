@@ -27,13 +27,9 @@ pub struct Reference<'w, F> {
 }
 
 impl<'w, F: Real> Reference<'w, F> {
-    pub fn new(w: &'w Mamba1Weights) -> Self {
-        let cfg = w
-            .config
-            .mamba1()
-            .expect("Mamba1Weights hold a Mamba-1 config")
-            .clone();
-        Reference {
+    pub fn new(w: &'w Mamba1Weights) -> Result<Self> {
+        let cfg = w.mixer_config()?.clone();
+        Ok(Reference {
             w,
             cfg,
             lm: LmRef::new(w),
@@ -52,7 +48,7 @@ impl<'w, F: Real> Reference<'w, F> {
                         .collect(),
                 })
                 .collect(),
-        }
+        })
     }
 
     /// The state before the first token.

@@ -18,7 +18,7 @@ pub fn step<F: Real>(
     states: &mut [&mut State<F>],
     tokens: &[u32],
 ) -> Result<Vec<F>> {
-    let cfg = w.config.mamba1().expect("Mamba-1 weights").clone();
+    let cfg = w.mixer_config()?.clone();
     check_batch(states.len(), tokens.len())?;
     let vocab = w.config.vocab_padded;
     for (st, &t) in states.iter().zip(tokens) {

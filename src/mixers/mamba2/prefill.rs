@@ -26,7 +26,7 @@ pub fn prefill<F: Real>(
     tokens: &[u32],
     want: LogitRows,
 ) -> Result<Vec<F>> {
-    let cfg = w.config.mamba2().expect("Mamba-2 weights").clone();
+    let cfg = w.mixer_config()?.clone();
     state.check(&cfg, w.config.n_layer)?;
     let chunk = cfg.chunk_size;
     let rows = tokens.len();

@@ -45,7 +45,7 @@ fn with_chunk(w: &Mamba2Weights, chunk: usize) -> Mamba2Weights {
 }
 
 fn against_reference(w: &Mamba2Weights, tokens: &[u32], what: &str) {
-    let r = Reference::<f64>::new(w);
+    let r = Reference::<f64>::new(w).unwrap();
     let mut ref_state = r.new_state();
     let gold: Vec<f64> = r.forward(&mut ref_state, tokens).unwrap().concat();
     let t = tokens.len();
@@ -151,7 +151,7 @@ fn prefill_matches_the_goldens_and_continues_with_reference_steps() {
                 "{layout}: prefill state.{l} conv {ec:e} ssm {es:e}"
             );
         }
-        let r = Reference::<f64>::new(&w);
+        let r = Reference::<f64>::new(&w).unwrap();
         for &tok in &g.input_ids[g.prefix..] {
             got.extend(r.step(&mut st, tok).unwrap());
         }
@@ -184,7 +184,7 @@ fn batched_step_matches_the_reference<F: Real>(w: &Mamba2Weights, tol: f64) {
             got[i].extend(to64(row));
         }
     }
-    let r = Reference::<f64>::new(w);
+    let r = Reference::<f64>::new(w).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let mut st = r.new_state();
         r.forward(&mut st, p).unwrap();
@@ -230,7 +230,7 @@ fn speed_against_the_reference() {
     let t0 = std::time::Instant::now();
     prefill(&w, &mut st, &tokens, LogitRows::Last).unwrap();
     let fast = tokens.len() as f64 / t0.elapsed().as_secs_f64();
-    let r = Reference::<f32>::new(&w);
+    let r = Reference::<f32>::new(&w).unwrap();
     let mut st = r.new_state();
     let t0 = std::time::Instant::now();
     r.forward(&mut st, &tokens[..32]).unwrap();

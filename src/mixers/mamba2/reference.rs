@@ -23,13 +23,9 @@ pub struct Reference<'w, F> {
 }
 
 impl<'w, F: Real> Reference<'w, F> {
-    pub fn new(w: &'w Mamba2Weights) -> Self {
-        let cfg = w
-            .config
-            .mamba2()
-            .expect("Mamba2Weights hold a Mamba-2 config")
-            .clone();
-        Reference {
+    pub fn new(w: &'w Mamba2Weights) -> Result<Self> {
+        let cfg = w.mixer_config()?.clone();
+        Ok(Reference {
             w,
             cfg,
             lm: LmRef::new(w),
@@ -41,7 +37,7 @@ impl<'w, F: Real> Reference<'w, F> {
                     out_proj: Dense::new(&b.mixer.out_proj),
                 })
                 .collect(),
-        }
+        })
     }
 
     /// The state before the first token.
