@@ -6,6 +6,8 @@
 //! needs to know about a mixer without running it — the per-layer state it carries — is
 //! asked of it here ([`state_layout`]). This file is the one place a mixer is registered.
 
+pub mod mamba1;
+pub mod mamba2;
 pub mod mamba3;
 
 use crate::model::state_layout::StateLayout;

@@ -4,7 +4,10 @@
 pub mod config;
 pub mod default_model;
 pub mod dtype;
+pub mod family_config;
+pub mod family_weights;
 pub mod rng;
+pub mod shards;
 pub mod state_layout;
 pub mod tensor_file;
 pub mod torch_bin;

@@ -1,0 +1,298 @@
+//! The language model around a mixer, token by token (spec §1), shared by the Mamba-1 and
+//! Mamba-2 references: embedding → per layer `r ← r + Mixer(RMSNorm(r))` → `norm_f` →
+//! head over `vocab_padded` rows.
+
+use crate::cpu::math::{rms_norm, silu};
+use crate::cpu::matmul::matmul_t;
+use crate::cpu::Real;
+use crate::error::{Error, Result};
+use crate::model::family_weights::LmWeights;
+use crate::model::weights::Matrix;
+
+/// A `[rows, cols]` matrix converted to the arithmetic type.
+pub struct Dense<F> {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<F>,
+}
+
+impl<F: Real> Dense<F> {
+    pub fn new(m: &Matrix) -> Self {
+        Dense {
+            rows: m.rows,
+            cols: m.cols,
+            data: (0..m.rows * m.cols)
+                .map(|i| F::from_f(m.data.get_f64(i)))
+                .collect(),
+        }
+    }
+
+    /// `W·x (+ bias)`
+    pub fn apply(&self, x: &[F], bias: Option<&[f32]>) -> Vec<F> {
+        let mut y: Vec<F> = self
+            .data
+            .chunks(self.cols)
+            .map(|row| row.iter().zip(x).map(|(&a, &b)| a * b).sum())
+            .collect();
+        if let Some(b) = bias {
+            for (v, &bb) in y.iter_mut().zip(b) {
+                *v = *v + F::from_f(bb as f64);
+            }
+        }
+        y
+    }
+}
+
+/// What the LM needs of a model, converted once.
+pub struct LmRef<F> {
+    embedding: Dense<F>,
+    /// `None`: tied to the embedding
+    head: Option<Dense<F>>,
+    block_norms: Vec<Vec<f32>>,
+    norm_f: Vec<f32>,
+    eps: F,
+}
+
+/// One token's outputs: the hidden state after `norm_f`, and the logits.
+pub struct TokenOut<F> {
+    pub hidden: Vec<F>,
+    pub logits: Vec<F>,
+}
+
+impl<F: Real> LmRef<F> {
+    pub fn new<M>(w: &LmWeights<M>) -> Self {
+        LmRef {
+            embedding: Dense::new(&w.embedding),
+            head: w.lm_head.as_ref().map(Dense::new),
+            block_norms: w.layers.iter().map(|b| b.norm.clone()).collect(),
+            norm_f: w.norm_f.clone(),
+            eps: F::from_f(w.config.norm_eps),
+        }
+    }
+
+    pub fn vocab_padded(&self) -> usize {
+        self.embedding.rows
+    }
+
+    /// One token through the model; `mixer(layer, normed input)` runs layer `layer`'s
+    /// mixer on its own state. `pos` only labels an out-of-range token in the error.
+    pub fn token(
+        &self,
+        token: u32,
+        pos: u64,
+        mut mixer: impl FnMut(usize, &[F]) -> Vec<F>,
+    ) -> Result<TokenOut<F>> {
+        let (vocab, dm) = (self.embedding.rows, self.embedding.cols);
+        if token as usize >= vocab {
+            return Err(Error::TokenOutOfRange {
+                id: token as u64,
+                pos: pos as usize,
+                vocab,
+            });
+        }
+        let e = token as usize * dm;
+        let mut residual: Vec<F> = self.embedding.data[e..e + dm].to_vec();
+        let mut normed = vec![F::zero(); dm];
+        for (l, w) in self.block_norms.iter().enumerate() {
+            rms_norm(&residual, w, self.eps, &mut normed);
+            let out = mixer(l, &normed);
+            for (r, o) in residual.iter_mut().zip(out) {
+                *r = *r + o;
+            }
+        }
+        let mut hidden = vec![F::zero(); dm];
+        rms_norm(&residual, &self.norm_f, self.eps, &mut hidden);
+        let logits = self
+            .head
+            .as_ref()
+            .unwrap_or(&self.embedding)
+            .apply(&hidden, None);
+        Ok(TokenOut { hidden, logits })
+    }
+}
+
+/// `v ← v / sqrt(mean(v²) + eps)` (a weightless RMSNorm, FalconMamba's on δ, B, C).
+pub fn rms_unit<F: Real>(v: &mut [F], eps: F) {
+    let ms = v.iter().map(|&a| a * a).sum::<F>() / F::from_f(v.len() as f64);
+    let r = F::one() / (ms + eps).sqrt();
+    for a in v {
+        *a = *a * r;
+    }
+}
+
+/// Which rows of logits a multi-token call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// every row
+    All,
+    /// the last row only
+    Last,
+    /// none (only advance the states)
+    None,
+}
+
+/// The LM around a mixer over many rows at once (spec §1): a window of one sequence in
+/// prefill, or one token of each sequence in a batched decode step. `mixer(layer, weights,
+/// normed rows)` returns the mixer's output rows `[rows, D_m]`. `first_pos` labels token
+/// errors. Returns the chosen logits rows, flattened `[rows, vocab_padded]`.
+pub fn lm_rows<F: Real, M>(
+    w: &LmWeights<M>,
+    tokens: &[u32],
+    first_pos: u64,
+    want: LogitRows,
+    mut mixer: impl FnMut(usize, &M, &[F]) -> Result<Vec<F>>,
+) -> Result<Vec<F>> {
+    let (vocab, dm) = (w.embedding.rows, w.embedding.cols);
+    if let Some((i, &t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        return Err(Error::TokenOutOfRange {
+            id: t as u64,
+            pos: first_pos as usize + i,
+            vocab,
+        });
+    }
+    let rows = tokens.len();
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let eps = F::from_f(w.config.norm_eps);
+    let mut residual = vec![F::zero(); rows * dm];
+    for (r, &t) in residual.chunks_mut(dm).zip(tokens) {
+        for (j, v) in r.iter_mut().enumerate() {
+            *v = F::from_f(w.embedding.data.get_f64(t as usize * dm + j));
+        }
+    }
+    let mut normed = vec![F::zero(); rows * dm];
+    for (l, block) in w.layers.iter().enumerate() {
+        norm_rows(&residual, &block.norm, eps, &mut normed, dm);
+        let out = mixer(l, &block.mixer, &normed)?;
+        debug_assert_eq!(out.len(), rows * dm);
+        for (r, o) in residual.iter_mut().zip(out) {
+            *r = *r + o;
+        }
+    }
+    let keep = match want {
+        LogitRows::All => rows,
+        LogitRows::Last => 1,
+        LogitRows::None => return Ok(Vec::new()),
+    };
+    let tail = &residual[(rows - keep) * dm..];
+    let mut hidden = vec![F::zero(); keep * dm];
+    norm_rows(tail, &w.norm_f, eps, &mut hidden, dm);
+    let head = w.head();
+    let mut logits = vec![F::zero(); keep * head.rows];
+    matmul_t(&hidden, keep, head, &mut logits);
+    Ok(logits)
+}
+
+fn norm_rows<F: Real>(x: &[F], w: &[f32], eps: F, out: &mut [F], width: usize) {
+    for (xr, or) in x.chunks(width).zip(out.chunks_mut(width)) {
+        rms_norm(xr, w, eps, or);
+    }
+}
+
+/// `out[rows, W.rows] = x·Wᵀ (+ bias)` for a weight matrix in any storage dtype.
+pub fn project<F: Real>(x: &[F], rows: usize, w: &Matrix, bias: Option<&[f32]>) -> Vec<F> {
+    let mut out = vec![F::zero(); rows * w.rows];
+    matmul_t(x, rows, w, &mut out);
+    if let Some(b) = bias {
+        for r in out.chunks_mut(w.rows) {
+            for (v, &bb) in r.iter_mut().zip(b) {
+                *v = *v + F::from_f(bb as f64);
+            }
+        }
+    }
+    out
+}
+
+/// A depthwise causal conv's parameters: `weight` `[C, K]` (`conv1d.weight` `[C, 1, K]`),
+/// optional `bias` `[C]`.
+#[derive(Clone, Copy)]
+pub struct ConvTaps<'a> {
+    pub weight: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+    pub d_conv: usize,
+}
+
+/// Causal depthwise conv over `rows` new inputs `x` (row `t` = `x[t·stride + off ..][..C]`)
+/// continuing from `conv_state` `[C, K]` (the last K inputs, oldest first), then SiLU;
+/// updates the state to the last K inputs. Returns `[rows, C]`.
+pub fn conv_rows<F: Real>(
+    x: &[F],
+    rows: usize,
+    (stride, off): (usize, usize),
+    conv_state: &mut [F],
+    taps: ConvTaps,
+) -> Vec<F> {
+    let ConvTaps {
+        weight,
+        bias,
+        d_conv: k,
+    } = taps;
+    let c_n = conv_state.len() / k;
+    // Inputs in time order, token-major so the loops below run along channels: the K held
+    // inputs, then the new ones. The window of new token t is entries t+1 ..= t+K.
+    let mut ext = vec![F::zero(); (k + rows) * c_n];
+    for c in 0..c_n {
+        for j in 0..k {
+            ext[j * c_n + c] = conv_state[c * k + j];
+        }
+    }
+    for t in 0..rows {
+        ext[(k + t) * c_n..(k + t + 1) * c_n]
+            .copy_from_slice(&x[t * stride + off..t * stride + off + c_n]);
+    }
+    let mut taps_t = vec![F::zero(); k * c_n];
+    for c in 0..c_n {
+        for j in 0..k {
+            taps_t[j * c_n + c] = F::from_f(weight[c * k + j] as f64);
+        }
+    }
+    let mut out = vec![F::zero(); rows * c_n];
+    for (t, o) in out.chunks_mut(c_n).enumerate() {
+        match bias {
+            Some(b) => o
+                .iter_mut()
+                .zip(b)
+                .for_each(|(o, &b)| *o = F::from_f(b as f64)),
+            None => o.fill(F::zero()),
+        }
+        for j in 0..k {
+            let e = &ext[(t + 1 + j) * c_n..(t + 2 + j) * c_n];
+            let w = &taps_t[j * c_n..(j + 1) * c_n];
+            for c in 0..c_n {
+                o[c] = o[c] + e[c] * w[c];
+            }
+        }
+        o.iter_mut().for_each(|v| *v = silu(*v));
+    }
+    for c in 0..c_n {
+        for j in 0..k {
+            conv_state[c * k + j] = ext[(rows + j) * c_n + c];
+        }
+    }
+    out
+}
+
+/// `eˣ` for a log decay `x ≤ 0`, flushed to exactly 0 below half the exponent range:
+/// there the factor is far below the type's epsilon against the O(1) terms it is summed
+/// with, and letting it through makes subnormal products, which cost x86 cores ~100 cycles
+/// each (they made the Mamba-2 chunk products 10× slower on strongly decaying heads).
+#[inline(always)]
+pub fn decay_exp<F: Real>(x: F, cutoff: F) -> F {
+    // Computed unconditionally so that the choice is a select and loops vectorise.
+    let e = x.exp_fast();
+    if x < cutoff {
+        F::zero()
+    } else {
+        e
+    }
+}
+
+/// The cutoff of [`decay_exp`]: `ln(smallest normal) / 2` (−43.7 in f32, −354 in f64).
+pub fn decay_cutoff<F: Real>() -> F {
+    F::min_positive_value().ln() * F::from_f(0.5)
+}

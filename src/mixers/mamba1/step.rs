@@ -1,0 +1,81 @@
+//! The batched Mamba-1 decode step on the CPU: one token for each of several sequences,
+//! each with its own state. The projections (in_proj, x_proj, dt_proj, out_proj) are one
+//! product over the batch's rows, reading each weight once; the conv and the scan run per
+//! sequence (in parallel) on its own state.
+
+use super::lm::{conv_rows, lm_rows, project, LogitRows};
+use super::prefill::{gate_rows, scan_rows, ssm_inputs, taps};
+use super::State;
+use crate::cpu::Real;
+use crate::error::{Error, Result};
+use crate::model::family_weights::Mamba1Weights;
+use rayon::prelude::*;
+
+/// Advance every `states[i]` by `tokens[i]`; returns the logits `[batch, vocab_padded]`.
+/// Nothing is changed when an argument is refused.
+pub fn step<F: Real>(
+    w: &Mamba1Weights,
+    states: &mut [&mut State<F>],
+    tokens: &[u32],
+) -> Result<Vec<F>> {
+    let cfg = w.mixer_config()?.clone();
+    check_batch(states.len(), tokens.len())?;
+    let vocab = w.config.vocab_padded;
+    for (st, &t) in states.iter().zip(tokens) {
+        st.check(&cfg, w.config.n_layer)?;
+        if t as usize >= vocab {
+            return Err(Error::TokenOutOfRange {
+                id: t as u64,
+                pos: st.position as usize,
+                vocab,
+            });
+        }
+    }
+    let b = tokens.len();
+    let di = cfg.d_inner;
+    let wd = cfg.dt_rank + 2 * cfg.d_state;
+    let logits = lm_rows(w, tokens, 0, LogitRows::All, |l, mw, normed| {
+        let proj = project(normed, b, &mw.in_proj, mw.in_proj_bias.as_deref());
+        let mut xc = vec![F::zero(); b * di];
+        xc.par_chunks_mut(di)
+            .zip(states.par_iter_mut())
+            .enumerate()
+            .for_each(|(i, (row, st))| {
+                let p = &proj[i * 2 * di..(i + 1) * 2 * di];
+                let conv = &mut st.layers[l].conv;
+                row.copy_from_slice(&conv_rows(p, 1, (2 * di, 0), conv, taps(&cfg, mw)));
+            });
+        let (dbc, delta) = ssm_inputs(&cfg, mw, &xc, b);
+        let mut y = vec![F::zero(); b * di];
+        y.par_chunks_mut(di)
+            .zip(states.par_iter_mut())
+            .enumerate()
+            .for_each(|(i, (row, st))| {
+                let (xr, dr) = (&xc[i * di..(i + 1) * di], &delta[i * di..(i + 1) * di]);
+                let br = &dbc[i * wd..(i + 1) * wd];
+                let ssm = &mut st.layers[l].ssm;
+                row.copy_from_slice(&scan_rows(&cfg, mw, xr, dr, br, 1, ssm));
+            });
+        let gated = gate_rows(&cfg, &y, &proj, b);
+        Ok(project(
+            &gated,
+            b,
+            &mw.out_proj,
+            mw.out_proj_bias.as_deref(),
+        ))
+    })?;
+    for st in states.iter_mut() {
+        st.position += 1;
+    }
+    Ok(logits)
+}
+
+/// One token per state.
+pub(crate) fn check_batch(states: usize, tokens: usize) -> Result<()> {
+    if states != tokens {
+        return Err(Error::input(format!(
+            "a decode step takes one token per sequence: {tokens} tokens for {states} states"
+        )));
+    }
+    Ok(())
+}

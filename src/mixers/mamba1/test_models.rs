@@ -1,0 +1,146 @@
+//! Random small models of both families, for checking the fast paths against the
+//! references on configurations the fixtures do not cover (biases, groups, FalconMamba
+//! norms, odd widths). Every parameter is drawn away from any special value.
+
+use crate::model::dtype::TensorData;
+use crate::model::family_config::{
+    ConfigLayout, FamilyConfig, Mamba1Config, Mamba2Config, MixerConfig,
+};
+use crate::model::family_weights::{
+    Block, LmWeights, Mamba1Mixer, Mamba1Weights, Mamba2Mixer, Mamba2Weights,
+};
+use crate::model::rng::Rng;
+use crate::model::weights::Matrix;
+use crate::model::DType;
+
+pub struct Gen(Rng);
+
+impl Gen {
+    pub fn new(seed: u64) -> Gen {
+        Gen(Rng::new(seed))
+    }
+    pub fn vec(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f32> {
+        (0..n).map(|_| self.0.range(lo, hi) as f32).collect()
+    }
+    pub fn matrix(&mut self, rows: usize, cols: usize, scale: f64) -> Matrix {
+        let b = scale / (cols as f64).sqrt();
+        Matrix {
+            rows,
+            cols,
+            data: TensorData::F32(self.vec(rows * cols, -b, b)),
+        }
+    }
+    fn maybe(&mut self, present: bool, n: usize) -> Option<Vec<f32>> {
+        present.then(|| self.vec(n, -0.3, 0.3))
+    }
+    /// Δ biases: inverse softplus of Δ in [lo, hi].
+    fn dt_bias(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let dt = self.0.range(lo.ln(), hi.ln()).exp();
+                (dt + (-(-dt).exp_m1()).ln()) as f32
+            })
+            .collect()
+    }
+    pub fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
+        (0..n).map(|_| self.0.below(vocab as u64) as u32).collect()
+    }
+}
+
+fn lm<M>(
+    g: &mut Gen,
+    mixer: MixerConfig,
+    d_model: usize,
+    n_layer: usize,
+    vocab: usize,
+    tied: bool,
+    mut layer: impl FnMut(&mut Gen) -> M,
+) -> LmWeights<M> {
+    let config = FamilyConfig {
+        layout: ConfigLayout::Official,
+        d_model,
+        n_layer,
+        vocab_size: vocab,
+        vocab_padded: vocab,
+        tie_embeddings: tied,
+        norm_eps: 1e-5,
+        mixer,
+    };
+    LmWeights {
+        config,
+        dtype: DType::F32,
+        embedding: g.matrix(vocab, d_model, (d_model as f64).sqrt()),
+        layers: (0..n_layer)
+            .map(|_| Block {
+                norm: g.vec(d_model, 0.7, 1.3),
+                mixer: layer(g),
+            })
+            .collect(),
+        norm_f: g.vec(d_model, 0.7, 1.3),
+        lm_head: (!tied).then(|| g.matrix(vocab, d_model, 1.0)),
+    }
+}
+
+pub fn mamba1(
+    c: Mamba1Config,
+    d_model: usize,
+    n_layer: usize,
+    vocab: usize,
+    seed: u64,
+) -> Mamba1Weights {
+    let mut g = Gen::new(seed);
+    let (di, n, k, r) = (c.d_inner, c.d_state, c.d_conv, c.dt_rank);
+    let m = c.clone();
+    lm(
+        &mut g,
+        MixerConfig::Mamba1(c),
+        d_model,
+        n_layer,
+        vocab,
+        seed.is_multiple_of(2),
+        |g| Mamba1Mixer {
+            in_proj: g.matrix(2 * di, d_model, 2.0),
+            in_proj_bias: g.maybe(m.proj_bias, 2 * di),
+            conv_weight: g.vec(di * k, -0.6, 0.6),
+            conv_bias: g.maybe(m.conv_bias, di),
+            x_proj: g.matrix(r + 2 * n, di, 2.0),
+            dt_proj: g.matrix(di, r, 1.0),
+            dt_bias: g.dt_bias(di, 0.005, 0.5),
+            a_log: g.vec(di * n, 0.0, 16f64.ln()),
+            d: g.vec(di, 0.5, 1.5),
+            out_proj: g.matrix(d_model, di, 1.0),
+            out_proj_bias: g.maybe(m.proj_bias, d_model),
+        },
+    )
+}
+
+pub fn mamba2(
+    c: Mamba2Config,
+    d_model: usize,
+    n_layer: usize,
+    vocab: usize,
+    seed: u64,
+) -> Mamba2Weights {
+    let mut g = Gen::new(seed);
+    let m = c.clone();
+    lm(
+        &mut g,
+        MixerConfig::Mamba2(c),
+        d_model,
+        n_layer,
+        vocab,
+        seed % 2 == 1,
+        |g| Mamba2Mixer {
+            in_proj: g.matrix(m.d_in_proj(), d_model, 2.0),
+            in_proj_bias: g.maybe(m.proj_bias, m.d_in_proj()),
+            conv_weight: g.vec(m.conv_dim() * m.d_conv, -0.6, 0.6),
+            conv_bias: g.maybe(m.conv_bias, m.conv_dim()),
+            dt_bias: g.dt_bias(m.nheads, 0.01, 1.0),
+            a_log: g.vec(m.nheads, 0.0, 16f64.ln()),
+            d: g.vec(if m.d_has_hdim { m.d_ssm } else { m.nheads }, 0.5, 1.5),
+            norm: m.rmsnorm.then(|| g.vec(m.d_ssm, 0.7, 1.3)),
+            out_proj: g.matrix(d_model, m.d_inner, 1.0),
+            out_proj_bias: g.maybe(m.proj_bias, d_model),
+        },
+    )
+}
