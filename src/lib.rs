@@ -13,6 +13,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod engine;
 pub mod error;
+pub mod mixers;
 pub mod model;
 pub mod serve;
 pub mod text;
