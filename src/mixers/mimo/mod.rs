@@ -29,13 +29,17 @@
 //! `mimo-tiny` / `mimo-mlp-norm`, as the fixtures' independent float64 check reports for the
 //! uncast maths (2.5e-8 with the casts; the storage floor).
 
+pub mod prefill;
 pub mod reference;
 pub mod weights;
 
 #[cfg(test)]
 mod golden_tests;
 
-pub use reference::{mimo_zero_state, MimoLayerState, MimoMixerCtx, MimoReference, MimoSeqState};
+pub use prefill::{mimo_mixer_prefill, mimo_prefill};
+pub use reference::{
+    check_window, mimo_zero_state, MimoLayerState, MimoMixerCtx, MimoReference, MimoSeqState,
+};
 pub use weights::{
     mimo_config_from_file, mimo_config_from_json_str, mimo_dims, validate_mimo, MimoDims,
     MimoLayerWeights, MimoWeights,

@@ -65,6 +65,25 @@ pub fn mimo_zero_state<F: Real>(d: &MimoDims) -> MimoSeqState<F> {
     (0..d.n_layer).map(|_| MimoLayerState::zeros(d)).collect()
 }
 
+/// Refuse tokens or a state that do not fit the model, before anything is touched.
+pub fn check_window<F: Real>(d: &MimoDims, tokens: &[u32], state: &MimoSeqState<F>) -> Result<()> {
+    if let Some(pos) = tokens.iter().position(|&t| t as usize >= d.vocab_size) {
+        return Err(Error::TokenOutOfRange {
+            id: tokens[pos] as u64,
+            pos,
+            vocab: d.vocab_size,
+        });
+    }
+    if state.len() != d.n_layer {
+        return Err(Error::State(format!(
+            "MIMO state has {} layers, expected {}",
+            state.len(),
+            d.n_layer
+        )));
+    }
+    state.iter().try_for_each(|ls| ls.check(d))
+}
+
 /// Rotate the half-split pairs `(i, i + N/2)` by `φ_i` for `i < S`; the rest pass
 /// (spec-MIMO §2.4; SISO rotates `(2i, 2i+1)` instead).
 #[inline]
@@ -359,29 +378,9 @@ impl<'w, F: Real> MimoReference<'w, F> {
         mimo_zero_state(&self.w.dims)
     }
 
-    /// Refuse a token or a state that does not fit, before anything is touched.
-    fn check(&self, tokens: &[u32], state: &MimoSeqState<F>) -> Result<()> {
-        let d = &self.w.dims;
-        if let Some(pos) = tokens.iter().position(|&t| t as usize >= d.vocab_size) {
-            return Err(Error::TokenOutOfRange {
-                id: tokens[pos] as u64,
-                pos,
-                vocab: d.vocab_size,
-            });
-        }
-        if state.len() != d.n_layer {
-            return Err(Error::State(format!(
-                "MIMO state has {} layers, expected {}",
-                state.len(),
-                d.n_layer
-            )));
-        }
-        state.iter().try_for_each(|ls| ls.check(d))
-    }
-
     /// One token through the model: `(hidden after norm_f [D_m], logits [vocab_padded])`.
     pub fn step_hidden(&self, token: u32, state: &mut MimoSeqState<F>) -> Result<(Vec<F>, Vec<F>)> {
-        self.check(&[token], state)?;
+        check_window(&self.w.dims, &[token], state)?;
         Ok(self.step_unchecked(token, state))
     }
 
@@ -401,7 +400,7 @@ impl<'w, F: Real> MimoReference<'w, F> {
         tokens: &[u32],
         state: &mut MimoSeqState<F>,
     ) -> Result<(Vec<F>, Vec<F>)> {
-        self.check(tokens, state)?;
+        check_window(&self.w.dims, tokens, state)?;
         let (mut hidden, mut logits) = (Vec::new(), Vec::new());
         for &t in tokens {
             let (h, l) = self.step_unchecked(t, state);
