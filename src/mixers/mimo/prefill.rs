@@ -261,25 +261,48 @@ fn scan_head<F: Real>(
             View::new(&u[..rows * p_n], rows, p_n),
         );
 
-        // Intra-chunk: M = Q̃K̃ᵀ weighted per token pair, then Y = M·U.
+        // Intra-chunk: M = Q̃K̃ᵀ weighted per token pair, then Y = M·U. M is block lower
+        // triangular (R×R blocks), so the rows of the first `a` tokens only need their
+        // first `a` tokens' columns: a quarter of both products is skipped.
+        let top = (l / 2) * r_n;
         gemm(
-            ViewMut::new(&mut m[..rows * rows], rows, rows),
+            ViewMut::strided(&mut m, top, top, rows, 1),
             None,
-            qv,
+            qv.rows(0, top),
+            kv.rows(0, top).t(),
+            F::one(),
+            1,
+        );
+        gemm(
+            ViewMut::strided(&mut m[top * rows..], rows - top, rows, rows, 1),
+            None,
+            qv.rows(top, rows),
             kv.t(),
             F::one(),
             1,
         );
         for i in 0..rows {
+            let cols = if i < top { top } else { rows };
             let wrow = &decay[(i / r_n) * l..(i / r_n + 1) * l];
-            for (s, mv) in m[i * rows..(i + 1) * rows].iter_mut().enumerate() {
-                *mv = *mv * wrow[s / r_n];
+            let mrow = &mut m[i * rows..i * rows + cols];
+            for (block, &wv) in mrow.chunks_exact_mut(r_n).zip(wrow) {
+                block.iter_mut().for_each(|v| *v = *v * wv);
             }
         }
+        let (y_top, y_bottom) = y[..rows * p_n].split_at_mut(top * p_n);
+        let mv = View::new(&m[..rows * rows], rows, rows);
         gemm(
-            ViewMut::new(&mut y[..rows * p_n], rows, p_n),
+            ViewMut::new(y_top, top, p_n),
             None,
-            View::new(&m[..rows * rows], rows, rows),
+            mv.rows(0, top).cols(0, top),
+            uv.rows(0, top),
+            F::one(),
+            1,
+        );
+        gemm(
+            ViewMut::new(y_bottom, rows - top, p_n),
+            None,
+            mv.rows(top, rows),
             uv,
             F::one(),
             1,
@@ -328,6 +351,7 @@ fn scan_head<F: Real>(
                 z,
                 h,
                 &mut o[t * p_n..(t + 1) * p_n],
+                true,
             );
         }
         c0 += l;

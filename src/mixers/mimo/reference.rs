@@ -198,8 +198,9 @@ impl<'a> MimoMixerCtx<'a> {
 
     /// Output of head `h` from its R readouts `y` (`[R, P]`) and its `z` (spec-MIMO §2.7):
     /// `o = Σ_r ω_r ⊙ G(y_r) ⊙ silu(z ⊙ ζ_r)`, `G` the per-rank RMSNorm over P times
-    /// `w_norm[h]` with the output norm, else the identity.
-    pub fn combine_ranks<F: Real>(&self, y: &[F], z: &[F], h: usize, o: &mut [F]) {
+    /// `w_norm[h]` with the output norm, else the identity. `fast` takes the gate's
+    /// exponential from [`Real::exp_fast`] (the same in f64; 2 ulp in f32).
+    pub fn combine_ranks<F: Real>(&self, y: &[F], z: &[F], h: usize, o: &mut [F], fast: bool) {
         let p_n = self.d.headdim;
         o.iter_mut().for_each(|v| *v = F::zero());
         // The prefill calls this per (token, head): no allocation for usual head sizes.
@@ -225,7 +226,12 @@ impl<'a> MimoMixerCtx<'a> {
                 self.per_rank(&self.lw.mimo_o, h, r),
             );
             for p in 0..p_n {
-                let gate = silu(z[p] * F::from_f(zeta[p] as f64));
+                let a = z[p] * F::from_f(zeta[p] as f64);
+                let gate = if fast {
+                    a / (F::one() + (-a).exp_fast())
+                } else {
+                    silu(a)
+                };
                 o[p] = o[p] + F::from_f(omega[p] as f64) * g[p] * gate;
             }
         }
@@ -304,6 +310,7 @@ pub fn mixer_token<F: Real>(
             &z[h * p_n..(h + 1) * p_n],
             h,
             &mut o[h * p_n..(h + 1) * p_n],
+            false,
         );
         for r in 0..r_n {
             st.k[(r * h_n + h) * n_n..(r * h_n + h + 1) * n_n]
