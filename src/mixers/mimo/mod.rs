@@ -24,6 +24,11 @@
 //! (§9) are not reproduced: any `ngroups` maps head h to group `floor(h/(H/G))`, phases are
 //! wrapped, the split is at `N/2`.
 //!
+//! Entry points: [`MimoWeights::load`] (config + either checkpoint format), the oracle
+//! [`MimoReference`] (`new_state`, `step`, `forward` from a fresh or carried state, f32/f64),
+//! and the chunked prefill [`mimo_prefill`] (the LM over a window) on
+//! [`mimo_mixer_prefill`] (one mixer layer).
+//!
 //! The module's float32 casts of the raw angles and `dd_A` (§5) are not emulated: in f64
 //! the reference is 2.8e-8 / 2.6e-8 (relative L2) from the float32-stored golden logits of
 //! `mimo-tiny` / `mimo-mlp-norm`, as the fixtures' independent float64 check reports for the

@@ -62,7 +62,7 @@ pub fn mimo_prefill<F: Real>(
         norm_rows(&res, &lw.norm, dm, &mut normed);
         matmul_t(&normed, rows, &lw.in_proj, &mut proj);
         let ctx = MimoMixerCtx::new(w, l);
-        mimo_mixer_prefill(&ctx, &proj, rows, chunk_len, &mut state[l], &mut o);
+        mimo_mixer_prefill(&ctx, &proj, rows, chunk_len, &mut state[l], &mut o)?;
         matmul_t(&o, rows, &lw.out_proj, &mut hs);
         if let Some(mlp) = &lw.mlp {
             add_assign(&mut res, &hs);
@@ -108,6 +108,7 @@ struct HeadOut<F> {
 /// Mixer prefill of one sequence: `proj` is the `in_proj` output `[len, d_in_proj]`;
 /// `out` receives `o` `[len, D_i]` (before `out_proj`) and `state` is advanced past the
 /// window. `chunk_len` is the chunk length `L` (≥ 1; any value gives the same function).
+/// Sizes that do not fit are an error and leave everything untouched.
 pub fn mimo_mixer_prefill<F: Real>(
     ctx: &MimoMixerCtx,
     proj: &[F],
@@ -115,17 +116,24 @@ pub fn mimo_mixer_prefill<F: Real>(
     chunk_len: usize,
     state: &mut MimoLayerState<F>,
     out: &mut [F],
-) {
+) -> Result<()> {
     let d = &ctx.d;
-    assert!(chunk_len >= 1, "chunk length must be at least 1");
-    assert_eq!(
-        proj.len(),
-        len * d.d_in_proj,
-        "proj must be [len, d_in_proj]"
-    );
-    assert_eq!(out.len(), len * d.d_inner, "out must be [len, D_i]");
+    if chunk_len == 0 {
+        return Err(Error::input("chunk length 0: expected at least 1"));
+    }
+    for (what, found, want) in [
+        ("in_proj output", proj.len(), len * d.d_in_proj),
+        ("mixer output", out.len(), len * d.d_inner),
+    ] {
+        if found != want {
+            return Err(Error::input(format!(
+                "MIMO mixer prefill: {what} has {found} numbers, expected {want} for {len} tokens"
+            )));
+        }
+    }
+    state.check(d)?;
     if len == 0 {
-        return;
+        return Ok(());
     }
     let pre = ctx.token_pre(proj, len);
     let results: Vec<HeadOut<F>> = {
@@ -147,6 +155,7 @@ pub fn mimo_mixer_prefill<F: Real>(
         }
         state.v[h * p_n..(h + 1) * p_n].copy_from_slice(&r.v);
     }
+    Ok(())
 }
 
 /// Every chunk of one head, in order.
@@ -441,7 +450,7 @@ mod tests {
         let mut s = 0;
         for &e in ends {
             let (p, o) = (&proj[s * dpi..e * dpi], &mut got[s * di..e * di]);
-            mimo_mixer_prefill(&ctx, p, e - s, chunk, &mut st, o);
+            mimo_mixer_prefill(&ctx, p, e - s, chunk, &mut st, o).unwrap();
             s = e;
         }
         rel_l2(&got, &to64(&want)).max(state_gap(&st, &want_st))
@@ -584,5 +593,16 @@ mod tests {
         assert!(mimo_prefill(&w, &[], &mut st, 16).unwrap().is_empty());
         st[0].ssm.pop();
         assert!(mimo_prefill(&w, &[1], &mut st, 16).is_err());
+        let ctx = MimoMixerCtx::new(&w, 0);
+        let mut ls = MimoLayerState::<f32>::zeros(&w.dims);
+        let (proj, mut out) = (
+            vec![0.0; 2 * w.dims.d_in_proj],
+            vec![0.0; 2 * w.dims.d_inner],
+        );
+        assert!(mimo_mixer_prefill(&ctx, &proj, 3, 16, &mut ls, &mut out).is_err());
+        assert!(mimo_mixer_prefill(&ctx, &proj, 2, 0, &mut ls, &mut out).is_err());
+        assert!(mimo_mixer_prefill(&ctx, &proj, 2, 16, &mut ls, &mut out[1..]).is_err());
+        assert_eq!(ls, MimoLayerState::zeros(&w.dims));
+        mimo_mixer_prefill(&ctx, &proj, 2, 16, &mut ls, &mut out).unwrap();
     }
 }
