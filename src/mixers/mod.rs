@@ -9,6 +9,7 @@
 pub mod mamba1;
 pub mod mamba2;
 pub mod mamba3;
+pub mod mimo;
 
 use crate::model::state_layout::StateLayout;
 use crate::model::{Config, Dims};
