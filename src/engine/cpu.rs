@@ -262,16 +262,7 @@ impl<F: Real> CpuModel<F> {
 
 /// The host data of states placed on the host (each made unique: copy-on-write).
 fn host_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut StateBuf<f32>>> {
-    states
-        .iter_mut()
-        .map(|s| match s {
-            StateData::Host(h) => Ok(Arc::make_mut(h)),
-            #[cfg(feature = "cuda")]
-            StateData::Cuda(_) => Err(Error::State(
-                "a state on a GPU reached the CPU model (place it first)".into(),
-            )),
-        })
-        .collect()
+    states.iter_mut().map(|s| s.host_mut()).collect()
 }
 
 impl Backend for CpuModel<f32> {

@@ -25,6 +25,30 @@ pub enum StateData {
     Cuda(crate::engine::cuda::CudaState),
 }
 
+impl StateData {
+    /// The host values (made unique: copy-on-write); an error for a state on a device.
+    pub(crate) fn host_mut(&mut self) -> Result<&mut StateBuf<f32>> {
+        match self {
+            StateData::Host(h) => Ok(Arc::make_mut(h)),
+            #[cfg(feature = "cuda")]
+            StateData::Cuda(_) => Err(Error::State(
+                "a state on a GPU reached the CPU model (place it first)".into(),
+            )),
+        }
+    }
+
+    /// The device state; an error for a host state.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_mut(&mut self) -> Result<&mut crate::engine::cuda::CudaState> {
+        match self {
+            StateData::Cuda(c) => Ok(c),
+            StateData::Host(_) => Err(Error::State(
+                "a host state reached the GPU model (place it first)".into(),
+            )),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct State {
     pub(crate) model: u64,

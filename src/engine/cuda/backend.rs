@@ -6,22 +6,14 @@ use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
 use crate::engine::logits::StepLogits;
 use crate::engine::state::StateData;
 use crate::engine::LogitsWant;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::state_layout::StateLayout;
 use crate::options::GpuOptions;
 use std::sync::Arc;
 
 /// The device data of states placed on this GPU.
 fn device_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut CudaState>> {
-    states
-        .iter_mut()
-        .map(|s| match s {
-            StateData::Cuda(c) => Ok(c),
-            StateData::Host(_) => Err(Error::State(
-                "a host state reached the GPU model (place it first)".into(),
-            )),
-        })
-        .collect()
+    states.iter_mut().map(|s| s.device_mut()).collect()
 }
 
 impl Backend for CudaModel {
