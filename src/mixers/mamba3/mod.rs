@@ -31,7 +31,7 @@
 //! The chunked form (§4) computes the same function with matrix products: inside a chunk
 //! of `L` tokens the intra-chunk sum is `(W ∘ Q̃K̃ᵀ)·X` with decay-and-trapezoid weights
 //! `W`, the inter-chunk term `diag(e^{lc})·Q̃·Sᵀ`, and the state update
-//! `S' = e^{lc_end}·S + (wX)ᵀK̃` ([`prefill`]'s module doc has the weights). A window that
+//! `S' = e^{lc_end}·S + (wX)ᵀK̃` ([`chunk`]'s module doc has the weights). A window that
 //! continues a carried state starts from the folded state
 //! `S_enter = h⁻ + Δ_0(1 − λ_0)·outer(v⁻, k⁻)` (§3.4, the boundary fold).
 //!
@@ -40,6 +40,7 @@
 //! - [`reference`]: the token-by-token language model, generic over f32/f64: the oracle.
 //! - [`token`]: per-token preprocessing of an `in_proj` row and the output gate, shared by
 //!   the chunked prefill and the decode step.
+//! - [`chunk`]: one chunk of the chunked scan, shared by the prefill and the training forward.
 //! - [`prefill`]: the chunked prefill of a packed batch (threads over sequence × head).
 //! - [`step`]: the batched decode step.
 //! - [`state`]: the state's layout and per-layer views.
@@ -49,6 +50,7 @@
 //! - Tests: `tests/reference_golden.rs`, `tests/golden.rs`, `tests/properties.rs`,
 //!   `tests/train_grad.rs` (CPU); `tests/gpu_*.rs` (GPU).
 
+pub mod chunk;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod params;

@@ -4,7 +4,7 @@
 //! the order of the steps below is that function's.
 
 use super::acts::{Acts, COLSUM_ROWS};
-use super::flat::Addrs;
+use super::flat::{Addrs, LayerAddrs};
 use super::CudaTrainer;
 use crate::cuda::context::{KArg, Kernel};
 use crate::cuda::gemm::{ElemType, GemmOp, GemmSpec};
@@ -33,6 +33,33 @@ struct ScanBwdArgs {
     dphi: u64,
     tokg: u64,
     dd_part: u64,
+}
+
+impl ScanBwdArgs {
+    /// The backward of the scan that read `f` in the forward: its buffers and weights, the
+    /// sequence table and the gradients of `a`.
+    fn new(f: &ScanArgs, a: &Acts) -> ScanBwdArgs {
+        ScanBwdArgs {
+            proj: f.proj,
+            bcn: f.bcn,
+            tok: f.tok,
+            theta: f.theta,
+            phi0: f.phi0,
+            chunks: f.chunks,
+            seqs: a.seqs.ptr,
+            b_bias: f.b_bias,
+            c_bias: f.c_bias,
+            d_skip: f.d_skip,
+            sbuf: f.sbuf,
+            dy: a.dy.ptr,
+            dproj: a.dproj.ptr,
+            dq: a.dq.ptr,
+            dk: a.dk.ptr,
+            dphi: a.dphi.ptr,
+            tokg: a.tokg.ptr,
+            dd_part: a.dd_part.ptr,
+        }
+    }
 }
 
 impl KArg for ScanBwdArgs {
@@ -189,16 +216,49 @@ impl CudaTrainer {
         Ok((a.dact16.ptr, 0))
     }
 
+    /// Layer `l`'s chunked mixer over the batch in `a` with parameters `lw`: the forward
+    /// runs it, the backward reads the same buffers back.
+    fn layer_scan(&self, a: &Acts, l: usize, lw: &LayerAddrs) -> ChunkScan {
+        let la = &a.layers[l];
+        ChunkScan {
+            args: ScanArgs {
+                proj: la.proj.ptr,
+                bcn: la.bcn.ptr,
+                tok: la.tok.ptr,
+                theta: la.theta.ptr,
+                phi0: la.phi0.ptr,
+                chunks: a.chunks.ptr,
+                segs: a.segs.ptr,
+                order: a.order.ptr,
+                b_bias: lw.b_bias,
+                c_bias: lw.c_bias,
+                d_skip: lw.d,
+                out_norm: lw.out_norm.unwrap_or(0),
+                sbuf: la.sbuf.ptr,
+                sdecay: a.sdecay.ptr,
+                y: la.o.ptr,
+                y_pre: la.y_pre.ptr,
+                states: a.state_ptrs.ptr,
+                layer: l as i32,
+                qk: 0.0,          // the TF32 scan does not scale its operands
+                heads_fastest: 0, // set by `launches`
+            },
+            seqs: a.seqs.ptr,
+            csum: a.csum.ptr,
+            b_norm: lw.b_norm,
+            c_norm: lw.c_norm,
+            dt_bias: lw.dt_bias,
+            nchunk: a.layout.chunks.len(),
+            nseg: a.layout.segs.len(),
+            nseq: a.layout.seqs.len(),
+        }
+    }
+
     /// The forward of the batch in `a` (tokens and targets uploaded) with parameters `p`
     /// (master, f32) and GEMM weights `gw`; leaves the per-row losses and dlogits.
     pub(super) fn forward(&self, a: &Acts, p: &Addrs, gw: &Addrs) -> Result<()> {
         let d = &self.d;
         let (rows, dm, di) = (a.rows, d.d_model, d.d_inner);
-        let (nseq, nseg, nch) = (
-            a.layout.seqs.len(),
-            a.layout.segs.len(),
-            a.layout.chunks.len(),
-        );
         self.gpu.zero(a.states.ptr, a.states.bytes)?;
         self.launch(
             &self.k.embed,
@@ -208,7 +268,6 @@ impl CudaTrainer {
             &[&a.tokens.ptr, &p.embedding, &a.res.ptr],
         )?;
         for (l, (la, lw)) in a.layers.iter().zip(&p.layers).enumerate() {
-            let layer = l as i32;
             self.gpu.dtod(a.res.ptr, la.r_in.ptr, rows * dm * 4)?;
             self.norm_rows(a.res.ptr, lw.norm, la.xin.ptr, rows)?;
             let w_in = gw.layers[l].in_proj;
@@ -222,38 +281,7 @@ impl CudaTrainer {
                 (la.proj.ptr, proj_ld(d)),
                 false,
             )?;
-            let mixer = ChunkScan {
-                args: ScanArgs {
-                    proj: la.proj.ptr,
-                    bcn: la.bcn.ptr,
-                    tok: la.tok.ptr,
-                    theta: la.theta.ptr,
-                    phi0: la.phi0.ptr,
-                    chunks: a.chunks.ptr,
-                    segs: a.segs.ptr,
-                    order: a.order.ptr,
-                    b_bias: lw.b_bias,
-                    c_bias: lw.c_bias,
-                    d_skip: lw.d,
-                    out_norm: lw.out_norm.unwrap_or(0),
-                    sbuf: la.sbuf.ptr,
-                    sdecay: a.sdecay.ptr,
-                    y: la.o.ptr,
-                    y_pre: la.y_pre.ptr,
-                    states: a.state_ptrs.ptr,
-                    layer,
-                    qk: 0.0,          // the TF32 scan does not scale its operands
-                    heads_fastest: 0, // set by `launches`
-                },
-                seqs: a.seqs.ptr,
-                csum: a.csum.ptr,
-                b_norm: lw.b_norm,
-                c_norm: lw.c_norm,
-                dt_bias: lw.dt_bias,
-                nchunk: nch,
-                nseg,
-                nseq,
-            };
+            let mixer = self.layer_scan(a, l, lw);
             let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
                 self.launch(k, grid, threads, smem, args)
             };
@@ -403,26 +431,7 @@ impl CudaTrainer {
                 self.col_sum(a, a.contrib.ptr, rows, di, di, on)?;
             }
             // the scan
-            let args = ScanBwdArgs {
-                proj: la.proj.ptr,
-                bcn: la.bcn.ptr,
-                tok: la.tok.ptr,
-                theta: la.theta.ptr,
-                phi0: la.phi0.ptr,
-                chunks: a.chunks.ptr,
-                seqs: a.seqs.ptr,
-                b_bias: lw.b_bias,
-                c_bias: lw.c_bias,
-                d_skip: lw.d,
-                sbuf: la.sbuf.ptr,
-                dy: a.dy.ptr,
-                dproj: a.dproj.ptr,
-                dq: a.dq.ptr,
-                dk: a.dk.ptr,
-                dphi: a.dphi.ptr,
-                tokg: a.tokg.ptr,
-                dd_part: a.dd_part.ptr,
-            };
+            let args = ScanBwdArgs::new(&self.layer_scan(a, l, lw).args, a);
             let nseq = a.layout.seqs.len() as u32;
             self.launch(
                 &self.k.scan_bwd,

@@ -2,8 +2,9 @@
 //! (per-token scalars, B̄/C̄, the angle cumsum), then the scan's three phases
 //! `scan_states` → `scan_pass` → `scan_outputs` (kernels/prefill_pre.cu, kernels/scan.cu).
 //! The prefill (src/engine/cuda/forward.rs) and the training forward (src/train/cuda/pass.rs) run
-//! the same sequence over their own buffers. CPU twins: `token_pre` and `scan_head` in
-//! src/mixers/mamba3/prefill.rs, whose module doc holds the mathematics.
+//! the same sequence over their own buffers. CPU twins: `token_pre` in
+//! src/mixers/mamba3/token.rs and `HeadScan::chunk` in src/mixers/mamba3/chunk.rs, whose
+//! module doc holds the mathematics.
 
 use crate::cuda::context::{dev_err, Gpu, KArg, Kernel};
 use crate::cuda::kernels::Module;

@@ -5,7 +5,7 @@
 
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the math
 
-use super::forward::{chunk_weights, gather_x, scalars, MixerSaved, MixerShape};
+use super::forward::{MixerSaved, MixerShape};
 use crate::cpu::math::{heavy_tail, sigmoid, silu, softplus};
 use crate::cpu::matmul::{gemm, View, ViewMut};
 use crate::cpu::ops::{rms_bwd, silu_grad};
@@ -13,6 +13,73 @@ use crate::cpu::Real;
 use crate::mixers::mamba3::params::LayerParams;
 use crate::model::config::AActivation;
 use rayon::prelude::*;
+
+/// Per-token scalars of one (sequence, head): `Δ, λ, a, γ, c`.
+struct Scalars<F> {
+    delta: Vec<F>,
+    lambda: Vec<F>,
+    a: Vec<F>,
+    gamma: Vec<F>,
+    scale: Vec<F>,
+}
+
+fn scalars<F: Real>(sh: &MixerShape, sv: &MixerSaved<F>, b: usize, h: usize) -> Scalars<F> {
+    let (t_n, h_n) = (sh.seq_len, sh.d.nheads);
+    let at = |v: &Vec<F>, t: usize| v[(b * t_n + t) * h_n + h];
+    let delta: Vec<F> = (0..t_n).map(|t| at(&sv.delta, t)).collect();
+    let lambda: Vec<F> = (0..t_n).map(|t| at(&sv.lambda, t)).collect();
+    let a = (0..t_n).map(|t| at(&sv.aval, t) * delta[t]).collect();
+    let gamma: Vec<F> = (0..t_n).map(|t| lambda[t] * delta[t]).collect();
+    let scale = (0..t_n)
+        .map(|t| {
+            let back = if t + 1 < t_n {
+                delta[t + 1] * (F::one() - lambda[t + 1])
+            } else {
+                F::zero()
+            };
+            gamma[t] + back
+        })
+        .collect();
+    Scalars {
+        delta,
+        lambda,
+        a,
+        gamma,
+        scale,
+    }
+}
+
+fn gather_x<F: Real>(sh: &MixerShape, proj: &[F], b: usize, h: usize) -> Vec<F> {
+    let d = &sh.d;
+    let p_n = d.headdim;
+    let mut x = vec![F::zero(); sh.seq_len * p_n];
+    for t in 0..sh.seq_len {
+        let r = b * sh.seq_len + t;
+        x[t * p_n..(t + 1) * p_n]
+            .copy_from_slice(&proj[r * d.d_in_proj + d.x_off() + h * p_n..][..p_n]);
+    }
+    x
+}
+
+/// In-chunk cumulative log-decay and the weights `W` (row-major `[l, l]`).
+fn chunk_weights<F: Real>(sc: &Scalars<F>, c0: usize, l: usize, lc: &mut [F], w: &mut [F]) {
+    let mut acc = F::zero();
+    for j in 0..l {
+        acc = acc + sc.a[c0 + j];
+        lc[j] = acc;
+    }
+    for j in 0..l {
+        for s in 0..l {
+            w[j * l + s] = if s < j {
+                (lc[j] - lc[s]).exp() * sc.scale[c0 + s]
+            } else if s == j {
+                sc.gamma[c0 + j]
+            } else {
+                F::zero()
+            };
+        }
+    }
+}
 
 /// Gradients of one (sequence, head).
 struct HeadGrad<F> {

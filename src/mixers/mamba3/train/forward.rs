@@ -19,7 +19,8 @@
 //! S' = e^{lc_end}·S + Σ_s w_s·outer(x_s, k̃_s),   w_s = e^{lc_end − lc_s}·c_s
 //! ```
 //!
-//! The forward saves per (sequence, head) `Q̃, K̃` (`[T, N]`), the phases' `cos, sin` and the
+//! The chunks are [`crate::mixers::mamba3::chunk`]'s, as in the prefill; through its sink
+//! the forward saves per (sequence, head) `Q̃, K̃` (`[T, N]`), the phases' `cos, sin` and the
 //! state entering every chunk; per token the normed `B̄, C̄` with their RMS factors, `Δ`,
 //! `A`, `λ`, `θ`, and the mixer's `y` (before the gate) and `o` (after it).
 //!
@@ -57,10 +58,10 @@
 
 #![allow(clippy::needless_range_loop)] // index arithmetic mirrors the math above
 
-use crate::cpu::math::{a_value, rotate_pairs, sigmoid, silu, softplus, wrap_angle};
-use crate::cpu::matmul::{gemm, View, ViewMut};
+use crate::cpu::math::{a_value, sigmoid, silu, softplus};
 use crate::cpu::ops::rms_fwd;
 use crate::cpu::Real;
+use crate::mixers::mamba3::chunk::{HeadInputs, HeadScan, Span, TokenSink};
 use crate::mixers::mamba3::params::LayerParams;
 use crate::model::config::{AActivation, Dims};
 use rayon::prelude::*;
@@ -150,84 +151,48 @@ fn token_pre<F: Real>(sh: &MixerShape, lp: &LayerParams<F>, proj: &[F]) -> Mixer
     sv
 }
 
-/// Per-token scalars of one (sequence, head): `Δ, λ, a, γ, c`.
-pub(super) struct Scalars<F> {
-    pub(super) delta: Vec<F>,
-    pub(super) lambda: Vec<F>,
-    pub(super) a: Vec<F>,
-    pub(super) gamma: Vec<F>,
-    pub(super) scale: Vec<F>,
-}
-
-pub(super) fn scalars<F: Real>(
-    sh: &MixerShape,
-    sv: &MixerSaved<F>,
-    b: usize,
+/// The training forward's per-token inputs of head `h`.
+struct TrainInputs<'s, F> {
+    sh: &'s MixerShape,
+    lp: &'s LayerParams<F>,
+    sv: &'s MixerSaved<F>,
     h: usize,
-) -> Scalars<F> {
-    let (t_n, h_n) = (sh.seq_len, sh.d.nheads);
-    let at = |v: &Vec<F>, t: usize| v[(b * t_n + t) * h_n + h];
-    let delta: Vec<F> = (0..t_n).map(|t| at(&sv.delta, t)).collect();
-    let lambda: Vec<F> = (0..t_n).map(|t| at(&sv.lambda, t)).collect();
-    let a = (0..t_n).map(|t| at(&sv.aval, t) * delta[t]).collect();
-    let gamma: Vec<F> = (0..t_n).map(|t| lambda[t] * delta[t]).collect();
-    let scale = (0..t_n)
-        .map(|t| {
-            let back = if t + 1 < t_n {
-                delta[t + 1] * (F::one() - lambda[t + 1])
-            } else {
-                F::zero()
-            };
-            gamma[t] + back
-        })
-        .collect();
-    Scalars {
-        delta,
-        lambda,
-        a,
-        gamma,
-        scale,
-    }
 }
 
-pub(super) fn gather_x<F: Real>(sh: &MixerShape, proj: &[F], b: usize, h: usize) -> Vec<F> {
-    let d = &sh.d;
-    let p_n = d.headdim;
-    let mut x = vec![F::zero(); sh.seq_len * p_n];
-    for t in 0..sh.seq_len {
-        let r = b * sh.seq_len + t;
-        x[t * p_n..(t + 1) * p_n]
-            .copy_from_slice(&proj[r * d.d_in_proj + d.x_off() + h * p_n..][..p_n]);
+impl<F: Real> HeadInputs<F> for TrainInputs<'_, F> {
+    #[inline(always)]
+    fn delta(&self, r: usize) -> F {
+        self.sv.delta[r * self.sh.d.nheads + self.h]
     }
-    x
-}
-
-/// In-chunk cumulative log-decay and the weights `W` (row-major `[l, l]`).
-pub(super) fn chunk_weights<F: Real>(
-    sc: &Scalars<F>,
-    c0: usize,
-    l: usize,
-    lc: &mut [F],
-    w: &mut [F],
-) {
-    let mut acc = F::zero();
-    for j in 0..l {
-        acc = acc + sc.a[c0 + j];
-        lc[j] = acc;
+    #[inline(always)]
+    fn lambda(&self, r: usize) -> F {
+        self.sv.lambda[r * self.sh.d.nheads + self.h]
     }
-    for j in 0..l {
-        for s in 0..l {
-            w[j * l + s] = if s < j {
-                (lc[j] - lc[s]).exp() * sc.scale[c0 + s]
-            } else if s == j {
-                sc.gamma[c0 + j]
-            } else {
-                F::zero()
-            };
+    #[inline(always)]
+    fn decay(&self, r: usize) -> F {
+        let i = r * self.sh.d.nheads + self.h;
+        self.sv.aval[i] * self.sv.delta[i]
+    }
+    #[inline(always)]
+    fn theta(&self, r: usize) -> &[F] {
+        let s_n = self.sh.d.num_rope_angles;
+        &self.sv.theta[r * s_n..(r + 1) * s_n]
+    }
+    #[inline(always)]
+    fn kq(&self, r: usize, k: &mut [F], q: &mut [F]) {
+        let d = &self.sh.d;
+        let (n_n, g_n, h) = (d.d_state, d.ngroups, self.h);
+        let g = d.group_of(h);
+        let bc = &self.sv.bcn[r * 2 * g_n * n_n..];
+        for i in 0..n_n {
+            k[i] = bc[g * n_n + i] + self.lp.b_bias[h * n_n + i];
+            q[i] = bc[(g_n + g) * n_n + i] + self.lp.c_bias[h * n_n + i];
         }
     }
 }
 
+/// The chunked forward of one (sequence, head) from a zero state: what the backward needs,
+/// and `y` before the gate `[T, P]`.
 fn head_forward<F: Real>(
     sh: &MixerShape,
     lp: &LayerParams<F>,
@@ -237,17 +202,13 @@ fn head_forward<F: Real>(
     h: usize,
 ) -> (HeadSaved<F>, Vec<F>) {
     let d = &sh.d;
-    let (p_n, n_n, s_n, g_n, lmax, t_n) = (
+    let (p_n, n_n, s_n, lmax, t_n) = (
         d.headdim,
         d.d_state,
         d.num_rope_angles,
-        d.ngroups,
         d.chunk_len,
         sh.seq_len,
     );
-    let g = d.group_of(h);
-    let sc = scalars(sh, sv, b, h);
-    let x = gather_x(sh, proj, b, h);
     let mut hs = HeadSaved {
         q: vec![F::zero(); t_n * n_n],
         k: vec![F::zero(); t_n * n_n],
@@ -255,89 +216,25 @@ fn head_forward<F: Real>(
         sin: vec![F::zero(); t_n * s_n],
         states: Vec::with_capacity(t_n.div_ceil(lmax) * p_n * n_n),
     };
-    let mut phi = vec![F::zero(); s_n];
-    for t in 0..t_n {
-        let r = b * t_n + t;
-        for i in 0..s_n {
-            phi[i] = wrap_angle(phi[i] + sv.theta[r * s_n + i] * sc.delta[t]);
-            (hs.sin[t * s_n + i], hs.cos[t * s_n + i]) = phi[i].sin_cos();
-        }
-        let bc = &sv.bcn[r * 2 * g_n * n_n..];
-        for i in 0..n_n {
-            hs.k[t * n_n + i] = bc[g * n_n + i] + lp.b_bias[h * n_n + i];
-            hs.q[t * n_n + i] = bc[(g_n + g) * n_n + i] + lp.c_bias[h * n_n + i];
-        }
-        let (cs, sn) = (&hs.cos[t * s_n..][..s_n], &hs.sin[t * s_n..][..s_n]);
-        rotate_pairs(&mut hs.k[t * n_n..(t + 1) * n_n], cs, sn);
-        rotate_pairs(&mut hs.q[t * n_n..(t + 1) * n_n], cs, sn);
-    }
-    let dh = lp.d[h];
+    let sp = Span {
+        start: b * t_n,
+        len: t_n,
+    };
+    let inputs = TrainInputs { sh, lp, sv, h };
+    let (angle, state) = (vec![F::zero(); s_n], vec![F::zero(); p_n * n_n]);
+    let mut scan = HeadScan::new(d, inputs, proj, sp, h, lp.d[h], angle, state);
     let mut y = vec![F::zero(); t_n * p_n];
-    let mut state = vec![F::zero(); p_n * n_n];
-    let mut lc = vec![F::zero(); lmax];
-    let mut w = vec![F::zero(); lmax * lmax];
-    let mut m = vec![F::zero(); lmax * lmax];
-    let mut inter = vec![F::zero(); lmax * p_n];
-    let mut xw = vec![F::zero(); lmax * p_n];
     let mut c0 = 0;
     while c0 < t_n {
         let l = lmax.min(t_n - c0);
-        hs.states.extend_from_slice(&state);
-        chunk_weights(&sc, c0, l, &mut lc, &mut w[..l * l]);
-        let qv = View::new(&hs.q[c0 * n_n..(c0 + l) * n_n], l, n_n);
-        let kv = View::new(&hs.k[c0 * n_n..(c0 + l) * n_n], l, n_n);
-        let xv = View::new(&x[c0 * p_n..(c0 + l) * p_n], l, p_n);
-        gemm(
-            ViewMut::new(&mut m[..l * l], l, l),
-            None,
-            qv,
-            kv.t(),
-            F::one(),
-            1,
-        );
-        for (mv, &wv) in m[..l * l].iter_mut().zip(&w[..l * l]) {
-            *mv = *mv * wv;
-        }
-        let yc = &mut y[c0 * p_n..(c0 + l) * p_n];
-        gemm(
-            ViewMut::new(yc, l, p_n),
-            None,
-            View::new(&m[..l * l], l, l),
-            xv,
-            F::one(),
-            1,
-        );
-        let sv_ = View::new(&state, p_n, n_n);
-        gemm(
-            ViewMut::new(&mut inter[..l * p_n], l, p_n),
-            None,
-            qv,
-            sv_.t(),
-            F::one(),
-            1,
-        );
-        for j in 0..l {
-            let e = lc[j].exp();
-            for p in 0..p_n {
-                let i = j * p_n + p;
-                yc[i] = yc[i] + e * inter[i] + dh * x[c0 * p_n + i];
-            }
-        }
-        let lc_end = lc[l - 1];
-        for j in 0..l {
-            let ws = (lc_end - lc[j]).exp() * sc.scale[c0 + j];
-            for p in 0..p_n {
-                xw[j * p_n + p] = ws * x[(c0 + j) * p_n + p];
-            }
-        }
-        gemm(
-            ViewMut::new(&mut state, p_n, n_n),
-            Some(lc_end.exp()),
-            View::new(&xw[..l * p_n], l, p_n).t(),
-            kv,
-            F::one(),
-            1,
-        );
+        hs.states.extend_from_slice(&scan.state);
+        let sink = TokenSink {
+            q: &mut hs.q[c0 * n_n..(c0 + l) * n_n],
+            k: &mut hs.k[c0 * n_n..(c0 + l) * n_n],
+            cos: &mut hs.cos[c0 * s_n..(c0 + l) * s_n],
+            sin: &mut hs.sin[c0 * s_n..(c0 + l) * s_n],
+        };
+        scan.chunk(c0, l, &mut y[c0 * p_n..(c0 + l) * p_n], Some(sink));
         c0 += l;
     }
     (hs, y)

@@ -75,6 +75,39 @@ __device__ __forceinline__ float col8_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 16);
 }
 
+// The rotation backward of dṽ (ṽ = k̃ or q̃, rows `ldv` apart in shared memory) on this
+// thread's TileQ fragments `acc`: dv = R(φ)ᵀ·dṽ into `dv` `[rows][H][N]`, and ṽ's part of
+// dφ, −dṽ_{2i}·ṽ_{2i+1} + dṽ_{2i+1}·ṽ_{2i}, into `dphi`: stored for the key, which comes
+// first, added for the query (the same thread wrote the key's).
+template <bool ADD_PHI>
+__device__ __forceinline__ void unrotate(const float (&acc)[TileQ::T][4], const float* sv, int ldv, const float* s_cs,
+                                         float* dphi, float* dv, int start, int len, int h, int q_rb, int q_first,
+                                         int q_nt, int lane) {
+    const int fg = lane >> 2, ft = lane & 3;
+#pragma unroll
+    for (int i = 0; i < TileQ::T; ++i) {
+        if (i >= q_nt) break;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int j = 16 * q_rb + fg + 8 * hf, n = 8 * (q_first + i) + 2 * ft;
+            if (j >= len || n >= DSTATE) continue;
+            float d0 = acc[i][2 * hf], d1 = acc[i][2 * hf + 1];
+            const size_t row = (size_t)(start + j) * NHEADS + h;
+            if (n / 2 < NANGLES) {
+                const float c = s_cs[cs_index(j, n / 2)], sn = s_cs[cs_index(j, n / 2) + 1];
+                if (ADD_PHI)
+                    dphi[row * NANGLES + n / 2] += -d0 * sv[j * ldv + n + 1] + d1 * sv[j * ldv + n];
+                else
+                    dphi[row * NANGLES + n / 2] = -d0 * sv[j * ldv + n + 1] + d1 * sv[j * ldv + n];
+                const float r0 = d0 * c + d1 * sn, r1 = -d0 * sn + d1 * c;
+                d0 = r0;
+                d1 = r1;
+            }
+            *reinterpret_cast<float2*>(dv + row * DSTATE + n) = make_float2(d0, d1);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdArgs A) {
     extern __shared__ __align__(128) unsigned char bw_smem[];
     unsigned char* p = bw_smem;
@@ -341,25 +374,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
                 if (k0 + KSTEP > 16 * q_rb)  // GWᵀ is zero left of the diagonal
                     mma_kstep<TileQ::T, false, false>(kacc, sGW + 16 * q_rb, LDM, sQ + 8 * q_first, LDQ, k0, q_nt);
             // dk = R(φ)ᵀ·dk̃ and the key's part of dφ.
-#pragma unroll
-            for (int i = 0; i < TileQ::T; ++i) {
-                if (i >= q_nt) break;
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int j = 16 * q_rb + fg + 8 * hf, n = 8 * (q_first + i) + 2 * ft;
-                    if (j >= len || n >= DSTATE) continue;
-                    float d0 = kacc[i][2 * hf], d1 = kacc[i][2 * hf + 1];
-                    const size_t row = (size_t)(start + j) * NHEADS + h;
-                    if (n / 2 < NANGLES) {
-                        const float c = s_cs[cs_index(j, n / 2)], sn = s_cs[cs_index(j, n / 2) + 1];
-                        A.dphi[row * NANGLES + n / 2] = -d0 * sK[j * LDK + n + 1] + d1 * sK[j * LDK + n];
-                        const float r0 = d0 * c + d1 * sn, r1 = -d0 * sn + d1 * c;
-                        d0 = r0;
-                        d1 = r1;
-                    }
-                    *reinterpret_cast<float2*>(A.dk + row * DSTATE + n) = make_float2(d0, d1);
-                }
-            }
+            unrotate<false>(kacc, sK, LDK, s_cs, A.dphi, A.dk, start, len, h, q_rb, q_first, q_nt, lane);
         }
         __syncthreads();  // Σ, GW dead; u_s partials complete
         for (int j = tid; j < CHP; j += SCAN_THREADS) {
@@ -384,25 +399,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 1) scan_bwd(ScanBwdAr
 #pragma unroll BWD_KUNROLL
         for (int k0 = 0; k0 < PP; k0 += KSTEP)
             mma_kstep<TileQ::T, true, false>(qacc, sDYE + 16 * q_rb * LDX, LDX, sS + 8 * q_first, LDSO, k0, q_nt);
-#pragma unroll
-        for (int i = 0; i < TileQ::T; ++i) {
-            if (i >= q_nt) break;
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int j = 16 * q_rb + fg + 8 * hf, n = 8 * (q_first + i) + 2 * ft;
-                if (j >= len || n >= DSTATE) continue;
-                float d0 = qacc[i][2 * hf], d1 = qacc[i][2 * hf + 1];
-                const size_t row = (size_t)(start + j) * NHEADS + h;
-                if (n / 2 < NANGLES) {
-                    const float c = s_cs[cs_index(j, n / 2)], sn = s_cs[cs_index(j, n / 2) + 1];
-                    A.dphi[row * NANGLES + n / 2] += -d0 * sQ[j * LDQ + n + 1] + d1 * sQ[j * LDQ + n];
-                    const float r0 = d0 * c + d1 * sn, r1 = -d0 * sn + d1 * c;
-                    d0 = r0;
-                    d1 = r1;
-                }
-                *reinterpret_cast<float2*>(A.dq + row * DSTATE + n) = make_float2(d0, d1);
-            }
-        }
+        unrotate<true>(qacc, sQ, LDQ, s_cs, A.dphi, A.dq, start, len, h, q_rb, q_first, q_nt, lane);
 
         // ---- 5. dlc_j += e^{Lc_j}·⟨dy_j, (Q̃Sᵀ)_j⟩;  dlc_end += e^{Lc_end}·⟨dS', S⟩
         {
