@@ -9,7 +9,7 @@
 //!
 //! Every kernel has a CPU twin of the same name (`embed` → the embedding loop of
 //! `engine::cpu::CpuModel`, `rms_norm_rows` → `cpu::math::rms_norm`, `prefill_pre` →
-//! `token_pre`, `scan_*` → `scan_head`, `mixer_step` → `mixer_step` (the Mamba-3 ones in
+//! `token_pre`, `scan_*` → `HeadScan::chunk`, `mixer_step` → `mixer_step` (the Mamba-3 ones in
 //! `crate::mixers::mamba3`), `gemv` → `cpu::matmul::matmul_t`, `decode_layers*` → the
 //! layer loop of `CpuModel`); the mathematics is written once, in those twins' module docs
 //! and in the spec.

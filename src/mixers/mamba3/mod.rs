@@ -41,6 +41,8 @@
 //! - [`token`]: per-token preprocessing of an `in_proj` row and the output gate, shared by
 //!   the chunked prefill and the decode step.
 //! - [`chunk`]: one chunk of the chunked scan, shared by the prefill and the training forward.
+//! - [`chunk`]: one chunk of one head, the routine the prefill and the training forward
+//!   share (its module doc has the chunk's weights).
 //! - [`prefill`]: the chunked prefill of a packed batch (threads over sequence × head).
 //! - [`step`]: the batched decode step.
 //! - [`state`]: the state's layout and per-layer views.

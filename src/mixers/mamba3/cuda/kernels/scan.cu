@@ -1,5 +1,5 @@
 // The chunked scan of the prefill (spec §4), parallel over chunks as well as heads.
-// CPU twin: `scan_head` in src/mixers/mamba3/prefill.rs, whose module doc holds the mathematics:
+// CPU twin: `HeadScan::chunk` in src/mixers/mamba3/chunk.rs, whose module doc holds the mathematics:
 //
 //   y_j = Σ_{s<j} e^{Lc_j − Lc_s}·c_s·⟨q̃_j, k̃_s⟩·x_s + γ_j·⟨q̃_j, k̃_j⟩·x_j + e^{Lc_j}·S·q̃_j + D·x_j
 //   S'  = e^{Lc_end}·S + Σ_s e^{Lc_end − Lc_s}·c_s·outer(x_s, k̃_s)

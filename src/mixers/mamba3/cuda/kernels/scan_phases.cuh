@@ -1,6 +1,6 @@
 // The rotary phases of one chunk's tokens, for the chunked scan (scan.cu) and its backward
 // (scan_bwd.cu), whose blocks each work on one head's chunks with SCAN_WARPS warps. CPU
-// twin: the phases of `scan_head` in src/mixers/mamba3/prefill.rs.
+// twin: the phases of `HeadScan::chunk` in src/mixers/mamba3/chunk.rs.
 //
 // Spec §2.4: φ_j = φ_enter + Σ_{j' ≤ j} θ_j'·Δ_j', as (cos, sin)
 // pairs in s_cs[2(j·NANGLES + i)] (rows past `len`: (1, 0)). Warp w holds θ and Δ of the
