@@ -460,7 +460,7 @@ impl Weights {
     pub fn save(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let cfg = dir.join("config.json");
-        std::fs::write(&cfg, self.config.to_json()).map_err(|e| Error::io(&cfg, e))?;
+        crate::atomic::write(&cfg, self.config.to_json().as_bytes())?;
         crate::model::tensor_file::write_safetensors(
             &dir.join("model.safetensors"),
             &self.to_tensors(),

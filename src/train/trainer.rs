@@ -220,13 +220,15 @@ impl<B: Backend> Trainer<B> {
         Ok(t)
     }
 
-    /// Save a checkpoint into `dir` (see the module doc).
+    /// Save a checkpoint into `dir` (see the module doc). Every file is replaced
+    /// atomically ([`crate::atomic`]); `trainer.json`, which says which step the folder
+    /// holds, is replaced after the weights and the optimiser state, so a run killed at
+    /// any moment resumes from a step whose files are all complete.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         self.sync()?;
         self.params.to_weights(DType::F32).save(dir)?;
         let tp = dir.join("tokenizer.json");
-        std::fs::write(&tp, self.data.tokenizer.json().as_bytes())
-            .map_err(|e| Error::io(&tp, e))?;
+        crate::atomic::write(&tp, self.data.tokenizer.json().as_bytes())?;
         let mut tensors = Vec::new();
         for (prefix, moments) in [("m.", &self.opt.m), ("v.", &self.opt.v)] {
             for (name, t) in moments.tensors() {
@@ -242,11 +244,9 @@ impl<B: Backend> Trainer<B> {
             run: self.run.clone(),
             progress: self.progress.clone(),
         };
-        let tf = dir.join("trainer.json");
-        let tmp = dir.join("trainer.json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(&file).unwrap())
-            .map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, &tf).map_err(|e| Error::io(&tf, e))?;
+        let text = serde_json::to_string_pretty(&file)
+            .map_err(|e| Error::Other(format!("trainer.json: {e}")))?;
+        crate::atomic::write(&dir.join("trainer.json"), text.as_bytes())?;
         let mut csv = String::from("step,train_loss,val_loss,val_bpb\n");
         let p = &self.progress;
         let mut vi = p.val_loss.iter().zip(&p.val_bpb).peekable();
@@ -260,8 +260,7 @@ impl<B: Backend> Trainer<B> {
             };
             csv.push_str(&format!("{s},{l},{v}\n"));
         }
-        let cp = dir.join("loss.csv");
-        std::fs::write(&cp, csv).map_err(|e| Error::io(&cp, e))
+        crate::atomic::write(&dir.join("loss.csv"), csv.as_bytes())
     }
 
     /// Mean validation loss (nats/token) over the run's validation windows.
