@@ -85,6 +85,11 @@ fn spinner(msg: &str) -> Option<ProgressBar> {
 
 pub fn run(a: Args) -> Result<()> {
     a.run.init_threads();
+    // Before the model loads and the text is generated: a bad path fails now.
+    if let Some(p) = &a.save_state {
+        crate::atomic::refuse_model_file(p, "--save-state")?;
+        crate::atomic::check_writable(p, "--save-state")?;
+    }
     let source = ModelSource::resolve(a.model.as_deref())?;
     let text = source.load_text(a.tokenizer.as_deref())?;
     let tokenizer = text.tokenizer;

@@ -111,6 +111,8 @@ pub fn to_tokens(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    crate::atomic::refuse_model_file(&a.out, "--out")?;
+    crate::atomic::check_writable(&a.out, "--out")?;
     a.run.init_threads();
     let model_dir = crate::model::default_model::resolve(a.model.as_deref())?;
     let model = Model::load(&model_dir, a.run.device.resolve(), a.run.dtype)?;

@@ -26,6 +26,9 @@ pub struct Args {
     /// Continue the run saved in --out (its settings are kept; --steps may extend it).
     #[arg(long)]
     pub resume: bool,
+    /// Start a fresh run in an --out that already holds a model or a run, replacing it.
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
     /// Tokenizer: `byte` (vocabulary 256), `bpe` (a byte-level BPE of --vocab-size tokens
     /// trained on the training split), or the path of a tokenizer.json to use as is. It is
     /// saved as tokenizer.json beside the model.
@@ -236,6 +239,21 @@ pub fn run(a: Args) -> Result<()> {
         return Err(Error::input(format!(
             "training on the CPU runs in f32; --dtype {} needs --device cuda",
             a.dtype
+        )));
+    }
+    let held = crate::atomic::model_files_in(&a.out);
+    if !a.resume && !a.force && !held.is_empty() {
+        return Err(Error::input(format!(
+            "--out {} already holds a model or a training run ({}): continue it with --resume, \
+             or replace it with --force",
+            a.out.display(),
+            held.join(", ")
+        )));
+    }
+    if a.out.exists() && !a.out.is_dir() {
+        return Err(Error::input(format!(
+            "--out {}: that is a file, expected a folder",
+            a.out.display()
         )));
     }
     let fresh = if a.resume {
