@@ -155,7 +155,8 @@ pub fn run(a: Args) -> Result<()> {
             seed: a.seed,
             ..Default::default()
         },
-        max_tokens: a.max_tokens.max(1),
+        // 0 reads the prompt and generates nothing (--save-state then keeps its state).
+        max_tokens: a.max_tokens,
         stop: a.stop.clone(),
         stop_token_ids: a.stop_token_id.clone(),
         ignore_eos: a.ignore_eos,

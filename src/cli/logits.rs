@@ -97,7 +97,12 @@ pub fn to_tokens(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
     ids.iter()
         .enumerate()
         .map(|(pos, &id)| {
-            if id < 0 || id as u64 >= vocab as u64 {
+            if id < 0 {
+                // Shown as given, not as the unsigned number it would wrap to.
+                Err(Error::input(format!(
+                    "token id {id} at position {pos} is negative: token ids are 0..{vocab}"
+                )))
+            } else if id as u64 >= vocab as u64 {
                 Err(Error::TokenOutOfRange {
                     id: id as u64,
                     pos,

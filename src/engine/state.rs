@@ -150,6 +150,7 @@ impl State {
                     .get(&name)
                     .ok_or_else(|| Error::State(format!("{where_}: tensor `{name}` is missing")))?;
                 let vals = raw.to_float(&name, crate::model::DType::F32)?.to_f32_vec();
+                crate::model::finite::check_f32(&format!("{where_}: {name}"), &vals)?;
                 if vals.len() != buf.len() {
                     return Err(Error::Tensor {
                         name,

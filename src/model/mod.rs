@@ -2,8 +2,10 @@
 //! dtype conversions.
 
 pub mod config;
+mod config_shape;
 pub mod default_model;
 pub mod dtype;
+pub mod finite;
 pub mod rng;
 pub mod tensor_file;
 pub mod torch_bin;

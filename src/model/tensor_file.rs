@@ -146,6 +146,23 @@ impl TensorFile {
                 tensors,
             });
         }
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if ["bin", "pt", "pth"].contains(&ext) {
+            let what = if magic[0] == 0x80 {
+                "a pickle without the zip around it (the legacy torch.save format, before \
+                 PyTorch 1.6; save it again with a newer PyTorch)"
+                    .to_string()
+            } else {
+                format!("first bytes {magic:02x?}")
+            };
+            return Err(Error::checkpoint(
+                path.display(),
+                format!(
+                    "not a zip archive, so not a torch.save checkpoint (expected the bytes \
+                     PK\\x03\\x04 first): {what}"
+                ),
+            ));
+        }
         // SAFETY: the file is opened read-only; a checkpoint changing under a running
         // engine is outside what we can defend against (as in every mmap-based loader).
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;

@@ -278,6 +278,8 @@ impl Weights {
             // Straight from the file's bytes to the held dtype; the fingerprint samples the
             // values as stored, so it does not depend on the dtype asked for.
             let data = raw.to_float(name, storage_dtype(name, dtype, config.tie_embeddings))?;
+            // Checked as held: a finite f32 can still overflow an f16.
+            crate::model::finite::check_tensor(name, &data)?;
             fp = fingerprint_values(fp, name, data.len(), |i| {
                 raw.float_at(i).unwrap_or(f64::NAN)
             });

@@ -25,6 +25,7 @@
 use super::metrics::{Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
 use crate::engine::{LogitsWant, Model, State, StepLogits};
+use crate::text::generate::{all_finite, non_finite_logits};
 use crate::text::{Continuation, FinishReason, GenParams, StepOut, Tokenizer};
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -485,6 +486,12 @@ impl Scheduler {
             let row = &lg.data[..vocab];
             let s = &mut self.active[i];
             s.fed = end;
+            if !all_finite(row) {
+                // Never sampled from nor cached: the sequence fails naming the layer.
+                let e = non_finite_logits(&s.state, s.state.position());
+                Self::fail(s, e.to_string());
+                continue;
+            }
             if s.cache_points.contains(&end) {
                 o.cache.insert(
                     &s.job.prompt[..end],
@@ -537,7 +544,7 @@ impl Scheduler {
         }
         let vocab = self.model.dims().vocab_size;
         let logits = &self.logits;
-        let outs: Vec<StepOut> = {
+        let outs: Vec<Option<StepOut>> = {
             let mut conts: Vec<&mut Continuation> = Vec::with_capacity(rows.len());
             let mut it = rows.iter().peekable();
             for (i, s) in self.active.iter_mut().enumerate() {
@@ -554,7 +561,11 @@ impl Scheduler {
                 .iter()
                 .map(|c| if c.is_greedy() { 1 } else { 8 })
                 .sum();
-            let step = |(b, c): (usize, &mut &mut Continuation)| c.step(&logits.row(b)[..vocab]);
+            // A row that is not finite is not sampled (its sequence fails below).
+            let step = |(b, c): (usize, &mut &mut Continuation)| {
+                let row = &logits.row(b)[..vocab];
+                all_finite(row).then(|| c.step(row))
+            };
             if cost < 16 {
                 conts.iter_mut().enumerate().map(step).collect()
             } else {
@@ -570,7 +581,14 @@ impl Scheduler {
             vocab,
         };
         for ((b, &i), out) in rows.iter().enumerate().zip(outs) {
-            o.emit(&mut self.active[i], out, &logits.row(b)[..vocab]);
+            let s = &mut self.active[i];
+            match out {
+                Some(out) => o.emit(s, out, &logits.row(b)[..vocab]),
+                None => {
+                    let e = non_finite_logits(&s.state, s.state.position());
+                    Self::fail(s, e.to_string());
+                }
+            }
         }
         self.shared.metrics.spent(Phase::Emit, t);
     }
