@@ -67,6 +67,9 @@ impl Default for SchedulerConfig {
 pub enum Work {
     Generate(GenJob),
     Embed(EmbedJob),
+    /// The server is shutting down and its grace period is over: end every sequence now
+    /// (finish reason `abort`) and every one that arrives later.
+    Shutdown,
 }
 
 pub struct GenJob {
@@ -103,6 +106,8 @@ pub enum Event {
     },
     /// The sequence failed; nothing more comes for it.
     Error { index: usize, message: String },
+    /// The sequence was ended without a token (the server is shutting down).
+    Finish { index: usize, reason: FinishReason },
 }
 
 /// Handles shared between the HTTP side and the engine thread.
@@ -140,6 +145,8 @@ pub struct Scheduler {
     logits: StepLogits,
     step_rows: Vec<usize>,
     step_tokens: Vec<u32>,
+    /// Set by [`Work::Shutdown`].
+    stopping: bool,
 }
 
 /// An embedding request being read, one input after another.
@@ -178,6 +185,7 @@ impl Scheduler {
             logits: StepLogits::new(),
             step_rows: Vec::new(),
             step_tokens: Vec::new(),
+            stopping: false,
         }
     }
 
@@ -228,6 +236,35 @@ impl Scheduler {
 
     fn take(&mut self, w: Work) {
         match w {
+            Work::Shutdown => {
+                self.stopping = true;
+                let abort = |job: &GenJob| {
+                    let _ = job.events.send(Event::Finish {
+                        index: job.index,
+                        reason: FinishReason::Abort,
+                    });
+                };
+                for s in self.active.drain(..) {
+                    abort(&s.job);
+                }
+                for job in self.waiting.drain(..) {
+                    self.shared.queued.fetch_sub(1, Relaxed);
+                    abort(&job);
+                }
+                for t in self.embeds.drain(..) {
+                    let _ = t.job.reply.send(Err("the server is shutting down".into()));
+                }
+            }
+            Work::Generate(job) if self.stopping => {
+                self.shared.queued.fetch_sub(1, Relaxed);
+                let _ = job.events.send(Event::Finish {
+                    index: job.index,
+                    reason: FinishReason::Abort,
+                });
+            }
+            Work::Embed(job) if self.stopping => {
+                let _ = job.reply.send(Err("the server is shutting down".into()));
+            }
             Work::Generate(job) => self.waiting.push_back(job),
             Work::Embed(job) => {
                 let d = self.model.dims().d_model;

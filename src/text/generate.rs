@@ -43,6 +43,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// Ended by the server (shutting down) before either.
+    Abort,
 }
 
 impl FinishReason {
@@ -50,6 +52,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
         }
     }
 }

@@ -95,6 +95,20 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The longest vocabulary entry in bytes, as the tokenizer spells it (at least the
+    /// bytes of text it stands for: a byte-level BPE spells each byte as one or two, a
+    /// SentencePiece byte token as six): a text of more than `n` times as many bytes has
+    /// more than `n` tokens, which bounds the work before tokenizing.
+    pub fn max_token_bytes(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
