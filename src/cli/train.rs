@@ -228,12 +228,53 @@ fn fresh_run(a: &Args) -> Result<(RunConfig, Dataset)> {
     Ok((run, data))
 }
 
-pub fn run(a: Args) -> Result<()> {
-    if let Some(n) = a.threads {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global();
+/// Numbers that would make a run fail late, loop forever or diverge at once, refused
+/// before any work.
+fn check_numbers(a: &Args) -> Result<()> {
+    let bad = |flag: &str, v: String, want: &str| {
+        Err(Error::input(format!("{flag} {v}: expected {want}")))
+    };
+    if a.batch == 0 {
+        return bad("--batch", "0".into(), "at least 1 sequence per micro-batch");
     }
+    if a.seq_len < 2 {
+        return bad("--seq-len", a.seq_len.to_string(), "at least 2 tokens");
+    }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        return bad("--lr", a.lr.to_string(), "a finite learning rate above 0");
+    }
+    if !(a.min_lr.is_finite() && a.min_lr >= 0.0) {
+        return bad(
+            "--min-lr",
+            a.min_lr.to_string(),
+            "a finite number, 0 or more",
+        );
+    }
+    for (flag, v) in [("--beta1", a.beta1), ("--beta2", a.beta2)] {
+        if !(0.0..1.0).contains(&v) {
+            return bad(flag, v.to_string(), "a number in [0, 1)");
+        }
+    }
+    for (flag, v) in [("--weight-decay", a.weight_decay), ("--clip", a.clip)] {
+        if !(v.is_finite() && v >= 0.0) {
+            return bad(flag, v.to_string(), "a finite number, 0 or more");
+        }
+    }
+    if let Some(s) = a.max_seconds {
+        if !(s.is_finite() && s > 0.0) {
+            return bad(
+                "--max-seconds",
+                s.to_string(),
+                "a number of seconds above 0",
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run(a: Args) -> Result<()> {
+    check_numbers(&a)?;
+    super::init_threads(a.threads);
     let device = a.device.resolve();
     if device == Device::Cpu && a.dtype != DType::F32 {
         return Err(Error::input(format!(

@@ -236,6 +236,9 @@ impl Weights {
     /// Build from an open tensor file, checking every tensor against the config.
     pub fn from_tensor_file(config: Config, file: &TensorFile, dtype: DType) -> Result<Weights> {
         let path = file.path().display().to_string();
+        // Before anything is sized from the config: its layer count must be the file's,
+        // so that a config claiming 10^7 layers fails here, not in an allocation.
+        check_layer_count(&config, file, &path)?;
         let expected = expected_tensors(&config);
         let expected_names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
         for name in file.names() {
@@ -469,6 +472,34 @@ impl Weights {
             None,
         )
     }
+}
+
+/// The number of layers `file` holds tensors for (one past the highest
+/// `backbone.layers.{i}.` index) must be `config.n_layer`.
+fn check_layer_count(config: &Config, file: &TensorFile, path: &str) -> Result<()> {
+    let in_file = file
+        .names()
+        .iter()
+        .filter_map(|n| {
+            n.strip_prefix("backbone.layers.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .map(|i| i.saturating_add(1))
+        .max()
+        .unwrap_or(0);
+    if in_file != config.n_layer {
+        return Err(Error::checkpoint(
+            path,
+            format!(
+                "the config says n_layer {} but the checkpoint holds tensors for {in_file} layers",
+                config.n_layer
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The config fields that change what a state means, as text for hashing.
