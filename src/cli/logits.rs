@@ -35,9 +35,16 @@ pub struct Args {
     pub run: RunOpts,
 }
 
-/// Token ids from a safetensors file (`input_ids`) or a JSON array (flat or one row).
+/// Token ids from a safetensors file (`input_ids`), a JSON file, or the JSON array given
+/// inline (`--input-ids '[1, 2, 3]'`, when no file has that name).
 pub fn read_input_ids(path: &Path) -> Result<Vec<i64>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let inline = path
+        .to_str()
+        .filter(|s| s.trim_start().starts_with('[') && !path.exists());
+    let bytes = match inline {
+        Some(s) => s.as_bytes().to_vec(),
+        None => std::fs::read(path).map_err(|e| Error::io(path, e))?,
+    };
     let first = bytes.iter().find(|b| !b.is_ascii_whitespace()).copied();
     if matches!(first, Some(b'[') | Some(b'{')) {
         let v: serde_json::Value = serde_json::from_slice(&bytes)

@@ -332,7 +332,9 @@ fn train_with<B: Backend>(a: Args, fresh: Option<(RunConfig, Dataset)>, backend:
     let mut trainer = match fresh {
         Some((run, data)) => Trainer::with_data(run, backend, data)?,
         None => {
-            let mut t = Trainer::resume(&a.out, backend, None)?;
+            // --data given again replaces the run's files (moved, or more text).
+            let data = (!a.data.is_empty()).then(|| a.data.clone());
+            let mut t = Trainer::resume_with_files(&a.out, backend, data)?;
             if let Some(s) = a.steps {
                 t.run.steps = s;
             }

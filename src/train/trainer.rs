@@ -159,6 +159,20 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// Resume from `dir`, reading `files` (when given) instead of the run's own text files,
+    /// tokenized by the checkpoint's tokenizer; the run then records them.
+    pub fn resume_with_files(dir: &Path, backend: B, files: Option<Vec<PathBuf>>) -> Result<Self> {
+        let Some(files) = files else {
+            return Self::resume(dir, backend, None);
+        };
+        let file = read_trainer_file(dir)?;
+        let saved = saved_tokenizer(dir, &file.run)?;
+        let data = Dataset::from_text(&read_text(&files)?, file.run.val_every_block, saved)?;
+        let mut t = Self::resume(dir, backend, Some(data))?;
+        t.run.data = files;
+        Ok(t)
+    }
+
     /// Resume from a checkpoint directory written by [`Trainer::save`], on `data` or else
     /// the run's files tokenized by the directory's `tokenizer.json`.
     pub fn resume(dir: &Path, backend: B, data: Option<Dataset>) -> Result<Self> {
