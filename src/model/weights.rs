@@ -474,8 +474,8 @@ impl Weights {
     }
 }
 
-/// The number of layers `file` holds tensors for (one past the highest
-/// `backbone.layers.{i}.` index) must be `config.n_layer`.
+/// `file` must hold tensors for at least `config.n_layer` layers (one past the highest
+/// `backbone.layers.{i}.` index); more is reported by name as unexpected tensors.
 fn check_layer_count(config: &Config, file: &TensorFile, path: &str) -> Result<()> {
     let in_file = file
         .names()
@@ -490,11 +490,12 @@ fn check_layer_count(config: &Config, file: &TensorFile, path: &str) -> Result<(
         .map(|i| i.saturating_add(1))
         .max()
         .unwrap_or(0);
-    if in_file != config.n_layer {
+    if in_file < config.n_layer {
         return Err(Error::checkpoint(
             path,
             format!(
-                "the config says n_layer {} but the checkpoint holds tensors for {in_file} layers",
+                "the config says n_layer {} but the checkpoint holds tensors for only {in_file} \
+                 layers",
                 config.n_layer
             ),
         ));
