@@ -194,7 +194,9 @@ fn error_texts_say_what_the_input_is() {
 /// Run under an address-space cap of `gib` GiB: an allocation past it fails at once.
 fn capped(args: &[&str], gib: u64) -> Output {
     let mut c = bin();
-    c.args(args);
+    // Few malloc arenas: their address-space reservations (64 MiB each, up to 8 per core)
+    // would otherwise fill the cap on a machine with many cores.
+    c.args(args).env("MALLOC_ARENA_MAX", "2");
     unsafe {
         c.pre_exec(move || {
             let r = libc::rlimit {
@@ -381,4 +383,53 @@ fn resume_reads_the_data_given() {
         serde_json::from_slice(&std::fs::read(out.join("trainer.json")).unwrap()).unwrap();
     assert_eq!(t["run"]["data"], serde_json::json!([b.to_str().unwrap()]));
     assert_eq!(t["progress"]["step"], 4);
+}
+
+/// The cost of the load-time non-finite scan, printed (run by hand:
+/// `cargo test --release --test harden_inputs -- --ignored --nocapture`): the scan's
+/// throughput, and its share of loading a 60M-parameter checkpoint.
+#[test]
+#[ignore]
+fn non_finite_scan_cost() {
+    use mamba3::model::finite::first_non_finite;
+    use mamba3::model::TensorData;
+    let n = 64 << 20;
+    let f32s = TensorData::F32((0..n).map(|i| (i % 1000) as f32 * 1e-3).collect());
+    let bf16s = f32s.convert(DType::BF16);
+    for (what, d) in [("f32", &f32s), ("bf16", &bf16s)] {
+        let t = Instant::now();
+        assert!(first_non_finite(d).is_none());
+        let s = t.elapsed().as_secs_f64();
+        let bytes = d.len() * d.dtype().size();
+        println!(
+            "scan {what}: {} MiB in {:.1} ms = {:.1} GB/s",
+            bytes >> 20,
+            s * 1e3,
+            bytes as f64 / s / 1e9
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = mamba3::model::Config::synthetic(1024, 8, 64, 64, 2, 1, 32000);
+    let w = Weights::synthetic(cfg, DType::F32, 1).unwrap();
+    w.save(dir.path()).unwrap();
+    let params = w.param_count();
+    drop(w);
+    let t = Instant::now();
+    let w = Weights::load(dir.path(), DType::F32).unwrap();
+    let load = t.elapsed().as_secs_f64();
+    // The scan of the same tensors, timed alone (the load above includes it).
+    let mut scan = 0.0;
+    for (name, raw) in w.to_tensors() {
+        let d = raw.to_float(&name, DType::F32).unwrap();
+        let t0 = Instant::now();
+        assert!(first_non_finite(&d).is_none());
+        scan += t0.elapsed().as_secs_f64();
+    }
+    println!(
+        "load of {params} parameters (f32, warm page cache): {:.1} ms, of which the scan \
+         {:.1} ms ({:.1} %)",
+        load * 1e3,
+        scan * 1e3,
+        100.0 * scan / load
+    );
 }
