@@ -237,8 +237,8 @@ fn check_numbers(a: &Args) -> Result<()> {
     if a.batch == 0 {
         return bad("--batch", "0".into(), "at least 1 sequence per micro-batch");
     }
-    if a.seq_len < 2 {
-        return bad("--seq-len", a.seq_len.to_string(), "at least 2 tokens");
+    if a.seq_len == 0 {
+        return bad("--seq-len", "0".into(), "at least 1 token per window");
     }
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return bad("--lr", a.lr.to_string(), "a finite learning rate above 0");
