@@ -387,7 +387,7 @@ fn resume_reads_the_data_given() {
 
 /// The cost of the load-time non-finite scan, printed (run by hand:
 /// `cargo test --release --test harden_inputs -- --ignored --nocapture`): the scan's
-/// throughput, and its share of loading a 60M-parameter checkpoint.
+/// throughput, and its share of loading an 85M-parameter checkpoint.
 #[test]
 #[ignore]
 fn non_finite_scan_cost() {
