@@ -48,6 +48,10 @@ pub enum Error {
     #[error("state: {0}")]
     State(String),
 
+    /// NaN or infinite values where finite ones are required (weights, a state, logits).
+    #[error("non-finite values: {0}")]
+    NonFinite(String),
+
     #[error("device: {0}")]
     Device(String),
 

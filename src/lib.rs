@@ -7,6 +7,7 @@
 // Numeric kernels index several arrays with one loop variable, as the spec writes them.
 #![allow(clippy::needless_range_loop)]
 
+pub mod atomic;
 pub mod cli;
 pub mod cpu;
 #[cfg(feature = "cuda")]

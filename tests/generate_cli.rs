@@ -70,9 +70,10 @@ fn greedy_generate_equals_engine_loop_and_server() {
     .unwrap();
     let v = r.json();
     assert_eq!(ids(&v["choices"][0]["token_ids"]), want, "server == engine");
+    // The prompt is echoed first (--no-echo leaves it out).
     assert_eq!(
         text.strip_suffix('\n').unwrap(),
-        v["choices"][0]["text"].as_str().unwrap(),
+        format!("{prompt}{}", v["choices"][0]["text"].as_str().unwrap()),
         "generate == server"
     );
 

@@ -5,9 +5,11 @@
 //! ../shared/docs/gpu.md):
 //!
 //! - with `LD_LIBRARY_PATH`/`CUDA_INCLUDE_DIR` pointing at them, it just runs;
-//! - else, if `.ci/nvrtc` exists in the checkout, the test re-runs itself with those set;
-//! - else it fails and says how to install them — unless `MAMBA3_SKIP_NVRTC_CHECK=1`,
-//!   which makes it pass with a notice (for machines without the wheels; CI never sets it).
+//! - else it installs the wheels into `.ci/nvrtc` if they are not there yet
+//!   (`scripts/nvrtc-wheels`, once per checkout) and re-runs itself with those set, so the
+//!   README's `cargo test --release` needs no set-up step;
+//! - if that install fails (no python3, no network) it fails and says why — unless
+//!   `MAMBA3_SKIP_NVRTC_CHECK=1`, which makes it pass with a notice (CI never sets it).
 //!
 //! `MAMBA3_DUMP_CUBIN=DIR` writes every compiled cubin there, for `cuobjdump
 //! --dump-resource-usage` (registers, shared memory, spills) and the SASS;
@@ -44,6 +46,11 @@ fn nvrtc_here(test: &str) -> bool {
     if nvrtc_available() && mamba3::cuda::kernels::cuda_include_dir().is_some() {
         return true;
     }
+    let skip = std::env::var("MAMBA3_SKIP_NVRTC_CHECK").as_deref() == Ok("1");
+    let mut install_error = None;
+    if std::env::var_os(RERUN).is_none() && ci_wheels().is_none() && !skip {
+        install_error = install_wheels().err();
+    }
     if std::env::var_os(RERUN).is_none() {
         if let Some((lib, inc)) = ci_wheels() {
             let ld = match std::env::var("LD_LIBRARY_PATH") {
@@ -64,16 +71,35 @@ fn nvrtc_here(test: &str) -> bool {
             return false;
         }
     }
-    if std::env::var("MAMBA3_SKIP_NVRTC_CHECK").as_deref() == Ok("1") {
+    if skip {
         eprintln!("NOTICE: NVRTC or the CUDA headers are missing; kernel compile check SKIPPED");
         return false;
     }
     panic!(
-        "NVRTC 13.0 and the CUDA headers are needed to check the GPU kernels. Install them:\n  \
-         python3 -m venv .ci/nvrtc && .ci/nvrtc/bin/pip install nvidia-cuda-nvrtc==13.0.88 \
-         nvidia-cuda-runtime==13.0.96 \"nvidia-cuda-crt==13.0.*\" \"nvidia-cuda-cccl==13.0.*\"\n\
-         (or set LD_LIBRARY_PATH and CUDA_INCLUDE_DIR; MAMBA3_SKIP_NVRTC_CHECK=1 skips)"
+        "NVRTC 13.0 and the CUDA headers are needed to check the GPU kernels, and installing \
+         them with scripts/nvrtc-wheels failed: {}\n(set LD_LIBRARY_PATH and CUDA_INCLUDE_DIR \
+         to an install of your own; MAMBA3_SKIP_NVRTC_CHECK=1 skips)",
+        install_error.unwrap_or_else(|| "the wheels are installed but NVRTC does not load".into())
     );
+}
+
+/// Install the wheels into `.ci/nvrtc` (scripts/nvrtc-wheels: pip, from PyPI).
+fn install_wheels() -> Result<(), String> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/nvrtc-wheels");
+    eprintln!("installing NVRTC and the CUDA headers into .ci/nvrtc (once) ...");
+    let out = std::process::Command::new(&script)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} exited with {}: {}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
 }
 
 #[test]

@@ -6,9 +6,9 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 /// Highest first.
-const ORDER: [&str; 14] = [
+const ORDER: [&str; 15] = [
     "main", "lib", "cli", "serve", "text", "train", "engine", "mixers", "cpu", "cuda", "model",
-    "timeline", "options", "error",
+    "timeline", "options", "atomic", "error",
 ];
 
 fn rank(m: &str) -> Option<usize> {

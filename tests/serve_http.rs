@@ -182,17 +182,22 @@ fn chat_with_and_without_a_template() {
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
 
-    // Without a template: 400 saying so.
+    // Without a template: the plain-text fallback (`User: …` paragraphs, `Assistant:`).
     let plain = model_dir(true, false);
     let h2 = start(dir_source(&plain), |_| {});
-    let r = post_json(h2.addr, "/v1/chat/completions", &json!({"messages": msgs})).unwrap();
-    assert_eq!(r.status, 400);
-    let e = &r.json()["error"];
-    assert!(
-        e["message"].as_str().unwrap().contains("no chat template"),
-        "{e}"
-    );
-    assert_eq!(e["type"], "invalid_request_error");
+    let r = post_json(
+        h2.addr,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 4, "temperature": 0, "return_token_ids": true}),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let p = tok
+        .encode("Be brief.\n\nUser: Hi there\n\nAssistant:", false)
+        .unwrap();
+    assert_eq!(r.json()["usage"]["prompt_tokens"], p.len());
+    let want = engine_greedy(&load(plain.path()), &p, 4, &tok.eos_ids);
+    assert_eq!(ids(&r.json()["choices"][0]["token_ids"]), want);
 }
 
 #[test]
@@ -339,7 +344,7 @@ fn models_health_metrics_and_loading() {
     let h = mamba3::serve::spawn(sc).unwrap();
     let r = get(h.addr, "/health").unwrap();
     assert_eq!(r.status, 503, "{}", r.text());
-    assert_eq!(r.json()["error"]["code"], 503);
+    assert_eq!(r.json()["error"]["type"], "unavailable_error");
     let r = post_json(h.addr, "/v1/completions", &json!({"prompt": [1]})).unwrap();
     assert_eq!(r.status, 503);
     wait_ready(&h);

@@ -49,6 +49,15 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    for (flag, v) in [
+        ("--batch", a.batch),
+        ("--seq-len", a.seq_len),
+        ("--steps", a.steps),
+    ] {
+        if v == 0 {
+            return Err(Error::input(format!("{flag} 0: expected at least 1")));
+        }
+    }
     let mut cfg = Config::synthetic(
         a.d_model, a.layers, a.d_state, a.headdim, a.expand, 1, a.vocab,
     );

@@ -24,6 +24,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let (config_path, weights_path) = locate(&a.model)?;
+    check_out(&a.out, &config_path)?;
     let config = Config::from_file(&config_path)?;
     let file = TensorFile::open(&weights_path)?;
     // Full check of names, shapes and dtypes against the config.
@@ -76,11 +77,49 @@ pub fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
+/// Refuse, before reading any tensor, an output that would replace a file: a model's
+/// weights or config are never overwritten (delete them first to convert again).
+fn check_out(out: &Path, config_path: &Path) -> Result<()> {
+    let is_file = out.extension().is_some_and(|e| e == "safetensors");
+    if is_file {
+        crate::atomic::refuse_model_file(out, "--out")?;
+        if out.exists() {
+            return Err(Error::input(format!(
+                "--out {}: the file exists; refusing to overwrite it (remove it first)",
+                out.display()
+            )));
+        }
+        return crate::atomic::check_writable(out, "--out");
+    }
+    let target = out.join("model.safetensors");
+    if target.exists() {
+        return Err(Error::input(format!(
+            "--out {}: the folder already holds model.safetensors; refusing to overwrite it \
+             (remove it first or give another folder)",
+            out.display()
+        )));
+    }
+    let cfg = out.join("config.json");
+    if cfg.exists() && cfg.canonicalize().ok() != config_path.canonicalize().ok() {
+        return Err(Error::input(format!(
+            "--out {}: the folder already holds another model's config.json; refusing to \
+             overwrite it",
+            out.display()
+        )));
+    }
+    Ok(())
+}
+
 fn copy_beside(src: &Path, dir: &Path) -> Result<()> {
     let dst = dir.join(src.file_name().unwrap_or_default());
     if src.canonicalize().ok() == dst.canonicalize().ok() {
         return Ok(());
     }
-    std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;
-    Ok(())
+    if dst.exists() {
+        // A tokenizer file beside an earlier model is left alone.
+        eprintln!("note: {} exists; kept as it is", dst.display());
+        return Ok(());
+    }
+    let bytes = std::fs::read(src).map_err(|e| Error::io(src, e))?;
+    crate::atomic::write(&dst, &bytes)
 }

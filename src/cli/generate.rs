@@ -22,7 +22,8 @@ pub struct Args {
     /// Prompt text, as an option (same as the positional PROMPT).
     #[arg(long = "prompt", id = "prompt_flag", value_name = "TEXT")]
     pub prompt_flag: Option<String>,
-    /// Prompt as token ids: a JSON array or a safetensors file with `input_ids`.
+    /// Prompt as token ids: a JSON array (inline, `'[1, 2, 3]'`, or a file) or a
+    /// safetensors file with `input_ids`.
     #[arg(long, conflicts_with_all = ["prompt", "prompt_flag"])]
     pub input_ids: Option<PathArg>,
     /// tokenizer.json to use instead of the model directory's.
@@ -69,6 +70,9 @@ pub struct Args {
     /// Print the generated token ids (one line) instead of text.
     #[arg(long)]
     pub print_ids: bool,
+    /// Print only the continuation, not the prompt before it.
+    #[arg(long)]
+    pub no_echo: bool,
     #[command(flatten)]
     pub run: RunOpts,
 }
@@ -85,6 +89,11 @@ fn spinner(msg: &str) -> Option<ProgressBar> {
 
 pub fn run(a: Args) -> Result<()> {
     a.run.init_threads();
+    // Before the model loads and the text is generated: a bad path fails now.
+    if let Some(p) = &a.save_state {
+        crate::atomic::refuse_model_file(p, "--save-state")?;
+        crate::atomic::check_writable(p, "--save-state")?;
+    }
     let source = ModelSource::resolve(a.model.as_deref())?;
     let text = source.load_text(a.tokenizer.as_deref())?;
     let tokenizer = text.tokenizer;
@@ -103,6 +112,8 @@ pub fn run(a: Args) -> Result<()> {
     };
     let start = state.position();
     let prompt_text = a.prompt.as_ref().or(a.prompt_flag.as_ref());
+    // The prompt's text as given, echoed before the continuation.
+    let mut given_text: Option<String> = None;
     let prompt: Vec<u32> = match (&a.input_ids, prompt_text) {
         (Some(p), _) => super::logits::to_tokens(&super::logits::read_input_ids(p)?, vocab)?,
         (None, text) => {
@@ -123,7 +134,9 @@ pub fn run(a: Args) -> Result<()> {
                 )
             })?;
             // A resumed text already has its BOS.
-            tok.encode(&text, !resumed)?
+            let ids = tok.encode(&text, !resumed)?;
+            given_text = Some(text);
+            ids
         }
     };
     if prompt.is_empty() {
@@ -150,7 +163,8 @@ pub fn run(a: Args) -> Result<()> {
             seed: a.seed,
             ..Default::default()
         },
-        max_tokens: a.max_tokens.max(1),
+        // 0 reads the prompt and generates nothing (--save-state then keeps its state).
+        max_tokens: a.max_tokens,
         stop: a.stop.clone(),
         stop_token_ids: a.stop_token_id.clone(),
         ignore_eos: a.ignore_eos,
@@ -179,6 +193,19 @@ pub fn run(a: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
     let mut ids = Vec::new();
     let mut write_err = None;
+    if !print_ids && !a.no_echo {
+        // The prompt as given (ids through the tokenizer), then the continuation.
+        let echo = match (given_text, &tokenizer) {
+            (Some(t), _) => Some(t),
+            (None, Some(tok)) => Some(tok.decode(&prompt, true)?),
+            (None, None) => None,
+        };
+        if let Some(e) = echo {
+            if let Err(e) = out.write_all(e.as_bytes()).and_then(|_| out.flush()) {
+                write_err.get_or_insert(e);
+            }
+        }
+    }
     let mut first_sampled = false;
     let stats: GenStats = generate(
         &model,

@@ -35,9 +35,16 @@ pub struct Args {
     pub run: RunOpts,
 }
 
-/// Token ids from a safetensors file (`input_ids`) or a JSON array (flat or one row).
+/// Token ids from a safetensors file (`input_ids`), a JSON file, or the JSON array given
+/// inline (`--input-ids '[1, 2, 3]'`, when no file has that name).
 pub fn read_input_ids(path: &Path) -> Result<Vec<i64>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let inline = path
+        .to_str()
+        .filter(|s| s.trim_start().starts_with('[') && !path.exists());
+    let bytes = match inline {
+        Some(s) => s.as_bytes().to_vec(),
+        None => std::fs::read(path).map_err(|e| Error::io(path, e))?,
+    };
     let first = bytes.iter().find(|b| !b.is_ascii_whitespace()).copied();
     if matches!(first, Some(b'[') | Some(b'{')) {
         let v: serde_json::Value = serde_json::from_slice(&bytes)
@@ -97,7 +104,12 @@ pub fn to_tokens(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
     ids.iter()
         .enumerate()
         .map(|(pos, &id)| {
-            if id < 0 || id as u64 >= vocab as u64 {
+            if id < 0 {
+                // Shown as given, not as the unsigned number it would wrap to.
+                Err(Error::input(format!(
+                    "token id {id} at position {pos} is negative: token ids are 0..{vocab}"
+                )))
+            } else if id as u64 >= vocab as u64 {
                 Err(Error::TokenOutOfRange {
                     id: id as u64,
                     pos,
@@ -111,6 +123,8 @@ pub fn to_tokens(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    crate::atomic::refuse_model_file(&a.out, "--out")?;
+    crate::atomic::check_writable(&a.out, "--out")?;
     a.run.init_threads();
     let model_dir = crate::model::default_model::resolve(a.model.as_deref())?;
     let model = Model::load(&model_dir, a.run.device.resolve(), a.run.dtype)?;

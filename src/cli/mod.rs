@@ -74,12 +74,31 @@ pub struct RunOpts {
 impl RunOpts {
     pub fn init_threads(&self) {
         crate::options::set_command_line(self.tf32, self.fast);
-        if let Some(n) = self.threads {
-            // Only fails if the pool was already built, in which case it is in use already.
-            let _ = rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build_global();
-        }
+        init_threads(self.threads);
+    }
+}
+
+/// `--threads N`, capped at the cores present (0: all of them): more threads than cores
+/// only slow the work down, and 100,000 of them would take minutes to start.
+pub fn thread_count(asked: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if asked > cores {
+        eprintln!("note: --threads {asked} is more than the {cores} cores here; using {cores}");
+    }
+    if asked == 0 {
+        cores
+    } else {
+        asked.min(cores)
+    }
+}
+
+/// Size the global thread pool from `--threads` (see [`thread_count`]).
+pub fn init_threads(threads: Option<usize>) {
+    if let Some(n) = threads {
+        // Only fails if the pool was already built, in which case it is in use already.
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(thread_count(n))
+            .build_global();
     }
 }
 

@@ -44,6 +44,10 @@ pub struct Args {
     /// Tokens a prompt may have at most.
     #[arg(long, default_value_t = 131072)]
     pub max_prompt_tokens: usize,
+    /// On SIGTERM or Ctrl-C: seconds running requests may go on before they are ended
+    /// (`finish_reason` "abort", then `[DONE]`).
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
     #[command(flatten)]
     pub run: RunOpts,
 }
@@ -67,6 +71,14 @@ impl Args {
         cfg.max_queue = self.max_queue;
         cfg.max_tokens_limit = self.max_tokens_limit.max(1);
         cfg.max_prompt_tokens = self.max_prompt_tokens.max(1);
+        if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
+            return Err(Error::input(format!(
+                "--shutdown-grace {}: expected a number of seconds, 0 or more",
+                self.shutdown_grace
+            )));
+        }
+        cfg.timeouts.shutdown_grace =
+            std::time::Duration::from_secs_f64(self.shutdown_grace.min(86_400.0));
         cfg.scheduler = SchedulerConfig {
             max_batch: self.max_batch.max(1),
             prefill_chunk: self.prefill_chunk.max(1),

@@ -26,6 +26,9 @@ pub struct Args {
     /// Continue the run saved in --out (its settings are kept; --steps may extend it).
     #[arg(long)]
     pub resume: bool,
+    /// Start a fresh run in an --out that already holds a model or a run, replacing it.
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
     /// Tokenizer: `byte` (vocabulary 256), `bpe` (a byte-level BPE of --vocab-size tokens
     /// trained on the training split), or the path of a tokenizer.json to use as is. It is
     /// saved as tokenizer.json beside the model.
@@ -225,17 +228,73 @@ fn fresh_run(a: &Args) -> Result<(RunConfig, Dataset)> {
     Ok((run, data))
 }
 
-pub fn run(a: Args) -> Result<()> {
-    if let Some(n) = a.threads {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global();
+/// Numbers that would make a run fail late, loop forever or diverge at once, refused
+/// before any work.
+fn check_numbers(a: &Args) -> Result<()> {
+    let bad = |flag: &str, v: String, want: &str| {
+        Err(Error::input(format!("{flag} {v}: expected {want}")))
+    };
+    if a.batch == 0 {
+        return bad("--batch", "0".into(), "at least 1 sequence per micro-batch");
     }
+    if a.seq_len == 0 {
+        return bad("--seq-len", "0".into(), "at least 1 token per window");
+    }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        return bad("--lr", a.lr.to_string(), "a finite learning rate above 0");
+    }
+    if !(a.min_lr.is_finite() && a.min_lr >= 0.0) {
+        return bad(
+            "--min-lr",
+            a.min_lr.to_string(),
+            "a finite number, 0 or more",
+        );
+    }
+    for (flag, v) in [("--beta1", a.beta1), ("--beta2", a.beta2)] {
+        if !(0.0..1.0).contains(&v) {
+            return bad(flag, v.to_string(), "a number in [0, 1)");
+        }
+    }
+    for (flag, v) in [("--weight-decay", a.weight_decay), ("--clip", a.clip)] {
+        if !(v.is_finite() && v >= 0.0) {
+            return bad(flag, v.to_string(), "a finite number, 0 or more");
+        }
+    }
+    if let Some(s) = a.max_seconds {
+        if !(s.is_finite() && s > 0.0) {
+            return bad(
+                "--max-seconds",
+                s.to_string(),
+                "a number of seconds above 0",
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run(a: Args) -> Result<()> {
+    check_numbers(&a)?;
+    super::init_threads(a.threads);
     let device = a.device.resolve();
     if device == Device::Cpu && a.dtype != DType::F32 {
         return Err(Error::input(format!(
             "training on the CPU runs in f32; --dtype {} needs --device cuda",
             a.dtype
+        )));
+    }
+    let held = crate::atomic::model_files_in(&a.out);
+    if !a.resume && !a.force && !held.is_empty() {
+        return Err(Error::input(format!(
+            "--out {} already holds a model or a training run ({}): continue it with --resume, \
+             or replace it with --force",
+            a.out.display(),
+            held.join(", ")
+        )));
+    }
+    if a.out.exists() && !a.out.is_dir() {
+        return Err(Error::input(format!(
+            "--out {}: that is a file, expected a folder",
+            a.out.display()
         )));
     }
     let fresh = if a.resume {
@@ -273,7 +332,9 @@ fn train_with<B: Backend>(a: Args, fresh: Option<(RunConfig, Dataset)>, backend:
     let mut trainer = match fresh {
         Some((run, data)) => Trainer::with_data(run, backend, data)?,
         None => {
-            let mut t = Trainer::resume(&a.out, backend, None)?;
+            // --data given again replaces the run's files (moved, or more text).
+            let data = (!a.data.is_empty()).then(|| a.data.clone());
+            let mut t = Trainer::resume_with_files(&a.out, backend, data)?;
             if let Some(s) = a.steps {
                 t.run.steps = s;
             }

@@ -176,6 +176,7 @@ impl State {
                     });
                 }
                 let vals = raw.to_float(&name, crate::model::DType::F32)?.to_f32_vec();
+                crate::model::finite::check_f32(&format!("{where_}: {name}"), &vals)?;
                 let off = layout.offset_in_layer(i);
                 host.layer_mut(l)[off..off + t.len()].copy_from_slice(&vals);
             }

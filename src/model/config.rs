@@ -181,6 +181,7 @@ fn unsupported(field: &str, found: impl std::fmt::Display, supported: &str) -> E
 
 impl Config {
     pub fn from_json_str(text: &str, origin: &str) -> Result<Config> {
+        crate::model::config_shape::check(text, origin)?;
         let cfg: Config = serde_json::from_str(text).map_err(|e| Error::Config {
             path: origin.into(),
             msg: e.to_string(),

@@ -2,10 +2,12 @@
 //! dtype conversions.
 
 pub mod config;
+mod config_shape;
 pub mod default_model;
 pub mod dtype;
 pub mod family_config;
 pub mod family_weights;
+pub mod finite;
 pub mod rng;
 pub mod shards;
 pub mod state_layout;

@@ -146,6 +146,23 @@ impl TensorFile {
                 tensors,
             });
         }
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if ["bin", "pt", "pth"].contains(&ext) {
+            let what = if magic[0] == 0x80 {
+                "a pickle without the zip around it (the legacy torch.save format, before \
+                 PyTorch 1.6; save it again with a newer PyTorch)"
+                    .to_string()
+            } else {
+                format!("first bytes {magic:02x?}")
+            };
+            return Err(Error::checkpoint(
+                path.display(),
+                format!(
+                    "not a zip archive, so not a torch.save checkpoint (expected the bytes \
+                     PK\\x03\\x04 first): {what}"
+                ),
+            ));
+        }
         // SAFETY: the file is opened read-only; a checkpoint changing under a running
         // engine is outside what we can defend against (as in every mmap-based loader).
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
@@ -287,15 +304,50 @@ impl RawTensor<'static> {
 }
 
 /// Write named tensors (sorted by name, as safetensors requires) with optional metadata.
-/// Written to a temporary file and renamed, so a crash never leaves half a file.
+/// Streamed through [`crate::atomic::write_with`]: a temporary file, synced and renamed,
+/// so a crash never leaves half a file, and the file's mode follows the umask.
 pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, RawTensor<'_>)],
     metadata: Option<std::collections::HashMap<String, String>>,
 ) -> Result<()> {
-    let items: Vec<(&str, &RawTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let tmp = path.with_extension("safetensors.tmp");
-    safetensors::serialize_to_file(items, metadata, &tmp)
-        .map_err(|e| Error::checkpoint(path.display(), format!("cannot write: {e}")))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    // The header: each tensor's dtype, shape and byte range, in the order written.
+    let mut header = serde_json::Map::new();
+    if let Some(meta) = metadata {
+        let meta: serde_json::Map<String, serde_json::Value> =
+            meta.into_iter().map(|(k, v)| (k, v.into())).collect();
+        header.insert("__metadata__".into(), meta.into());
+    }
+    let mut offset = 0usize;
+    for (name, t) in tensors {
+        let want = t.numel() * t.dtype.size();
+        if t.bytes.len() != want {
+            return Err(Error::Tensor {
+                name: name.clone(),
+                expected: format!("{want} bytes for shape {:?} of {}", t.shape, t.dtype),
+                found: format!("{} bytes", t.bytes.len()),
+            });
+        }
+        header.insert(
+            name.clone(),
+            serde_json::json!({
+                "dtype": to_st_dtype(t.dtype).to_string(),
+                "shape": t.shape,
+                "data_offsets": [offset, offset + t.bytes.len()],
+            }),
+        );
+        offset += t.bytes.len();
+    }
+    let mut text = serde_json::Value::Object(header).to_string().into_bytes();
+    // The data starts on an 8-byte boundary, padded with spaces as the format allows.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    crate::atomic::write_with(path, |w| {
+        use std::io::Write;
+        w.write_all(&(text.len() as u64).to_le_bytes())?;
+        w.write_all(&text)?;
+        for (_, t) in tensors {
+            w.write_all(&t.bytes)?;
+        }
+        Ok(())
+    })
 }

@@ -236,6 +236,9 @@ impl Weights {
     /// Build from an open tensor file, checking every tensor against the config.
     pub fn from_tensor_file(config: Config, file: &TensorFile, dtype: DType) -> Result<Weights> {
         let path = file.path().display().to_string();
+        // Before anything is sized from the config: its layer count must be the file's,
+        // so that a config claiming 10^7 layers fails here, not in an allocation.
+        check_layer_count(&config, file, &path)?;
         let expected = expected_tensors(&config);
         let expected_names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
         for name in file.names() {
@@ -278,6 +281,8 @@ impl Weights {
             // Straight from the file's bytes to the held dtype; the fingerprint samples the
             // values as stored, so it does not depend on the dtype asked for.
             let data = raw.to_float(name, storage_dtype(name, dtype, config.tie_embeddings))?;
+            // Checked as held: a finite f32 can still overflow an f16.
+            crate::model::finite::check_tensor(name, &data)?;
             fp = fingerprint_values(fp, name, data.len(), |i| {
                 raw.float_at(i).unwrap_or(f64::NAN)
             });
@@ -460,13 +465,42 @@ impl Weights {
     pub fn save(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let cfg = dir.join("config.json");
-        std::fs::write(&cfg, self.config.to_json()).map_err(|e| Error::io(&cfg, e))?;
+        crate::atomic::write(&cfg, self.config.to_json().as_bytes())?;
         crate::model::tensor_file::write_safetensors(
             &dir.join("model.safetensors"),
             &self.to_tensors(),
             None,
         )
     }
+}
+
+/// `file` must hold tensors for at least `config.n_layer` layers (one past the highest
+/// `backbone.layers.{i}.` index); more is reported by name as unexpected tensors.
+fn check_layer_count(config: &Config, file: &TensorFile, path: &str) -> Result<()> {
+    let in_file = file
+        .names()
+        .iter()
+        .filter_map(|n| {
+            n.strip_prefix("backbone.layers.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .map(|i| i.saturating_add(1))
+        .max()
+        .unwrap_or(0);
+    if in_file < config.n_layer {
+        return Err(Error::checkpoint(
+            path,
+            format!(
+                "the config says n_layer {} but the checkpoint holds tensors for only {in_file} \
+                 layers",
+                config.n_layer
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The config fields that change what a state means, as text for hashing.

@@ -100,6 +100,23 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
 pub struct Limits {
     pub max_tokens: usize,
     pub max_prompt_tokens: usize,
+    /// Text longer than this cannot be within `max_prompt_tokens` (no token stands for
+    /// more bytes than the tokenizer's longest entry), so it is refused before tokenizing.
+    pub max_prompt_bytes: usize,
+}
+
+/// The refusal of a prompt text too long to tokenize within the limits.
+pub fn too_long(field: &str, bytes: usize, limits: &Limits) -> ApiError {
+    ApiError::param(
+        field,
+        format!(
+            "the prompt has {bytes} bytes of text: more than {} tokens (--max-prompt-tokens) \
+             whatever it says, since no token of this tokenizer stands for more than {} bytes",
+            limits.max_prompt_tokens,
+            limits.max_prompt_bytes / limits.max_prompt_tokens.max(1)
+        ),
+    )
+    .code("context_length_exceeded")
 }
 
 /// A prompt as given: text to tokenize or token ids.
@@ -235,6 +252,9 @@ pub fn tokens_of(
     let ids: Vec<u32> = match p {
         PromptIn::Text(t) => {
             let tok = tokenizer.ok_or_else(|| no_tokenizer(field))?;
+            if t.len() > limits.max_prompt_bytes {
+                return Err(too_long(field, t.len(), limits));
+            }
             tok.encode(t, add_special)
                 .map_err(|e| ApiError::param(field, e.to_string()))?
         }
@@ -485,7 +505,17 @@ pub fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
                 ApiError::param(field, format!("message {i} has no string `role`"))
             })?;
             let content = match m.get("content") {
-                None | Some(Value::Null) => String::new(),
+                // Only an assistant turn may have no text (OpenAI: one that made tool calls).
+                Some(Value::Null) if role == "assistant" => String::new(),
+                None | Some(Value::Null) => {
+                    return Err(ApiError::param(
+                        field,
+                        format!(
+                            "message {i} (role {role:?}) has no `content`: expected a string or \
+                             an array of text parts"
+                        ),
+                    ))
+                }
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Array(parts)) => {
                     let mut text = String::new();
@@ -609,6 +639,7 @@ mod tests {
         let limits = Limits {
             max_tokens: 100,
             max_prompt_tokens: 4,
+            max_prompt_bytes: 16,
         };
         let r = GenRequest {
             max_tokens: Some(101),

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod client;
 pub mod error;
+pub mod listen;
 pub mod metrics;
 pub mod prefix_cache;
 pub mod routes;
@@ -18,7 +19,6 @@ use crate::error::{Error, Result};
 use crate::model::DType;
 use crate::text::{ChatTemplate, ModelSource, Tokenizer};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 use metrics::Metrics;
 use scheduler::{Scheduler, SchedulerConfig, Shared, Work};
@@ -45,6 +45,8 @@ pub struct ServeConfig {
     /// `max_tokens` of a completion that names none (OpenAI's default is 16).
     pub default_max_tokens: usize,
     pub max_body_bytes: usize,
+    /// Header and body read time-outs, and the shutdown grace period.
+    pub timeouts: listen::Timeouts,
     pub scheduler: SchedulerConfig,
     /// Adds `/debug/panic` (for tests of the panic guard).
     pub debug_routes: bool,
@@ -65,6 +67,7 @@ impl ServeConfig {
             max_prompt_tokens: 131_072,
             default_max_tokens: 16,
             max_body_bytes: 32 << 20,
+            timeouts: listen::Timeouts::default(),
             scheduler: SchedulerConfig::default(),
             debug_routes: false,
         }
@@ -77,6 +80,9 @@ pub struct Ready {
     pub d_model: usize,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub chat: Option<ChatTemplate>,
+    /// The tokenizer's longest entry in bytes (see [`Tokenizer::max_token_bytes`]);
+    /// without a tokenizer prompts are token ids, and this is unused.
+    pub max_token_bytes: usize,
 }
 
 /// State shared by all handlers.
@@ -104,6 +110,7 @@ pub fn router(app: Arc<App>) -> Router {
         r = r.route("/debug/panic", get(routes::panic_route));
     }
     r.fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
             routes::guard,
@@ -159,6 +166,10 @@ fn start_engine(
             let _ = app.ready.set(Ready {
                 vocab_size: d.vocab_size,
                 d_model: d.d_model,
+                max_token_bytes: loaded
+                    .tokenizer
+                    .as_ref()
+                    .map_or(usize::MAX, |t| t.max_token_bytes()),
                 tokenizer: loaded.tokenizer.clone(),
                 chat: loaded.chat,
             });
@@ -242,12 +253,6 @@ fn runtime(device: Device) -> Result<tokio::runtime::Runtime> {
         .map_err(|e| Error::Other(format!("starting the async runtime failed: {e}")))
 }
 
-/// Streamed tokens are small writes: send each at once instead of holding it until the
-/// previous one is acknowledged (Nagle's algorithm).
-fn no_delay(tcp: &mut tokio::net::TcpStream) {
-    let _ = tcp.set_nodelay(true);
-}
-
 /// Bind `cfg.addr` (port 0 picks a free one) and serve on a background thread.
 pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
     let rt = runtime(cfg.device)?;
@@ -265,11 +270,11 @@ pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
         .name("mamba3-http".into())
         .spawn(move || {
             rt.block_on(async move {
-                let _ = axum::serve(listener.tap_io(no_delay), router(app))
-                    .with_graceful_shutdown(async move {
-                        let _ = stop.await;
-                    })
-                    .await;
+                let (timeouts, work) = (app.cfg.timeouts, app.work.clone());
+                listen::serve(listener, router(app), timeouts, work, async move {
+                    let _ = stop.await;
+                })
+                .await;
             });
         })
         .map_err(|e| Error::Other(format!("starting the server thread failed: {e}")))?;
@@ -299,12 +304,15 @@ pub fn run(cfg: ServeConfig) -> Result<()> {
         })
         .map_err(|e| Error::Other(format!("starting the engine thread failed: {e}")))?;
         eprintln!("mamba3 serve: listening on http://{addr} (model `{name}` loading)");
-        let server =
-            axum::serve(listener.tap_io(no_delay), router(app)).with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-                eprintln!("mamba3 serve: shutting down");
-            });
-        let server = tokio::spawn(async move { server.await });
+        let (timeouts, work) = (app.cfg.timeouts, app.work.clone());
+        let server = listen::serve(listener, router(app), timeouts, work, async move {
+            shutdown_signal().await;
+            eprintln!(
+                "mamba3 serve: shutting down (no new connections; running requests have {} s)",
+                timeouts.shutdown_grace.as_secs_f64()
+            );
+        });
+        let server = tokio::spawn(server);
         match load_rx.await {
             Ok(Ok(())) => eprintln!("mamba3 serve: model ready"),
             Ok(Err(e)) => return Err(Error::Other(format!("loading the model failed: {e}"))),
@@ -316,7 +324,24 @@ pub fn run(cfg: ServeConfig) -> Result<()> {
         }
         server
             .await
-            .map_err(|e| Error::Other(format!("server task failed: {e}")))?
-            .map_err(|e| Error::Other(format!("server failed: {e}")))
+            .map_err(|e| Error::Other(format!("server task failed: {e}")))?;
+        eprintln!("mamba3 serve: stopped");
+        Ok(())
     })
+}
+
+/// Ctrl-C or SIGTERM (what service managers and `kill` send).
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }

@@ -40,16 +40,57 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}-{:x}{n:06x}", now_secs())
 }
 
-/// API key, panics and request counting, around every route.
+/// The whole body, read within the body time-out: a client that sends half a body and
+/// stops is answered 408 rather than holding the connection.
+async fn read_body(app: &App, req: Request) -> Result<Request, ApiError> {
+    let (parts, body) = req.into_parts();
+    let limit = app.cfg.max_body_bytes;
+    let wait = app.cfg.timeouts.body;
+    let bytes = match tokio::time::timeout(wait, axum::body::to_bytes(body, limit)).await {
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {} s",
+                    wait.as_secs_f64()
+                ),
+            ))
+        }
+        Ok(Err(e)) => {
+            let declared = parts
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            let mut err = ApiError::invalid(format!("could not read the request body: {e}"));
+            if declared.is_none_or(|n| n > limit as u64) {
+                err = ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    format!("the request body is larger than this server's limit of {limit} bytes"),
+                );
+            }
+            return Err(err);
+        }
+        Ok(Ok(b)) => b,
+    };
+    Ok(Request::from_parts(parts, axum::body::Body::from(bytes)))
+}
+
+/// API key, body time-out, panics and request counting, around every route.
 pub async fn guard(State(app): AppState, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "unmatched".into());
-    let resp = match check_key(&app, req.headers(), &route) {
+    let checked = match check_key(&app, req.headers(), &route) {
+        Ok(()) => read_body(&app, req).await,
+        Err(e) => Err(e),
+    };
+    let resp = match checked {
         Err(e) => e.into_response(),
-        Ok(()) => match AssertUnwindSafe(next.run(req)).catch_unwind().await {
+        Ok(req) => match AssertUnwindSafe(next.run(req)).catch_unwind().await {
             Ok(r) => r,
             Err(panic) => {
                 let msg = panic
@@ -73,10 +114,17 @@ fn check_key(app: &App, headers: &HeaderMap, route: &str) -> Result<(), ApiError
     if !route.starts_with("/v1/") {
         return Ok(());
     }
+    // The scheme is case-insensitive (RFC 9110 §11.1): `bearer KEY` is as good.
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).trim());
+        .map(|v| {
+            let v = v.trim();
+            match v.split_once(|c: char| c.is_ascii_whitespace()) {
+                Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => rest.trim(),
+                _ => v,
+            }
+        });
     match given {
         None => Err(ApiError::unauthorized(
             "missing API key: send the header `Authorization: Bearer <key>`",
@@ -90,17 +138,12 @@ pub async fn health(State(app): AppState) -> Response {
     if app.ready.get().is_some() {
         return (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response();
     }
-    let message = match app.load_error.get() {
-        Some(e) => format!("loading the model failed: {e}"),
-        None => "Loading model".to_string(),
-    };
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        axum::Json(
-            json!({"error": {"code": 503, "message": message, "type": "unavailable_error"}}),
-        ),
-    )
-        .into_response()
+    match app.load_error.get() {
+        Some(e) => ApiError::unavailable(format!("loading the model failed: {e}"))
+            .code("model_load_failed"),
+        None => ApiError::unavailable("Loading model").code("model_loading"),
+    }
+    .into_response()
 }
 
 pub async fn metrics(State(app): AppState) -> Response {
@@ -147,6 +190,16 @@ pub async fn not_found(req: Request) -> Response {
     .into_response()
 }
 
+/// A route that exists, asked with another method: the same error body as every error.
+pub async fn method_not_allowed(req: Request) -> Response {
+    ApiError::method_not_allowed(format!(
+        "{} is not allowed on {}",
+        req.method(),
+        req.uri().path()
+    ))
+    .into_response()
+}
+
 pub async fn panic_route() -> Response {
     panic!("a test panic from /debug/panic");
 }
@@ -172,10 +225,23 @@ fn check_model(app: &App, model: &Option<String>) -> Result<(), ApiError> {
 }
 
 fn limits(app: &App) -> Limits {
+    let max_token_bytes = app.ready.get().map_or(usize::MAX, |r| r.max_token_bytes);
     Limits {
         max_tokens: app.cfg.max_tokens_limit,
         max_prompt_tokens: app.cfg.max_prompt_tokens,
+        max_prompt_bytes: app.cfg.max_prompt_tokens.saturating_mul(max_token_bytes),
     }
+}
+
+/// Run `f` (parsing a large body, tokenizing prompts: CPU work of up to a few seconds) on
+/// tokio's blocking pool, off the async workers, so that `/health` and the other clients'
+/// streams do not wait for it.
+async fn off_workers<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("internal error while reading the request: {e}")))?
 }
 
 /// Put the sequences in the engine's queue, or refuse with 429 when it is full.
@@ -186,6 +252,16 @@ fn submit(
 ) -> Result<UnboundedReceiver<Event>, ApiError> {
     let n = prompts.len();
     let max = app.cfg.max_queue;
+    if n > max {
+        // More than the queue holds at all: waiting would never help.
+        return Err(ApiError::param(
+            "n",
+            format!(
+                "the request has {n} sequences (prompts × n) and this server queues at most \
+                 {max} (--max-queue)"
+            ),
+        ));
+    }
     if app
         .shared
         .queued
@@ -369,6 +445,10 @@ async fn collect(reply: &Reply, mut rx: UnboundedReceiver<Event>) -> Result<Resp
                     left -= 1;
                 }
             }
+            Some(Event::Finish { index, reason }) => {
+                choices[index].finish = Some(reason);
+                left -= 1;
+            }
             Some(Event::Error { message, .. }) => return Err(ApiError::internal(message)),
             None => {
                 return Err(ApiError::internal(
@@ -463,6 +543,20 @@ impl StreamState {
                     }
                 }
             }
+            Some(Event::Finish { index, reason }) => {
+                let c = match self.reply.kind {
+                    Kind::Completion => json!([{"index": index, "text": "", "logprobs": null,
+                                                "finish_reason": reason.as_str()}]),
+                    Kind::Chat => json!([{"index": index, "delta": {}, "logprobs": null,
+                                          "finish_reason": reason.as_str()}]),
+                };
+                let v = self.reply.chunk(c);
+                self.push_json(v);
+                self.left -= 1;
+                if self.left == 0 {
+                    self.finish();
+                }
+            }
             Some(Event::Error { message, .. }) => {
                 self.push_json(ApiError::internal(message).body());
                 self.out.push_back(SseEvent::default().data("[DONE]"));
@@ -550,10 +644,16 @@ async fn generate(
 pub async fn completions(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Response {
     let run = async {
         let body = body_of(body)?;
-        let r = ready(&app)?;
-        let req: GenRequest = api::parse_body(&body)?;
-        check_model(&app, &req.model)?;
-        let prompts = token_lists(&app, r, "prompt", req.prompt.as_deref())?;
+        ready(&app)?;
+        let a = app.clone();
+        let (req, prompts) = off_workers(move || {
+            let r = ready(&a)?;
+            let req: GenRequest = api::parse_body(&body)?;
+            check_model(&a, &req.model)?;
+            let prompts = token_lists(&a, r, "prompt", req.prompt.as_deref())?;
+            Ok((req, prompts))
+        })
+        .await?;
         generate(
             &app,
             Kind::Completion,
@@ -569,30 +669,41 @@ pub async fn completions(State(app): AppState, body: Result<Bytes, BytesRejectio
 pub async fn chat(State(app): AppState, body: Result<Bytes, BytesRejection>) -> Response {
     let run = async {
         let body = body_of(body)?;
-        let r = ready(&app)?;
-        let req: GenRequest = api::parse_body(&body)?;
-        check_model(&app, &req.model)?;
-        let msgs = api::messages(req.messages.as_ref())?;
-        let Some(template) = &r.chat else {
-            return Err(ApiError::invalid(format!(
-                "the model `{}` has no chat template (no `chat_template` in its tokenizer_config.json): \
-                 use /v1/completions with a plain prompt",
-                app.name
-            ))
-            .code("no_chat_template"));
-        };
-        let text = template
-            .render(&msgs, req.add_generation_prompt.unwrap_or(true))
-            .map_err(|e| ApiError::param("messages", e.to_string()))?;
-        // The template writes the special tokens itself (BOS included).
-        let tokens = api::tokens_of(
-            "messages",
-            &PromptIn::Text(text),
-            r.tokenizer.as_deref(),
-            false,
-            r.vocab_size,
-            &limits(&app),
-        )?;
+        ready(&app)?;
+        let a = app.clone();
+        let (req, tokens) = off_workers(move || {
+            let r = ready(&a)?;
+            let req: GenRequest = api::parse_body(&body)?;
+            check_model(&a, &req.model)?;
+            let msgs = api::messages(req.messages.as_ref())?;
+            let lim = limits(&a);
+            let bytes: usize = msgs.iter().map(|m| m.content.len()).sum();
+            if bytes > lim.max_prompt_bytes {
+                return Err(api::too_long("messages", bytes, &lim));
+            }
+            let Some(template) = &r.chat else {
+                return Err(ApiError::invalid(format!(
+                    "the model `{}` has no chat template and no tokenizer to render one with: \
+                     use /v1/completions with token ids",
+                    a.name
+                ))
+                .code("no_chat_template"));
+            };
+            let text = template
+                .render(&msgs, req.add_generation_prompt.unwrap_or(true))
+                .map_err(|e| ApiError::param("messages", e.to_string()))?;
+            // The template writes the special tokens itself (BOS included).
+            let tokens = api::tokens_of(
+                "messages",
+                &PromptIn::Text(text),
+                r.tokenizer.as_deref(),
+                false,
+                r.vocab_size,
+                &lim,
+            )?;
+            Ok((req, tokens))
+        })
+        .await?;
         let default_max = app.cfg.max_tokens_limit;
         generate(&app, Kind::Chat, req, vec![tokens], default_max).await
     };
@@ -603,8 +714,15 @@ pub async fn embeddings(State(app): AppState, body: Result<Bytes, BytesRejection
     let run = async {
         let body = body_of(body)?;
         let r = ready(&app)?;
-        let req: api::EmbedRequest = api::parse_body(&body)?;
-        check_model(&app, &req.model)?;
+        let a = app.clone();
+        let (req, inputs) = off_workers(move || {
+            let r = ready(&a)?;
+            let req: api::EmbedRequest = api::parse_body(&body)?;
+            check_model(&a, &req.model)?;
+            let inputs = token_lists(&a, r, "input", req.input.as_deref())?;
+            Ok((req, inputs))
+        })
+        .await?;
         if req.dimensions.is_some() {
             return Err(ApiError::param(
                 "dimensions",
@@ -625,7 +743,6 @@ pub async fn embeddings(State(app): AppState, body: Result<Bytes, BytesRejection
             }
         };
         let pooling = api::pooling(&req.pooling)?;
-        let inputs = token_lists(&app, r, "input", req.input.as_deref())?;
         let tokens: usize = inputs.iter().map(Vec::len).sum();
         let (tx, rx) = tokio::sync::oneshot::channel();
         app.work

@@ -25,6 +25,7 @@
 use super::metrics::{Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
 use crate::engine::{LogitsWant, Model, State, StepLogits};
+use crate::text::generate::{all_finite, non_finite_logits};
 use crate::text::{Continuation, FinishReason, GenParams, StepOut, Tokenizer};
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -66,6 +67,9 @@ impl Default for SchedulerConfig {
 pub enum Work {
     Generate(GenJob),
     Embed(EmbedJob),
+    /// The server is shutting down and its grace period is over: end every sequence now
+    /// (finish reason `abort`) and every one that arrives later.
+    Shutdown,
 }
 
 pub struct GenJob {
@@ -102,6 +106,8 @@ pub enum Event {
     },
     /// The sequence failed; nothing more comes for it.
     Error { index: usize, message: String },
+    /// The sequence was ended without a token (the server is shutting down).
+    Finish { index: usize, reason: FinishReason },
 }
 
 /// Handles shared between the HTTP side and the engine thread.
@@ -139,6 +145,8 @@ pub struct Scheduler {
     logits: StepLogits,
     step_rows: Vec<usize>,
     step_tokens: Vec<u32>,
+    /// Set by [`Work::Shutdown`].
+    stopping: bool,
 }
 
 /// An embedding request being read, one input after another.
@@ -177,6 +185,7 @@ impl Scheduler {
             logits: StepLogits::new(),
             step_rows: Vec::new(),
             step_tokens: Vec::new(),
+            stopping: false,
         }
     }
 
@@ -227,6 +236,35 @@ impl Scheduler {
 
     fn take(&mut self, w: Work) {
         match w {
+            Work::Shutdown => {
+                self.stopping = true;
+                let abort = |job: &GenJob| {
+                    let _ = job.events.send(Event::Finish {
+                        index: job.index,
+                        reason: FinishReason::Abort,
+                    });
+                };
+                for s in self.active.drain(..) {
+                    abort(&s.job);
+                }
+                for job in self.waiting.drain(..) {
+                    self.shared.queued.fetch_sub(1, Relaxed);
+                    abort(&job);
+                }
+                for t in self.embeds.drain(..) {
+                    let _ = t.job.reply.send(Err("the server is shutting down".into()));
+                }
+            }
+            Work::Generate(job) if self.stopping => {
+                self.shared.queued.fetch_sub(1, Relaxed);
+                let _ = job.events.send(Event::Finish {
+                    index: job.index,
+                    reason: FinishReason::Abort,
+                });
+            }
+            Work::Embed(job) if self.stopping => {
+                let _ = job.reply.send(Err("the server is shutting down".into()));
+            }
             Work::Generate(job) => self.waiting.push_back(job),
             Work::Embed(job) => {
                 let d = self.model.dims().d_model;
@@ -485,6 +523,12 @@ impl Scheduler {
             let row = &lg.data[..vocab];
             let s = &mut self.active[i];
             s.fed = end;
+            if !all_finite(row) {
+                // Never sampled from nor cached: the sequence fails naming the layer.
+                let e = non_finite_logits(&s.state, s.state.position());
+                Self::fail(s, e.to_string());
+                continue;
+            }
             if s.cache_points.contains(&end) {
                 o.cache.insert(
                     &s.job.prompt[..end],
@@ -537,7 +581,7 @@ impl Scheduler {
         }
         let vocab = self.model.dims().vocab_size;
         let logits = &self.logits;
-        let outs: Vec<StepOut> = {
+        let outs: Vec<Option<StepOut>> = {
             let mut conts: Vec<&mut Continuation> = Vec::with_capacity(rows.len());
             let mut it = rows.iter().peekable();
             for (i, s) in self.active.iter_mut().enumerate() {
@@ -554,7 +598,11 @@ impl Scheduler {
                 .iter()
                 .map(|c| if c.is_greedy() { 1 } else { 8 })
                 .sum();
-            let step = |(b, c): (usize, &mut &mut Continuation)| c.step(&logits.row(b)[..vocab]);
+            // A row that is not finite is not sampled (its sequence fails below).
+            let step = |(b, c): (usize, &mut &mut Continuation)| {
+                let row = &logits.row(b)[..vocab];
+                all_finite(row).then(|| c.step(row))
+            };
             if cost < 16 {
                 conts.iter_mut().enumerate().map(step).collect()
             } else {
@@ -570,7 +618,14 @@ impl Scheduler {
             vocab,
         };
         for ((b, &i), out) in rows.iter().enumerate().zip(outs) {
-            o.emit(&mut self.active[i], out, &logits.row(b)[..vocab]);
+            let s = &mut self.active[i];
+            match out {
+                Some(out) => o.emit(s, out, &logits.row(b)[..vocab]),
+                None => {
+                    let e = non_finite_logits(&s.state, s.state.position());
+                    Self::fail(s, e.to_string());
+                }
+            }
         }
         self.shared.metrics.spent(Phase::Emit, t);
     }

@@ -14,6 +14,11 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// [`ChatTemplate::fallback`]'s source.
+pub const FALLBACK_TEMPLATE: &str = "{% for m in messages %}{% if m.role == 'system' %}\
+{{ m.content }}\n\n{% else %}{{ m.role | capitalize }}: {{ m.content }}\n\n{% endif %}\
+{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}";
+
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: String,
@@ -95,6 +100,14 @@ impl ChatTemplate {
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
+    }
+
+    /// The template for a model that ships none (as llama-server has one): plain text a base
+    /// model can continue, with no special tokens —
+    /// a system message as a paragraph, then `User: …` / `Assistant: …` paragraphs, ending
+    /// with `Assistant:` when a reply is asked for.
+    pub fn fallback() -> ChatTemplate {
+        ChatTemplate::new(FALLBACK_TEMPLATE, "", "").expect("the fallback template compiles")
     }
 
     /// The template of a `tokenizer_config.json`, `None` when it has none (a base model).

@@ -43,6 +43,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// Ended by the server (shutting down) before either.
+    Abort,
 }
 
 impl FinishReason {
@@ -50,6 +52,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
         }
     }
 }
@@ -153,6 +156,49 @@ impl Continuation {
     }
 }
 
+/// Whether every value is finite. A non-finite f32 has all exponent bits set; the fold
+/// over each block has no early exit, so it vectorises (a 128k-entry row in ~10 µs).
+pub fn all_finite(values: &[f32]) -> bool {
+    values.chunks(4096).all(|c| {
+        c.iter().fold(0u32, |acc, x| {
+            acc | u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+        }) == 0
+    })
+}
+
+/// The first layer whose part of `state` holds a non-finite value (layer `l`'s state
+/// depends only on layers up to `l`, so this is where the values went bad first).
+pub fn first_non_finite_layer(state: &State) -> Option<usize> {
+    let tensors = state.tensors().ok()?;
+    tensors
+        .iter()
+        .filter(|(_, t)| {
+            !t.bytes
+                .chunks_exact(4)
+                .all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite())
+        })
+        .filter_map(|(name, _)| name.split('.').nth(1)?.parse().ok())
+        .min()
+}
+
+/// The error for a step whose logits are not all finite, instead of sampling from them:
+/// names the layer where the values went bad, from the state the step left.
+pub fn non_finite_logits(state: &State, position: u64) -> crate::Error {
+    let place = match first_non_finite_layer(state) {
+        Some(l) => format!(
+            "layer {l} is the first whose state holds non-finite values (its mixer, or the \
+             residual stream it reads)"
+        ),
+        None => "every layer's state is finite, so the values went bad after the last mixer \
+                 (an MLP, the final norm or the head)"
+            .to_string(),
+    };
+    crate::Error::NonFinite(format!(
+        "the logits after {position} tokens are NaN or infinite: {place}; the weights were \
+         checked finite at load, so an activation overflowed (try --dtype f32)"
+    ))
+}
+
 /// Timings of one generation.
 #[derive(Clone, Debug, Default)]
 pub struct GenStats {
@@ -219,8 +265,16 @@ pub fn generate(
         prefill,
         ..Default::default()
     };
+    if cont.max_tokens == 0 {
+        // Nothing to generate: the state has read the prompt, and that is the result.
+        stats.finish = Some(FinishReason::Length);
+        return Ok(stats);
+    }
     // Each step's logits land in the same buffer (pinned on a GPU).
     let mut step = StepLogits::new();
+    if !all_finite(&first[..vocab]) {
+        return Err(non_finite_logits(state, state.position()));
+    }
     let mut out = cont.step(&first[..vocab]);
     loop {
         on_step(&out);
@@ -233,7 +287,11 @@ pub fn generate(
             break;
         }
         model.decode_into(&[out.token], &mut [state], &mut step)?;
-        out = cont.step(&step.row(0)[..vocab]);
+        let row = &step.row(0)[..vocab];
+        if !all_finite(row) {
+            return Err(non_finite_logits(state, state.position()));
+        }
+        out = cont.step(row);
     }
     model.synchronize()?;
     stats.decode = t1.elapsed();

@@ -88,7 +88,9 @@ impl ModelSource {
         };
         let tok = Tokenizer::from_file(&file)?;
         let dir = file.parent().unwrap_or(Path::new("."));
-        let chat = ChatTemplate::from_tokenizer_config(&dir.join("tokenizer_config.json"))?;
+        // A model without a template of its own chats through the plain-text fallback.
+        let chat = ChatTemplate::from_tokenizer_config(&dir.join("tokenizer_config.json"))?
+            .or_else(|| Some(ChatTemplate::fallback()));
         Ok(TextAssets {
             tokenizer: Some(Arc::new(tok)),
             chat,

@@ -53,12 +53,28 @@ impl Tokenizer {
                 path.display()
             )));
         }
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| {
-            Error::input(format!(
-                "{}: not a tokenizer.json the `tokenizers` crate can read: {e}",
-                path.display()
-            ))
-        })?;
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        // Malformed JSON makes the `tokenizers` crate panic in places (its decoder reader
+        // unwraps): check the syntax here, and turn any panic left into an error.
+        serde_json::from_slice::<serde::de::IgnoredAny>(&bytes)
+            .map_err(|e| Error::input(format!("{}: not valid JSON: {e}", path.display())))?;
+        let read = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes));
+        let inner = match read {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                return Err(Error::input(format!(
+                    "{}: not a tokenizer.json the `tokenizers` crate can read: {e}",
+                    path.display()
+                )))
+            }
+            Err(_) => {
+                return Err(Error::input(format!(
+                    "{}: not a tokenizer.json the `tokenizers` crate can read (it failed \
+                     inside)",
+                    path.display()
+                )))
+            }
+        };
         let mut t = Tokenizer {
             inner,
             path: path.to_path_buf(),
@@ -93,6 +109,20 @@ impl Tokenizer {
     /// Entries of the vocabulary, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// The longest vocabulary entry in bytes, as the tokenizer spells it (at least the
+    /// bytes of text it stands for: a byte-level BPE spells each byte as one or two, a
+    /// SentencePiece byte token as six): a text of more than `n` times as many bytes has
+    /// more than `n` tokens, which bounds the work before tokenizing.
+    pub fn max_token_bytes(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1)
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

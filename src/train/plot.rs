@@ -53,7 +53,10 @@ pub fn loss_png(p: &Progress, path: &Path) -> Result<()> {
     let ymin = lows.fold(f64::INFINITY, f64::min).min(u) * 0.9;
     let top = if u.is_finite() { u * 1.25 } else { train[0].1 };
     let ymax = top.max(ymin + 0.5);
-    let root = BitMapBackend::new(path, (960, 560)).into_drawing_area();
+    // Drawn under a temporary name (ending in .png, which picks the encoder) and renamed,
+    // so an interrupted run never leaves half an image.
+    let tmp = path.with_file_name(format!(".loss.png.tmp-{}.png", std::process::id()));
+    let root = BitMapBackend::new(&tmp, (960, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let mut chart = ChartBuilder::on(&root)
         .caption("Mamba-3 training loss", ("sans-serif", 24))
@@ -113,5 +116,7 @@ pub fn loss_png(p: &Progress, path: &Path) -> Result<()> {
         .draw()
         .map_err(err)?;
     root.present().map_err(err)?;
-    Ok(())
+    drop(chart);
+    drop(root);
+    std::fs::rename(&tmp, path).map_err(|e| crate::error::Error::io(path, e))
 }

@@ -159,6 +159,20 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// Resume from `dir`, reading `files` (when given) instead of the run's own text files,
+    /// tokenized by the checkpoint's tokenizer; the run then records them.
+    pub fn resume_with_files(dir: &Path, backend: B, files: Option<Vec<PathBuf>>) -> Result<Self> {
+        let Some(files) = files else {
+            return Self::resume(dir, backend, None);
+        };
+        let file = read_trainer_file(dir)?;
+        let saved = saved_tokenizer(dir, &file.run)?;
+        let data = Dataset::from_text(&read_text(&files)?, file.run.val_every_block, saved)?;
+        let mut t = Self::resume(dir, backend, Some(data))?;
+        t.run.data = files;
+        Ok(t)
+    }
+
     /// Resume from a checkpoint directory written by [`Trainer::save`], on `data` or else
     /// the run's files tokenized by the directory's `tokenizer.json`.
     pub fn resume(dir: &Path, backend: B, data: Option<Dataset>) -> Result<Self> {
@@ -220,13 +234,15 @@ impl<B: Backend> Trainer<B> {
         Ok(t)
     }
 
-    /// Save a checkpoint into `dir` (see the module doc).
+    /// Save a checkpoint into `dir` (see the module doc). Every file is replaced
+    /// atomically ([`crate::atomic`]); `trainer.json`, which says which step the folder
+    /// holds, is replaced after the weights and the optimiser state, so a run killed at
+    /// any moment resumes from a step whose files are all complete.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         self.sync()?;
         self.params.to_weights(DType::F32).save(dir)?;
         let tp = dir.join("tokenizer.json");
-        std::fs::write(&tp, self.data.tokenizer.json().as_bytes())
-            .map_err(|e| Error::io(&tp, e))?;
+        crate::atomic::write(&tp, self.data.tokenizer.json().as_bytes())?;
         let mut tensors = Vec::new();
         for (prefix, moments) in [("m.", &self.opt.m), ("v.", &self.opt.v)] {
             for (name, t) in moments.tensors() {
@@ -242,11 +258,9 @@ impl<B: Backend> Trainer<B> {
             run: self.run.clone(),
             progress: self.progress.clone(),
         };
-        let tf = dir.join("trainer.json");
-        let tmp = dir.join("trainer.json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(&file).unwrap())
-            .map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, &tf).map_err(|e| Error::io(&tf, e))?;
+        let text = serde_json::to_string_pretty(&file)
+            .map_err(|e| Error::Other(format!("trainer.json: {e}")))?;
+        crate::atomic::write(&dir.join("trainer.json"), text.as_bytes())?;
         let mut csv = String::from("step,train_loss,val_loss,val_bpb\n");
         let p = &self.progress;
         let mut vi = p.val_loss.iter().zip(&p.val_bpb).peekable();
@@ -260,8 +274,7 @@ impl<B: Backend> Trainer<B> {
             };
             csv.push_str(&format!("{s},{l},{v}\n"));
         }
-        let cp = dir.join("loss.csv");
-        std::fs::write(&cp, csv).map_err(|e| Error::io(&cp, e))
+        crate::atomic::write(&dir.join("loss.csv"), csv.as_bytes())
     }
 
     /// Mean validation loss (nats/token) over the run's validation windows.
