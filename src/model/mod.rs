@@ -8,6 +8,7 @@ pub mod dtype;
 pub mod family_config;
 pub mod family_weights;
 pub mod finite;
+pub mod raw_tensor;
 pub mod rng;
 pub mod shards;
 pub mod state_layout;

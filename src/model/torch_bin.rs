@@ -12,7 +12,7 @@
 
 use super::torch_pickle::{TensorRef, Value, Vm, R, STORAGES};
 use crate::error::{Error, Result};
-use crate::model::tensor_file::RawTensor;
+use crate::model::raw_tensor::RawTensor;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -200,7 +200,7 @@ fn materialise(name: &str, t: &TensorRef, record: &str, bytes: &[u8]) -> R<RawTe
 mod tests {
     use super::*;
     use crate::model::dtype::DType;
-    use crate::model::tensor_file::DiskDType;
+    use crate::model::raw_tensor::DiskDType;
     use std::io::Write;
 
     fn fixtures() -> std::path::PathBuf {

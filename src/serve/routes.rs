@@ -3,9 +3,9 @@
 //! request counting).
 
 use super::api::{self, GenRequest, Limits, PromptIn};
+use super::app::{App, Ready};
 use super::error::ApiError;
 use super::scheduler::{EmbedJob, Event, GenJob, Work};
-use super::App;
 use crate::text::FinishReason;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -290,7 +290,7 @@ fn submit(
     Ok(rx)
 }
 
-fn ready(app: &App) -> Result<&super::Ready, ApiError> {
+fn ready(app: &App) -> Result<&Ready, ApiError> {
     app.ready
         .get()
         .ok_or_else(|| ApiError::unavailable("the model is still loading; retry shortly"))
@@ -300,7 +300,7 @@ fn ready(app: &App) -> Result<&super::Ready, ApiError> {
 /// each checked against the vocabulary and the limits; an error when it is missing.
 fn token_lists(
     app: &App,
-    r: &super::Ready,
+    r: &Ready,
     field: &str,
     raw: Option<&RawValue>,
 ) -> Result<Vec<Vec<u32>>, ApiError> {
