@@ -1,6 +1,6 @@
 //! A state is a value: snapshot it after a shared prefix and branch two continuations from
-//! the snapshot, without reading the prefix again. The branches equal what a full read of
-//! each text gives.
+//! the snapshot, without reading the prefix again. Each branch matches a full read of its
+//! text to f32 rounding (the two read the text in different windows).
 //!
 //! `cargo run --release --example branch`
 
