@@ -9,14 +9,14 @@ use crate::cpu::real::Real;
 use crate::model::config::{AActivation, Dims, NORM_EPS};
 use crate::model::weights::{LayerWeights, Matrix, Weights};
 
-/// A matrix converted to the arithmetic type.
-struct Mat<F> {
+/// A matrix converted to the arithmetic type (the MIMO reference uses it too).
+pub(crate) struct Mat<F> {
     cols: usize,
     data: Vec<F>,
 }
 
 impl<F: Real> Mat<F> {
-    fn new(m: &Matrix) -> Self {
+    pub(crate) fn new(m: &Matrix) -> Self {
         Mat {
             cols: m.cols,
             data: (0..m.rows * m.cols)
@@ -24,8 +24,12 @@ impl<F: Real> Mat<F> {
                 .collect(),
         }
     }
+    /// Row `i` (an embedding lookup).
+    pub(crate) fn row(&self, i: usize) -> &[F] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
     /// `y = W·x`
-    fn apply(&self, x: &[F]) -> Vec<F> {
+    pub(crate) fn apply(&self, x: &[F]) -> Vec<F> {
         self.data
             .chunks(self.cols)
             .map(|row| row.iter().zip(x).map(|(&a, &b)| a * b).sum())
@@ -74,8 +78,7 @@ impl<'w, F: Real> Reference<'w, F> {
     pub fn step(&self, token: u32, state: &mut SeqState<F>) -> Vec<F> {
         let dm = self.d.d_model;
         let eps = F::from_f(NORM_EPS);
-        let e = token as usize * dm;
-        let mut hs: Vec<F> = self.embedding.data[e..e + dm].to_vec();
+        let mut hs: Vec<F> = self.embedding.row(token as usize).to_vec();
         let mut res: Vec<F> = vec![F::zero(); dm];
         let mut n = vec![F::zero(); dm];
         for (l, (lw, rl)) in self.w.layers.iter().zip(&self.layers).enumerate() {

@@ -10,8 +10,8 @@ use super::weights::{MimoDims, MimoLayerWeights, MimoWeights};
 use crate::cpu::math::{a_value, rms_norm, sigmoid, silu, softplus, wrap_angle};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::reference::Mat;
 use crate::model::config::{AActivation, NORM_EPS};
-use crate::model::weights::Matrix;
 
 /// One sequence's state in one MIMO layer, in the official cache layouts (spec-MIMO §3.1,
 /// batch axis dropped). All zero for a fresh sequence.
@@ -320,30 +320,6 @@ pub fn mixer_token<F: Real>(
     }
 }
 
-/// A matrix converted to the arithmetic type.
-struct Mat<F> {
-    cols: usize,
-    data: Vec<F>,
-}
-
-impl<F: Real> Mat<F> {
-    fn new(m: &Matrix) -> Self {
-        Mat {
-            cols: m.cols,
-            data: (0..m.rows * m.cols)
-                .map(|i| F::from_f(m.data.get_f64(i)))
-                .collect(),
-        }
-    }
-    /// `y = W·x`
-    fn apply(&self, x: &[F]) -> Vec<F> {
-        self.data
-            .chunks(self.cols)
-            .map(|row| row.iter().zip(x).map(|(&a, &b)| a * b).sum())
-            .collect()
-    }
-}
-
 struct RefLayer<F> {
     in_proj: Mat<F>,
     out_proj: Mat<F>,
@@ -423,8 +399,7 @@ impl<'w, F: Real> MimoReference<'w, F> {
         let d = &self.w.dims;
         let dm = d.d_model;
         let eps = F::from_f(NORM_EPS);
-        let e = token as usize * dm;
-        let mut hs: Vec<F> = self.embedding.data[e..e + dm].to_vec();
+        let mut hs: Vec<F> = self.embedding.row(token as usize).to_vec();
         let mut res = vec![F::zero(); dm];
         let mut n = vec![F::zero(); dm];
         let mut o = vec![F::zero(); d.d_inner];
