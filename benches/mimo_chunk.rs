@@ -44,7 +44,7 @@ fn main() {
         let mut out = vec![0f32; t * d.d_inner];
         let mut st = MimoLayerState::zeros(&d);
         let (start, cpu0) = (Instant::now(), cpu_seconds());
-        mimo_mixer_prefill(&ctx, &proj, t, chunk, &mut st, &mut out).expect("prefill");
+        mimo_mixer_prefill(&ctx, &proj, t, chunk, &mut st.view(), &mut out).expect("prefill");
         (start.elapsed().as_secs_f64(), cpu_seconds() - cpu0, out)
     };
     let (_, _, base) = run(16);

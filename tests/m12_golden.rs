@@ -65,7 +65,7 @@ trait Fast {
     fn fresh(&self) -> Self::State;
     fn prefill(&self, st: &mut Self::State, toks: &[u32]) -> Vec<f32>;
     fn step(&self, sts: &mut [&mut Self::State], toks: &[u32]) -> Vec<f32>;
-    fn layers(st: &Self::State) -> Vec<(Vec<f32>, Vec<f32>)>;
+    fn layers(&self, st: &Self::State) -> Vec<(Vec<f32>, Vec<f32>)>;
 }
 
 struct M1(mamba3::model::family_weights::Mamba1Weights);
@@ -74,7 +74,7 @@ struct M2(mamba3::model::family_weights::Mamba2Weights);
 impl Fast for M1 {
     type State = mamba1::State<f32>;
     fn fresh(&self) -> Self::State {
-        mamba1::State::zeros(self.0.config.mamba1().unwrap(), self.0.config.n_layer)
+        mamba1::zero_state(self.0.config.mamba1().unwrap(), self.0.config.n_layer)
     }
     fn prefill(&self, st: &mut Self::State, toks: &[u32]) -> Vec<f32> {
         mamba1::prefill::prefill(&self.0, st, toks, LogitRows::All).unwrap()
@@ -82,10 +82,12 @@ impl Fast for M1 {
     fn step(&self, sts: &mut [&mut Self::State], toks: &[u32]) -> Vec<f32> {
         mamba1::step::step(&self.0, sts, toks).unwrap()
     }
-    fn layers(st: &Self::State) -> Vec<(Vec<f32>, Vec<f32>)> {
-        st.layers
-            .iter()
-            .map(|l| (l.conv.clone(), l.ssm.clone()))
+    fn layers(&self, st: &Self::State) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let c = self.0.config.mamba1().unwrap();
+        let conv = c.d_inner * c.d_conv;
+        st.data
+            .chunks(st.layer_len)
+            .map(|l| (l[..conv].to_vec(), l[conv..].to_vec()))
             .collect()
     }
 }
@@ -93,7 +95,7 @@ impl Fast for M1 {
 impl Fast for M2 {
     type State = mamba2::State<f32>;
     fn fresh(&self) -> Self::State {
-        mamba2::State::zeros(self.0.config.mamba2().unwrap(), self.0.config.n_layer)
+        mamba2::zero_state(self.0.config.mamba2().unwrap(), self.0.config.n_layer)
     }
     fn prefill(&self, st: &mut Self::State, toks: &[u32]) -> Vec<f32> {
         mamba2::prefill::prefill(&self.0, st, toks, LogitRows::All).unwrap()
@@ -101,10 +103,12 @@ impl Fast for M2 {
     fn step(&self, sts: &mut [&mut Self::State], toks: &[u32]) -> Vec<f32> {
         mamba2::step::step(&self.0, sts, toks).unwrap()
     }
-    fn layers(st: &Self::State) -> Vec<(Vec<f32>, Vec<f32>)> {
-        st.layers
-            .iter()
-            .map(|l| (l.conv.clone(), l.ssm.clone()))
+    fn layers(&self, st: &Self::State) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let c = self.0.config.mamba2().unwrap();
+        let conv = c.conv_dim() * c.d_conv;
+        st.data
+            .chunks(st.layer_len)
+            .map(|l| (l[..conv].to_vec(), l[conv..].to_vec()))
             .collect()
     }
 }
@@ -131,7 +135,7 @@ fn check<M: Fast>(m: &M, g: &Golden, what: &str, tol: f64, state_tol: f64) {
 
     let mut a = m.fresh();
     let mut got = m.prefill(&mut a, &g.ids[..g.prefix]);
-    for (l, (conv, ssm)) in M::layers(&a).iter().enumerate() {
+    for (l, (conv, ssm)) in m.layers(&a).iter().enumerate() {
         let ec = rel_l2(conv, &g.tensor(&format!("state.{l}.conv")));
         let es = rel_l2(ssm, &g.tensor(&format!("state.{l}.ssm")));
         eprintln!("{what}: state.{l} after the prefix: conv {ec:.2e} ssm {es:.2e}");

@@ -133,13 +133,14 @@ pub enum LogitRows {
 
 /// The LM around a mixer over many rows at once (spec §1): a window of one sequence in
 /// prefill, or one token of each sequence in a batched decode step. `mixer(layer, weights,
-/// normed rows)` returns the mixer's output rows `[rows, D_m]`. `first_pos` labels token
-/// errors. Returns the chosen logits rows, flattened `[rows, vocab_padded]`.
+/// normed rows)` returns the mixer's output rows `[rows, D_m]`. Token errors name the
+/// position in `tokens`. Returns the chosen rows, flattened: logits `[rows, vocab_padded]`
+/// with `head`, else the hidden states after `norm_f` `[rows, D_m]`.
 pub fn lm_rows<F: Real, M>(
     w: &LmWeights<M>,
     tokens: &[u32],
-    first_pos: u64,
     want: LogitRows,
+    head: bool,
     mut mixer: impl FnMut(usize, &M, &[F]) -> Result<Vec<F>>,
 ) -> Result<Vec<F>> {
     let (vocab, dm) = (w.embedding.rows, w.embedding.cols);
@@ -150,7 +151,7 @@ pub fn lm_rows<F: Real, M>(
     {
         return Err(Error::TokenOutOfRange {
             id: t as u64,
-            pos: first_pos as usize + i,
+            pos: i,
             vocab,
         });
     }
@@ -182,6 +183,9 @@ pub fn lm_rows<F: Real, M>(
     let tail = &residual[(rows - keep) * dm..];
     let mut hidden = vec![F::zero(); keep * dm];
     norm_rows(tail, &w.norm_f, eps, &mut hidden, dm);
+    if !head {
+        return Ok(hidden);
+    }
     let head = w.head();
     let mut logits = vec![F::zero(); keep * head.rows];
     matmul_t(&hidden, keep, head, &mut logits);

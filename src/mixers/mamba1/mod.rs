@@ -36,66 +36,68 @@ pub(crate) mod test_models;
 
 use crate::error::{Error, Result};
 use crate::model::family_config::Mamba1Config;
+use crate::model::state_layout::{StateBuf, StateLayout, StateTensor};
 
-/// One layer's carried state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LayerState<F> {
-    /// `[D_i, K]`: the last `K` conv inputs (x before conv, bias and SiLU), oldest first;
-    /// zeros before the start of the sequence
-    pub conv: Vec<F>,
-    /// `[D_i, N]`: `h`
-    pub ssm: Vec<F>,
-}
-
-/// A sequence's state in every layer, and how many tokens it has seen.
-#[derive(Clone, Debug, PartialEq)]
-pub struct State<F> {
-    pub layers: Vec<LayerState<F>>,
-    pub position: u64,
-}
-
-impl<F: num_traits::Zero + Clone> State<F> {
-    /// The state before the first token: all zeros.
-    pub fn zeros(cfg: &Mamba1Config, n_layer: usize) -> State<F> {
-        let layer = LayerState {
-            conv: vec![F::zero(); cfg.d_inner * cfg.d_conv],
-            ssm: vec![F::zero(); cfg.d_inner * cfg.d_state],
-        };
-        State {
-            layers: vec![layer; n_layer],
-            position: 0,
-        }
-    }
-
-    /// An error unless this state has the shapes of a model with `cfg` and `n_layer`.
-    pub fn check(&self, cfg: &Mamba1Config, n_layer: usize) -> Result<()> {
-        let (conv, ssm) = (cfg.d_inner * cfg.d_conv, cfg.d_inner * cfg.d_state);
-        check_layers(
-            self.layers.iter().map(|l| (l.conv.len(), l.ssm.len())),
-            n_layer,
-            (conv, ssm),
-        )
+/// The named tensors of one layer's state: `conv [D_i, K]` (the last `K` conv inputs, x
+/// before conv, bias and SiLU, oldest first; zeros before the start of the sequence) and
+/// `ssm [D_i, N]` (`h`).
+pub fn layout(cfg: &Mamba1Config, n_layer: usize) -> StateLayout {
+    StateLayout {
+        n_layer,
+        tensors: vec![
+            StateTensor::new("conv", &[cfg.d_inner, cfg.d_conv]),
+            StateTensor::new("ssm", &[cfg.d_inner, cfg.d_state]),
+        ],
     }
 }
 
-/// Shared by both families: `layers` must be `n_layer` pairs of `(conv, ssm)` lengths.
-pub(crate) fn check_layers(
-    layers: impl ExactSizeIterator<Item = (usize, usize)>,
-    n_layer: usize,
-    want: (usize, usize),
+/// A sequence's state in every layer (flat, in [`layout`] order).
+pub type State<F> = StateBuf<F>;
+
+/// One layer's state (Mamba-1 or Mamba-2), viewed in place.
+#[derive(Debug)]
+pub struct LayerState<'a, F> {
+    pub conv: &'a mut [F],
+    pub ssm: &'a mut [F],
+}
+
+/// Layer `l` of a Mamba-1 or Mamba-2 state whose layout is `[conv | ssm]`, the conv part
+/// `conv_len` values long.
+pub fn conv_ssm<F: Copy + num_traits::Zero>(
+    st: &mut StateBuf<F>,
+    l: usize,
+    conv_len: usize,
+) -> LayerState<'_, F> {
+    let (conv, ssm) = st.layer_mut(l).split_at_mut(conv_len);
+    LayerState { conv, ssm }
+}
+
+/// Layer `l` of a state, viewed in place.
+pub fn layer<'a, F: Copy + num_traits::Zero>(
+    st: &'a mut State<F>,
+    l: usize,
+    cfg: &Mamba1Config,
+) -> LayerState<'a, F> {
+    conv_ssm(st, l, cfg.d_inner * cfg.d_conv)
+}
+
+/// The state before the first token: all zeros.
+pub fn zero_state<F: Copy + num_traits::Zero>(cfg: &Mamba1Config, n_layer: usize) -> State<F> {
+    StateBuf::zeros(&layout(cfg, n_layer))
+}
+
+/// An error unless `st` has the shape of `layout` (the model's).
+pub(crate) fn check_state<F: Copy + num_traits::Zero>(
+    st: &StateBuf<F>,
+    layout: &StateLayout,
 ) -> Result<()> {
-    if layers.len() != n_layer {
-        return Err(Error::State(format!(
-            "the state has {} layers, the model {n_layer}",
-            layers.len()
-        )));
+    if st.fits(layout) {
+        return Ok(());
     }
-    for (l, found) in layers.enumerate() {
-        if found != want {
-            return Err(Error::State(format!(
-                "layer {l}: expected (conv, ssm) of {want:?} elements, found {found:?}"
-            )));
-        }
-    }
-    Ok(())
+    Err(Error::State(format!(
+        "a state of {} layers × {} values does not fit this model ({})",
+        st.n_layer(),
+        st.layer_len,
+        layout.describe()
+    )))
 }

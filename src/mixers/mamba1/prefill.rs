@@ -9,7 +9,7 @@
 use super::lm::{
     conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, LogitRows,
 };
-use super::State;
+use super::{check_state, layer, layout, State};
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
 use crate::error::Result;
@@ -22,29 +22,38 @@ use rayon::prelude::*;
 const BLOCK: usize = 16;
 
 /// Run `tokens` from `state` (advancing it); returns the logits rows asked for, flattened
-/// `[rows, vocab_padded]`.
+/// `[rows, vocab_padded]`. Nothing is changed when an argument is refused.
 pub fn prefill<F: Real>(
     w: &Mamba1Weights,
     state: &mut State<F>,
     tokens: &[u32],
     want: LogitRows,
 ) -> Result<Vec<F>> {
+    prefill_rows(w, state, tokens, want, true)
+}
+
+/// [`prefill`], returning the hidden states after `norm_f` instead of logits when `!head`.
+pub fn prefill_rows<F: Real>(
+    w: &Mamba1Weights,
+    state: &mut State<F>,
+    tokens: &[u32],
+    want: LogitRows,
+    head: bool,
+) -> Result<Vec<F>> {
     let cfg = w.mixer_config()?.clone();
-    state.check(&cfg, w.config.n_layer)?;
+    check_state(state, &layout(&cfg, w.config.n_layer))?;
     let rows = tokens.len();
-    let logits = lm_rows(w, tokens, state.position, want, |l, mw, normed| {
+    lm_rows(w, tokens, want, head, |l, mw, normed| {
         let proj = project(normed, rows, &mw.in_proj, mw.in_proj_bias.as_deref());
-        let st = &mut state.layers[l];
-        let gated = mixer_rows(&cfg, mw, &proj, rows, &mut st.conv, &mut st.ssm);
+        let st = layer(state, l, &cfg);
+        let gated = mixer_rows(&cfg, mw, &proj, rows, st.conv, st.ssm);
         Ok(project(
             &gated,
             rows,
             &mw.out_proj,
             mw.out_proj_bias.as_deref(),
         ))
-    })?;
-    state.position += rows as u64;
-    Ok(logits)
+    })
 }
 
 /// One layer's mixer over `rows` consecutive tokens of one sequence, from the in_proj

@@ -3,7 +3,7 @@
 //! checked against, generic over f32/f64. No blocking, no vectorisation, no tricks.
 
 use super::lm::{rms_unit, Dense, LmRef, TokenOut};
-use super::{LayerState, State};
+use super::{check_state, layer, layout, zero_state, LayerState, State};
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
 use crate::error::Result;
@@ -51,9 +51,14 @@ impl<'w, F: Real> Reference<'w, F> {
         })
     }
 
+    /// The mixer's config.
+    pub fn config(&self) -> &Mamba1Config {
+        &self.cfg
+    }
+
     /// The state before the first token.
     pub fn new_state(&self) -> State<F> {
-        State::zeros(&self.cfg, self.w.config.n_layer)
+        zero_state(&self.cfg, self.w.config.n_layer)
     }
 
     /// One token: its logits over `vocab_padded` rows.
@@ -63,17 +68,15 @@ impl<'w, F: Real> Reference<'w, F> {
 
     /// One token: the hidden state after `norm_f` and the logits.
     pub fn step_full(&self, state: &mut State<F>, token: u32) -> Result<TokenOut<F>> {
-        state.check(&self.cfg, self.w.config.n_layer)?;
-        let out = self.lm.token(token, state.position, |l, u| {
+        check_state(state, &layout(&self.cfg, self.w.config.n_layer))?;
+        self.lm.token(token, 0, |l, u| {
             self.mixer(
                 &self.w.layers[l].mixer,
                 &self.layers[l],
                 u,
-                &mut state.layers[l],
+                &mut layer(state, l, &self.cfg),
             )
-        })?;
-        state.position += 1;
-        Ok(out)
+        })
     }
 
     /// Every token of `tokens` in turn, from `state` (a fresh or a carried one): the logits

@@ -5,7 +5,7 @@
 
 use super::lm::{conv_rows, lm_rows, project, LogitRows};
 use super::prefill::{gate_rows, scan_rows, ssm_inputs, taps};
-use super::State;
+use super::{check_state, layer, layout, State};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::model::family_weights::Mamba1Weights;
@@ -21,12 +21,13 @@ pub fn step<F: Real>(
     let cfg = w.mixer_config()?.clone();
     check_batch(states.len(), tokens.len())?;
     let vocab = w.config.vocab_padded;
+    let state_layout = layout(&cfg, w.config.n_layer);
     for (st, &t) in states.iter().zip(tokens) {
-        st.check(&cfg, w.config.n_layer)?;
+        check_state(st, &state_layout)?;
         if t as usize >= vocab {
             return Err(Error::TokenOutOfRange {
                 id: t as u64,
-                pos: st.position as usize,
+                pos: 0,
                 vocab,
             });
         }
@@ -34,7 +35,7 @@ pub fn step<F: Real>(
     let b = tokens.len();
     let di = cfg.d_inner;
     let wd = cfg.dt_rank + 2 * cfg.d_state;
-    let logits = lm_rows(w, tokens, 0, LogitRows::All, |l, mw, normed| {
+    let logits = lm_rows(w, tokens, LogitRows::All, true, |l, mw, normed| {
         let proj = project(normed, b, &mw.in_proj, mw.in_proj_bias.as_deref());
         let mut xc = vec![F::zero(); b * di];
         xc.par_chunks_mut(di)
@@ -42,7 +43,7 @@ pub fn step<F: Real>(
             .enumerate()
             .for_each(|(i, (row, st))| {
                 let p = &proj[i * 2 * di..(i + 1) * 2 * di];
-                let conv = &mut st.layers[l].conv;
+                let conv = layer(st, l, &cfg).conv;
                 row.copy_from_slice(&conv_rows(p, 1, (2 * di, 0), conv, taps(&cfg, mw)));
             });
         let (dbc, delta) = ssm_inputs(&cfg, mw, &xc, b);
@@ -53,7 +54,7 @@ pub fn step<F: Real>(
             .for_each(|(i, (row, st))| {
                 let (xr, dr) = (&xc[i * di..(i + 1) * di], &delta[i * di..(i + 1) * di]);
                 let br = &dbc[i * wd..(i + 1) * wd];
-                let ssm = &mut st.layers[l].ssm;
+                let ssm = layer(st, l, &cfg).ssm;
                 row.copy_from_slice(&scan_rows(&cfg, mw, xr, dr, br, 1, ssm));
             });
         let gated = gate_rows(&cfg, &y, &proj, b);
@@ -64,9 +65,6 @@ pub fn step<F: Real>(
             mw.out_proj_bias.as_deref(),
         ))
     })?;
-    for st in states.iter_mut() {
-        st.position += 1;
-    }
     Ok(logits)
 }
 

@@ -3,7 +3,8 @@
 use super::reference::Reference;
 use super::State;
 use crate::cpu::Real;
-use crate::mixers::mamba1::golden_tests::{against_golden, fixture, Golden, Oracle, LAYOUTS};
+use crate::mixers::mamba1::golden_tests::{against_golden, conv_ssm_parts, fixture, Golden, Oracle, LAYOUTS,
+};
 use crate::mixers::mamba1::lm::TokenOut;
 use crate::model::dtype::DType;
 use crate::model::family_weights::{FamilyWeights, Mamba2Weights};
@@ -16,14 +17,9 @@ impl<F: Real> Oracle<F> for Reference<'_, F> {
     fn step_full(&self, st: &mut State<F>, token: u32) -> TokenOut<F> {
         Reference::step_full(self, st, token).unwrap()
     }
-    fn layer_states(st: &State<F>) -> Vec<(Vec<F>, Vec<F>)> {
-        st.layers
-            .iter()
-            .map(|l| (l.conv.clone(), l.ssm.clone()))
-            .collect()
-    }
-    fn position(st: &State<F>) -> u64 {
-        st.position
+    fn layer_states(&self, st: &State<F>) -> Vec<(Vec<F>, Vec<F>)> {
+        let c = self.config();
+        conv_ssm_parts(st, c.conv_dim() * c.d_conv)
     }
 }
 
@@ -70,7 +66,7 @@ fn out_of_range_tokens_and_foreign_states_are_errors() {
     let e = r.step(&mut st, 1000).unwrap_err().to_string();
     assert!(e.contains("1000") && e.contains("out of range"), "{e}");
     let mut st = r.new_state();
-    st.layers[0].conv.push(0.0);
+    st.data.push(0.0);
     let e = r.step(&mut st, 1).unwrap_err().to_string();
-    assert!(e.contains("layer 0"), "{e}");
+    assert!(e.contains("does not fit"), "{e}");
 }

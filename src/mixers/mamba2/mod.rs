@@ -30,50 +30,36 @@ mod golden_tests;
 #[cfg(test)]
 mod prefill_tests;
 
-use crate::error::Result;
-use crate::mixers::mamba1::check_layers;
+use crate::mixers::mamba1::{conv_ssm, LayerState};
 use crate::model::family_config::Mamba2Config;
+use crate::model::state_layout::{StateBuf, StateLayout, StateTensor};
 
-/// One layer's carried state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LayerState<F> {
-    /// `[C_d, K]`: the last `K` conv inputs (`x‖B‖C` before conv, bias and SiLU), oldest
-    /// first; zeros before the start of the sequence
-    pub conv: Vec<F>,
-    /// `[H, P, N]`
-    pub ssm: Vec<F>,
+/// The named tensors of one layer's state: `conv [C_d, K]` (the last `K` conv inputs,
+/// `x‖B‖C` before conv, bias and SiLU, oldest first; zeros before the start of the
+/// sequence) and `ssm [H, P, N]`.
+pub fn layout(cfg: &Mamba2Config, n_layer: usize) -> StateLayout {
+    StateLayout {
+        n_layer,
+        tensors: vec![
+            StateTensor::new("conv", &[cfg.conv_dim(), cfg.d_conv]),
+            StateTensor::new("ssm", &[cfg.nheads, cfg.headdim, cfg.d_state]),
+        ],
+    }
 }
 
-/// A sequence's state in every layer, and how many tokens it has seen.
-#[derive(Clone, Debug, PartialEq)]
-pub struct State<F> {
-    pub layers: Vec<LayerState<F>>,
-    pub position: u64,
+/// A sequence's state in every layer (flat, in [`layout`] order).
+pub type State<F> = StateBuf<F>;
+
+/// The state before the first token: all zeros.
+pub fn zero_state<F: Copy + num_traits::Zero>(cfg: &Mamba2Config, n_layer: usize) -> State<F> {
+    StateBuf::zeros(&layout(cfg, n_layer))
 }
 
-impl<F: num_traits::Zero + Clone> State<F> {
-    /// The state before the first token: all zeros.
-    pub fn zeros(cfg: &Mamba2Config, n_layer: usize) -> State<F> {
-        let layer = LayerState {
-            conv: vec![F::zero(); cfg.conv_dim() * cfg.d_conv],
-            ssm: vec![F::zero(); cfg.nheads * cfg.headdim * cfg.d_state],
-        };
-        State {
-            layers: vec![layer; n_layer],
-            position: 0,
-        }
-    }
-
-    /// An error unless this state has the shapes of a model with `cfg` and `n_layer`.
-    pub fn check(&self, cfg: &Mamba2Config, n_layer: usize) -> Result<()> {
-        let want = (
-            cfg.conv_dim() * cfg.d_conv,
-            cfg.nheads * cfg.headdim * cfg.d_state,
-        );
-        check_layers(
-            self.layers.iter().map(|l| (l.conv.len(), l.ssm.len())),
-            n_layer,
-            want,
-        )
-    }
+/// Layer `l` of a state, viewed in place.
+pub fn layer<'a, F: Copy + num_traits::Zero>(
+    st: &'a mut State<F>,
+    l: usize,
+    cfg: &Mamba2Config,
+) -> LayerState<'a, F> {
+    conv_ssm(st, l, cfg.conv_dim() * cfg.d_conv)
 }

@@ -6,7 +6,8 @@
 //! The chunk length only changes rounding; the recurrence of §3.3 (the reference) is the
 //! definition, and the tests hold this path to it.
 
-use super::State;
+use super::{layer, layout, State};
+use crate::mixers::mamba1::check_state;
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::matmul::{gemm, View, ViewMut};
 use crate::cpu::Real;
@@ -19,25 +20,34 @@ use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 use rayon::prelude::*;
 
 /// Run `tokens` from `state` (advancing it); returns the logits rows asked for, flattened
-/// `[rows, vocab_padded]`.
+/// `[rows, vocab_padded]`. Nothing is changed when an argument is refused.
 pub fn prefill<F: Real>(
     w: &Mamba2Weights,
     state: &mut State<F>,
     tokens: &[u32],
     want: LogitRows,
 ) -> Result<Vec<F>> {
+    prefill_rows(w, state, tokens, want, true)
+}
+
+/// [`prefill`], returning the hidden states after `norm_f` instead of logits when `!head`.
+pub fn prefill_rows<F: Real>(
+    w: &Mamba2Weights,
+    state: &mut State<F>,
+    tokens: &[u32],
+    want: LogitRows,
+    head: bool,
+) -> Result<Vec<F>> {
     let cfg = w.mixer_config()?.clone();
-    state.check(&cfg, w.config.n_layer)?;
+    check_state(state, &layout(&cfg, w.config.n_layer))?;
     let chunk = cfg.chunk_size;
     let rows = tokens.len();
-    let logits = lm_rows(w, tokens, state.position, want, |l, mw, normed| {
+    lm_rows(w, tokens, want, head, |l, mw, normed| {
         let proj = project(normed, rows, &mw.in_proj, mw.in_proj_bias.as_deref());
-        let st = &mut state.layers[l];
-        let o = mixer_rows(&cfg, mw, &proj, rows, &mut st.conv, &mut st.ssm, chunk);
+        let st = layer(state, l, &cfg);
+        let o = mixer_rows(&cfg, mw, &proj, rows, st.conv, st.ssm, chunk);
         Ok(project(&o, rows, &mw.out_proj, mw.out_proj_bias.as_deref()))
-    })?;
-    state.position += rows as u64;
-    Ok(logits)
+    })
 }
 
 /// One layer's mixer over `rows` consecutive tokens of one sequence, from the in_proj

@@ -4,7 +4,8 @@
 //! parallel, on its own state.
 
 use super::prefill::{deltas, gate_rows, taps};
-use super::State;
+use super::{layer, layout, State};
+use crate::mixers::mamba1::check_state;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::mixers::mamba1::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project, LogitRows};
@@ -23,12 +24,13 @@ pub fn step<F: Real>(
     let cfg = w.mixer_config()?.clone();
     check_batch(states.len(), tokens.len())?;
     let vocab = w.config.vocab_padded;
+    let state_layout = layout(&cfg, w.config.n_layer);
     for (st, &t) in states.iter().zip(tokens) {
-        st.check(&cfg, w.config.n_layer)?;
+        check_state(st, &state_layout)?;
         if t as usize >= vocab {
             return Err(Error::TokenOutOfRange {
                 id: t as u64,
-                pos: st.position as usize,
+                pos: 0,
                 vocab,
             });
         }
@@ -36,7 +38,7 @@ pub fn step<F: Real>(
     let b = tokens.len();
     let (width, d_ssm) = (cfg.d_in_proj(), cfg.d_ssm);
     let xbc_off = 2 * cfg.d_mlp() + d_ssm;
-    let logits = lm_rows(w, tokens, 0, LogitRows::All, |l, mw, normed| {
+    let logits = lm_rows(w, tokens, LogitRows::All, true, |l, mw, normed| {
         let proj = project(normed, b, &mw.in_proj, mw.in_proj_bias.as_deref());
         let delta = deltas(&cfg, mw, &proj, b);
         let mut y = vec![F::zero(); b * d_ssm];
@@ -45,17 +47,14 @@ pub fn step<F: Real>(
             .enumerate()
             .for_each(|(i, (row, st))| {
                 let p = &proj[i * width..(i + 1) * width];
-                let ls = &mut st.layers[l];
-                let v = conv_rows(p, 1, (width, xbc_off), &mut ls.conv, taps(&cfg, mw));
+                let ls = layer(st, l, &cfg);
+                let v = conv_rows(p, 1, (width, xbc_off), ls.conv, taps(&cfg, mw));
                 let dr = &delta[i * cfg.nheads..(i + 1) * cfg.nheads];
-                update_heads(&cfg, mw, &v, dr, &mut ls.ssm, row);
+                update_heads(&cfg, mw, &v, dr, ls.ssm, row);
             });
         let o = gate_rows(&cfg, mw, &proj, &y, b);
         Ok(project(&o, b, &mw.out_proj, mw.out_proj_bias.as_deref()))
     })?;
-    for st in states.iter_mut() {
-        st.position += 1;
-    }
     Ok(logits)
 }
 

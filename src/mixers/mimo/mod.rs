@@ -43,7 +43,8 @@ mod golden_tests;
 
 pub use prefill::{mimo_mixer_prefill, mimo_prefill};
 pub use reference::{
-    check_window, mimo_zero_state, MimoLayerState, MimoMixerCtx, MimoReference, MimoSeqState,
+    check_window, layer, layout, mimo_zero_state, MimoLayerState, MimoLayerView, MimoMixerCtx,
+    MimoReference, MimoSeqState,
 };
 pub use weights::{
     mimo_config_from_file, mimo_config_from_json_str, mimo_dims, validate_mimo, MimoDims,

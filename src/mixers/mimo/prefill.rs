@@ -20,7 +20,7 @@
 //! (§3.4): the first token's look-back term reaches across the seam.
 
 use super::reference::{
-    check_window, rotate_half, MimoLayerState, MimoMixerCtx, MimoSeqState, MimoTokenPre,
+    check_window, layer, rotate_half, MimoLayerView, MimoMixerCtx, MimoSeqState, MimoTokenPre,
 };
 use super::weights::MimoWeights;
 use crate::cpu::math::{rms_norm, silu, wrap_angle};
@@ -62,7 +62,7 @@ pub fn mimo_prefill<F: Real>(
         norm_rows(&res, &lw.norm, dm, &mut normed);
         matmul_t(&normed, rows, &lw.in_proj, &mut proj);
         let ctx = MimoMixerCtx::new(w, l);
-        mimo_mixer_prefill(&ctx, &proj, rows, chunk_len, &mut state[l], &mut o)?;
+        mimo_mixer_prefill(&ctx, &proj, rows, chunk_len, &mut layer(state, l, &d), &mut o)?;
         matmul_t(&o, rows, &lw.out_proj, &mut hs);
         if let Some(mlp) = &lw.mlp {
             add_assign(&mut res, &hs);
@@ -114,7 +114,7 @@ pub fn mimo_mixer_prefill<F: Real>(
     proj: &[F],
     len: usize,
     chunk_len: usize,
-    state: &mut MimoLayerState<F>,
+    state: &mut MimoLayerView<'_, F>,
     out: &mut [F],
 ) -> Result<()> {
     let d = &ctx.d;
@@ -137,7 +137,7 @@ pub fn mimo_mixer_prefill<F: Real>(
     }
     let pre = ctx.token_pre(proj, len);
     let results: Vec<HeadOut<F>> = {
-        let st: &MimoLayerState<F> = state;
+        let st: &MimoLayerView<F> = state;
         (0..d.nheads)
             .into_par_iter()
             .map(|h| scan_head(ctx, proj, len, chunk_len, &pre, h, st))
@@ -166,7 +166,7 @@ fn scan_head<F: Real>(
     chunk_len: usize,
     pre: &MimoTokenPre<F>,
     h: usize,
-    st: &MimoLayerState<F>,
+    st: &MimoLayerView<F>,
 ) -> HeadOut<F> {
     let d = &ctx.d;
     let (h_n, p_n, n_n, r_n, s_n) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
@@ -380,7 +380,7 @@ fn scan_head<F: Real>(
 mod tests {
     use super::*;
     use crate::mixers::mimo::golden_tests::{fixture, rel_l2, Golden, MIMO_FIXTURES};
-    use crate::mixers::mimo::reference::{mixer_token, MimoReference};
+    use crate::mixers::mimo::reference::{mixer_token, MimoLayerState, MimoReference};
     use crate::mixers::mimo::weights::mimo_config_from_json_str;
     use crate::model::rng::Rng;
     use crate::model::DType;
@@ -443,14 +443,14 @@ mod tests {
         let mut want = vec![F::zero(); len * di];
         for t in 0..len {
             let row = &proj[t * dpi..(t + 1) * dpi];
-            mixer_token(&ctx, row, &mut want_st, &mut want[t * di..(t + 1) * di]);
+            mixer_token(&ctx, row, &mut want_st.view(), &mut want[t * di..(t + 1) * di]);
         }
         let mut st = start.clone();
         let mut got = vec![F::zero(); len * di];
         let mut s = 0;
         for &e in ends {
             let (p, o) = (&proj[s * dpi..e * dpi], &mut got[s * di..e * di]);
-            mimo_mixer_prefill(&ctx, p, e - s, chunk, &mut st, o).unwrap();
+            mimo_mixer_prefill(&ctx, p, e - s, chunk, &mut st.view(), o).unwrap();
             s = e;
         }
         rel_l2(&got, &to64(&want)).max(state_gap(&st, &want_st))
@@ -479,7 +479,7 @@ mod tests {
                 mixer_token(
                     &ctx,
                     &proj[t * dpi..(t + 1) * dpi],
-                    &mut carried,
+                    &mut carried.view(),
                     &mut scratch,
                 );
             }
@@ -546,7 +546,8 @@ mod tests {
                     }
                     let mut st = r.new_state();
                     let mut got = mimo_prefill(&w, &g.input_ids[..g.prefix], &mut st, c).unwrap();
-                    for (l, ls) in st.iter().enumerate() {
+                    for l in 0..w.dims.n_layer {
+                        let ls = MimoLayerState::copy_of(&st, l, &w.dims);
                         for (f, v) in [("ssm", &ls.ssm), ("k", &ls.k), ("v", &ls.v)] {
                             let e = rel_l2(v, &g.tensor(&format!("state.{l}.{f}")));
                             assert!(e <= tol, "{name} {file} chunk {c}: state.{l}.{f} {e:e}");
@@ -605,7 +606,7 @@ mod tests {
         assert!(mimo_prefill(&w, &[1, 999], &mut st, 16).is_err());
         assert!(mimo_prefill(&w, &[1, 2], &mut st, 0).is_err());
         assert!(mimo_prefill(&w, &[], &mut st, 16).unwrap().is_empty());
-        st[0].ssm.pop();
+        st.data.pop();
         assert!(mimo_prefill(&w, &[1], &mut st, 16).is_err());
         let ctx = MimoMixerCtx::new(&w, 0);
         let mut ls = MimoLayerState::<f32>::zeros(&w.dims);
@@ -613,10 +614,10 @@ mod tests {
             vec![0.0; 2 * w.dims.d_in_proj],
             vec![0.0; 2 * w.dims.d_inner],
         );
-        assert!(mimo_mixer_prefill(&ctx, &proj, 3, 16, &mut ls, &mut out).is_err());
-        assert!(mimo_mixer_prefill(&ctx, &proj, 2, 0, &mut ls, &mut out).is_err());
-        assert!(mimo_mixer_prefill(&ctx, &proj, 2, 16, &mut ls, &mut out[1..]).is_err());
+        assert!(mimo_mixer_prefill(&ctx, &proj, 3, 16, &mut ls.view(), &mut out).is_err());
+        assert!(mimo_mixer_prefill(&ctx, &proj, 2, 0, &mut ls.view(), &mut out).is_err());
+        assert!(mimo_mixer_prefill(&ctx, &proj, 2, 16, &mut ls.view(), &mut out[1..]).is_err());
         assert_eq!(ls, MimoLayerState::zeros(&w.dims));
-        mimo_mixer_prefill(&ctx, &proj, 2, 16, &mut ls, &mut out).unwrap();
+        mimo_mixer_prefill(&ctx, &proj, 2, 16, &mut ls.view(), &mut out).unwrap();
     }
 }

@@ -12,6 +12,7 @@ use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::reference::Mat;
 use crate::model::config::{AActivation, NORM_EPS};
+use crate::model::state_layout::{StateBuf, StateLayout, StateTensor};
 
 /// One sequence's state in one MIMO layer, in the official cache layouts (spec-MIMO §3.1,
 /// batch axis dropped). All zero for a fresh sequence.
@@ -58,11 +59,95 @@ impl<F: Real> MimoLayerState<F> {
     }
 }
 
-/// A whole sequence's MIMO state: one [`MimoLayerState`] per layer.
-pub type MimoSeqState<F> = Vec<MimoLayerState<F>>;
+impl<F: Real> MimoLayerState<F> {
+    /// A copy of layer `l` of a sequence's state.
+    pub fn copy_of(st: &MimoSeqState<F>, l: usize, d: &MimoDims) -> Self {
+        let mut flat = st.layer(l).to_vec();
+        let v = MimoLayerView::of(&mut flat, d);
+        MimoLayerState {
+            angle: v.angle.to_vec(),
+            ssm: v.ssm.to_vec(),
+            k: v.k.to_vec(),
+            v: v.v.to_vec(),
+        }
+    }
+
+    /// A view of its four tensors, the form the mixer's code works on.
+    pub fn view(&mut self) -> MimoLayerView<'_, F> {
+        MimoLayerView {
+            angle: &mut self.angle,
+            ssm: &mut self.ssm,
+            k: &mut self.k,
+            v: &mut self.v,
+        }
+    }
+}
+
+/// One layer's state viewed in place (in a sequence's flat state, or a [`MimoLayerState`]).
+#[derive(Debug)]
+pub struct MimoLayerView<'a, F> {
+    pub angle: &'a mut [F],
+    pub ssm: &'a mut [F],
+    pub k: &'a mut [F],
+    pub v: &'a mut [F],
+}
+
+impl<'a, F> MimoLayerView<'a, F> {
+    /// View one layer's flat values (`[angle | ssm | k | v]`, [`layout`] order).
+    pub fn of(flat: &'a mut [F], d: &MimoDims) -> MimoLayerView<'a, F> {
+        let (h, p, n, r, s) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
+        let (angle, rest) = flat.split_at_mut(h * s);
+        let (ssm, rest) = rest.split_at_mut(h * p * n);
+        let (k, v) = rest.split_at_mut(r * h * n);
+        assert_eq!(v.len(), h * p, "a MIMO layer state of the wrong size");
+        MimoLayerView { angle, ssm, k, v }
+    }
+
+    /// An error naming the first tensor whose length does not fit `d`.
+    pub fn check(&self, d: &MimoDims) -> Result<()> {
+        let (h, p, n, r, s) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
+        for (name, len, want) in [
+            ("angle", self.angle.len(), h * s),
+            ("ssm", self.ssm.len(), h * p * n),
+            ("k", self.k.len(), r * h * n),
+            ("v", self.v.len(), h * p),
+        ] {
+            if len != want {
+                return Err(Error::State(format!(
+                    "MIMO layer state `{name}` has {len} numbers, expected {want} \
+                     (H {h}, P {p}, N {n}, R {r}, S {s})"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The named tensors of one layer's state (spec-MIMO §3.1): `angle [H,S]`, `ssm [H,P,N]`,
+/// `k [R,H,N]`, `v [H,P]`.
+pub fn layout(d: &MimoDims) -> StateLayout {
+    let (h, p, n, r, s) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
+    StateLayout {
+        n_layer: d.n_layer,
+        tensors: vec![
+            StateTensor::new("angle", &[h, s]),
+            StateTensor::new("ssm", &[h, p, n]),
+            StateTensor::new("k", &[r, h, n]),
+            StateTensor::new("v", &[h, p]),
+        ],
+    }
+}
+
+/// A whole sequence's MIMO state: every layer's four tensors, flat, in [`layout`] order.
+pub type MimoSeqState<F> = StateBuf<F>;
 
 pub fn mimo_zero_state<F: Real>(d: &MimoDims) -> MimoSeqState<F> {
-    (0..d.n_layer).map(|_| MimoLayerState::zeros(d)).collect()
+    StateBuf::zeros(&layout(d))
+}
+
+/// Layer `l` of a sequence's state.
+pub fn layer<'a, F: Real>(st: &'a mut MimoSeqState<F>, l: usize, d: &MimoDims) -> MimoLayerView<'a, F> {
+    MimoLayerView::of(st.layer_mut(l), d)
 }
 
 /// Refuse tokens or a state that do not fit the model, before anything is touched.
@@ -74,14 +159,16 @@ pub fn check_window<F: Real>(d: &MimoDims, tokens: &[u32], state: &MimoSeqState<
             vocab: d.vocab_size,
         });
     }
-    if state.len() != d.n_layer {
+    let want = layout(d);
+    if !state.fits(&want) {
         return Err(Error::State(format!(
-            "MIMO state has {} layers, expected {}",
-            state.len(),
-            d.n_layer
+            "a MIMO state of {} layers × {} values does not fit this model ({})",
+            state.n_layer(),
+            state.layer_len,
+            want.describe()
         )));
     }
-    state.iter().try_for_each(|ls| ls.check(d))
+    Ok(())
 }
 
 /// Rotate the half-split pairs `(i, i + N/2)` by `φ_i` for `i < S`; the rest pass
@@ -243,7 +330,7 @@ impl<'a> MimoMixerCtx<'a> {
 pub fn mixer_token<F: Real>(
     ctx: &MimoMixerCtx,
     proj: &[F],
-    st: &mut MimoLayerState<F>,
+    st: &mut MimoLayerView<'_, F>,
     o: &mut [F],
 ) {
     let d = &ctx.d;
@@ -407,7 +494,7 @@ impl<'w, F: Real> MimoReference<'w, F> {
             add_into(&mut res, &hs);
             rms_norm(&res, &lw.norm, eps, &mut n);
             let ctx = MimoMixerCtx::new(self.w, l);
-            mixer_token(&ctx, &rl.in_proj.apply(&n), &mut state[l], &mut o);
+            mixer_token(&ctx, &rl.in_proj.apply(&n), &mut layer(state, l, d), &mut o);
             hs = rl.out_proj.apply(&o);
             if let (Some(mw), Some((fc1, fc2))) = (&lw.mlp, &rl.mlp) {
                 add_into(&mut res, &hs);
