@@ -183,7 +183,7 @@ fn prefill_refuses_bad_tokens_and_foreign_states_without_touching_them() {
     let e = prefill(&w, &mut st, &[4, 999], LogitRows::All)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("999") && e.contains("position 4"), "{e}");
+    assert!(e.contains("999") && e.contains("position 1"), "{e}");
     assert_eq!(st, before);
     let mut bad = zero_state::<f32>(w.config.mamba1().unwrap(), 3);
     let e = prefill(&w, &mut bad, &[1], LogitRows::All)
