@@ -79,7 +79,7 @@ fn goldens_through_the_engine() {
                 let m = Model::load(&fixture(name).join(file), Device::Cpu, dtype).unwrap();
                 let tol = tol(dtype);
                 let what = format!("{file} {dtype}");
-                let chunk = m.dims().chunk_len;
+                let chunk = m.mamba3().unwrap().dims.chunk_len;
 
                 let mut st = m.new_state();
                 let full = m.prefill(&g.input_ids, &mut st, LogitsWant::All).unwrap();

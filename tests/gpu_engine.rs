@@ -55,7 +55,7 @@ fn golden_checks(name: &str, dtype: DType, tol: f64) -> f64 {
     check("decode from prefix", rel_l2(&out, &g.logits));
     let (_, st) = windows(&m, &g.input_ids, &[g.prefix]);
     let host = st.to_host().unwrap();
-    let d = m.dims();
+    let d = m.mamba3().unwrap().dims;
     // With 16-bit weights the states of deep layers are more sensitive than the logits
     // (tests/golden.rs measures the CPU engine's bf16 ssm state of siso-mlp-norm at 5.3e-2
     // from the golden, with logits at 7e-3): the GPU's states are held to the golden
@@ -195,9 +195,9 @@ fn f16_scan_takes_activations_past_the_f16_range() {
     let mut worst_state = 0f64;
     let mut x_max = 0f32;
     let mut s_max = 0f32;
-    for (gl, cl) in layers(&gh, &gpu.dims())
+    for (gl, cl) in layers(&gh, &gpu.mamba3().unwrap().dims)
         .iter()
-        .zip(layers(&ch, &gpu.dims()))
+        .zip(layers(&ch, &gpu.mamba3().unwrap().dims))
     {
         worst_state = worst_state.max(rel_l2(&to_f64(gl.ssm), &to_f64(cl.ssm)));
         x_max = cl.v.iter().fold(x_max, |m, v| m.max(v.abs()));
@@ -278,9 +278,9 @@ fn random_configs_match_the_reference_in_f32() {
         for b in 0..seqs.len() {
             worst = worst.max(rel_l2(&to_f64(&got[b].data), &ref_head[b]));
             let host = states[b].to_host().unwrap();
-            for (ls, rs) in layers(&host, &m.dims())
+            for (ls, rs) in layers(&host, &m.mamba3().unwrap().dims)
                 .iter()
-                .zip(layers(&ref_state[b], &m.dims()))
+                .zip(layers(&ref_state[b], &m.mamba3().unwrap().dims))
             {
                 worst = worst
                     .max(rel_l2(&to_f64(ls.ssm), rs.ssm))
@@ -338,7 +338,7 @@ fn packed_batch_equals_each_sequence_alone() {
             let lg = m.prefill(s, &mut alone, LogitsWant::All).unwrap();
             worst = worst.max(rel_l2(&to_f64(&packed[b].data), &to_f64(&lg.data)));
             let (a, p) = (alone.to_host().unwrap(), states[b].to_host().unwrap());
-            for (x, y) in layers(&a, &m.dims()).iter().zip(layers(&p, &m.dims())) {
+            for (x, y) in layers(&a, &m.mamba3().unwrap().dims).iter().zip(layers(&p, &m.mamba3().unwrap().dims)) {
                 worst = worst.max(rel_l2(&to_f64(y.ssm), &to_f64(x.ssm)));
                 worst = worst.max(rel_l2(&to_f64(y.k), &to_f64(x.k)));
             }
@@ -424,9 +424,9 @@ fn short_prefills_match_the_reference() {
                 let (mut last, mut none) = (st.clone(), st.clone());
                 let all = m.prefill(piece, &mut st, LogitsWant::All).unwrap();
                 worst = worst.max(rel_l2(&to_f64(&all.data), &want.concat()));
-                for (ls, rs) in layers(&st.to_host().unwrap(), &m.dims())
+                for (ls, rs) in layers(&st.to_host().unwrap(), &m.mamba3().unwrap().dims)
                     .iter()
-                    .zip(layers(&rs, &m.dims()))
+                    .zip(layers(&rs, &m.mamba3().unwrap().dims))
                 {
                     worst = worst
                         .max(rel_l2(&to_f64(ls.ssm), rs.ssm))

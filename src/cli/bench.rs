@@ -4,9 +4,14 @@
 
 use super::{PathArg, RunOpts};
 use crate::engine::{LogitsWant, Model, State, StepLogits};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
+use crate::mixers::MixerWeights;
+use crate::model::family_synthetic::{official_config, synthetic};
+use crate::model::family_weights::FamilyWeights;
 use crate::model::rng::Rng;
 use crate::model::{Config, Weights};
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
@@ -30,6 +35,12 @@ pub struct Args {
     pub vocab: usize,
     #[arg(long, default_value_t = 64)]
     pub chunk: usize,
+    /// The synthetic model's mixer: mamba3, mamba1 or mamba2.
+    #[arg(long, default_value = "mamba3")]
+    pub family: String,
+    /// Mamba-3 MIMO rank R of the synthetic model (0: SISO).
+    #[arg(long, default_value_t = 0)]
+    pub mimo_rank: usize,
     /// Prompt lengths to prefill.
     #[arg(long, default_value = "512")]
     pub prompt: super::List,
@@ -142,26 +153,16 @@ pub fn run(a: Args) -> Result<()> {
     let t_load = Instant::now();
     let model = match &a.model {
         Some(dir) => Model::load(dir, device, a.run.dtype)?,
-        None => {
-            let mut cfg = Config::synthetic(
-                a.d_model, a.layers, a.d_state, a.headdim, a.expand, a.ngroups, a.vocab,
-            );
-            cfg.ssm_cfg.chunk_size = a.chunk;
-            Model::from_weights(Weights::synthetic(cfg, a.run.dtype, 0)?, device)?
-        }
+        None => Model::from_mixer_weights(synthetic_weights(&a)?, device)?,
     };
     let load_s = t_load.elapsed().as_secs_f64();
     let d = model.dims();
     let shape = format!(
-        "d_model {} · layers {} · d_state {} · headdim {} · expand {} · groups {} · vocab {} · chunk {}",
+        "{} · d_model {} · layers {} · vocab {}",
+        model.kind().name(),
         d.d_model,
         d.n_layer,
-        d.d_state,
-        d.headdim,
-        d.d_inner / d.d_model,
-        d.ngroups,
         d.vocab_padded,
-        d.chunk_len
     );
     let device_name = model.device_name();
     if !a.json {
@@ -198,9 +199,10 @@ pub fn run(a: Args) -> Result<()> {
                     "decode_ms_per_token": m.decode_step_s * 1e3,
                     "decode_us_per_token": m.decode_step_s * 1e6,
                     "decode_tokens_per_s": decode_tps,
-                    "d_model": d.d_model, "layers": d.n_layer, "d_state": d.d_state,
-                    "headdim": d.headdim, "expand": d.d_inner / d.d_model, "ngroups": d.ngroups,
-                    "vocab_padded": d.vocab_padded, "chunk": d.chunk_len,
+                    "mixer": model.kind().name(),
+                    "d_model": d.d_model, "layers": d.n_layer, "d_state": a.d_state,
+                    "headdim": a.headdim, "expand": a.expand, "ngroups": a.ngroups,
+                    "mimo_rank": a.mimo_rank, "vocab_padded": d.vocab_padded, "chunk": a.chunk,
                     "threads": rayon::current_num_threads(),
                     "load_s": load_s,
                     "first_prefill_s": m.first_prefill_s,
@@ -222,4 +224,42 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The synthetic model of the shape and mixer the flags give.
+fn synthetic_weights(a: &Args) -> Result<MixerWeights> {
+    let dtype = a.run.dtype;
+    match (a.family.as_str(), a.mimo_rank) {
+        ("mamba3", 0) => {
+            let mut cfg = Config::synthetic(
+                a.d_model, a.layers, a.d_state, a.headdim, a.expand, a.ngroups, a.vocab,
+            );
+            cfg.ssm_cfg.chunk_size = a.chunk;
+            Ok(MixerWeights::Mamba3(Arc::new(Weights::synthetic(cfg, dtype, 0)?)))
+        }
+        ("mamba3", r) => {
+            let cfg = mimo_config_from_json_str(
+                &format!(
+                    r#"{{"d_model": {}, "n_layer": {}, "vocab_size": {}, "ssm_cfg": {{
+                        "layer": "Mamba3", "d_state": {}, "headdim": {}, "expand": {},
+                        "ngroups": {}, "chunk_size": {}, "is_mimo": true, "mimo_rank": {r}}}}}"#,
+                    a.d_model, a.layers, a.vocab, a.d_state, a.headdim, a.expand, a.ngroups, a.chunk
+                ),
+                "bench flags",
+            )?;
+            Ok(MixerWeights::Mimo(Arc::new(MimoWeights::synthetic(cfg, dtype, 0)?)))
+        }
+        (family @ ("mamba1" | "mamba2"), 0) => {
+            let layer = if family == "mamba1" { "Mamba1" } else { "Mamba2" };
+            let cfg = official_config(layer, a.d_model, a.layers, a.vocab, a.d_state, a.headdim)?;
+            Ok(match synthetic(&cfg, dtype, 0) {
+                FamilyWeights::Mamba1(w) => MixerWeights::Mamba1(Arc::new(w)),
+                FamilyWeights::Mamba2(w) => MixerWeights::Mamba2(Arc::new(w)),
+            })
+        }
+        (family, r) => Err(Error::input(format!(
+            "--family {family} with --mimo-rank {r}: expected mamba3, mamba1 or mamba2, and a \
+             MIMO rank only with mamba3"
+        ))),
+    }
 }

@@ -63,6 +63,18 @@ pub(crate) trait Backend {
         out: &mut StepLogits,
     ) -> Result<()>;
 
+    /// One sequence's window from its host state, like `forward`, but the hidden states
+    /// after `norm_f` (`[rows, d_model]`) instead of logits: what embeddings pool. Runs on
+    /// the CPU (a GPU model hands it to its CPU twin).
+    fn hidden(
+        &self,
+        _tokens: &[u32],
+        _state: &mut StateData,
+        _want: LogitsWant,
+    ) -> Result<Vec<f32>> {
+        Err(Error::input("hidden states are computed by a CPU backend"))
+    }
+
     fn gpu_options(&self) -> Result<Option<GpuOptions>> {
         Ok(None)
     }

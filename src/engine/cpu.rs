@@ -32,7 +32,7 @@ pub struct CpuModel<F> {
 }
 
 /// Check a batch before anything is touched, so that bad input leaves states unchanged.
-pub fn check_batch(w: &Weights, seqs: &[&[u32]], n_states: usize) -> Result<()> {
+pub fn check_batch(vocab_size: usize, seqs: &[&[u32]], n_states: usize) -> Result<()> {
     if seqs.is_empty() {
         return Err(Error::input("empty batch: expected at least one sequence"));
     }
@@ -49,11 +49,11 @@ pub fn check_batch(w: &Weights, seqs: &[&[u32]], n_states: usize) -> Result<()> 
                 "sequence {b} is empty: expected at least one token"
             )));
         }
-        if let Some(pos) = s.iter().position(|&t| t as usize >= w.dims.vocab_size) {
+        if let Some(pos) = s.iter().position(|&t| t as usize >= vocab_size) {
             return Err(Error::TokenOutOfRange {
                 id: s[pos] as u64,
                 pos,
-                vocab: w.dims.vocab_size,
+                vocab: vocab_size,
             });
         }
     }
@@ -162,7 +162,7 @@ impl<F: Real> CpuModel<F> {
         head: bool,
     ) -> Result<(Vec<F>, Vec<Span>, usize)> {
         let w = &*self.weights;
-        check_batch(w, seqs, states.len())?;
+        check_batch(w.dims.vocab_size, seqs, states.len())?;
         let d = w.dims;
         let state_layout = layout(&d);
         for (b, st) in states.iter().enumerate() {
@@ -306,5 +306,14 @@ impl Backend for CpuModel<f32> {
         let data = self.forward_flat(&seqs, &mut host_states(states)?, LogitsWant::Last)?;
         out.buf = HostBuf::Heap(data);
         Ok(())
+    }
+
+    fn hidden(
+        &self,
+        tokens: &[u32],
+        state: &mut StateData,
+        want: LogitsWant,
+    ) -> Result<Vec<f32>> {
+        Ok(CpuModel::hidden(self, &[tokens], &mut [state.host_mut()?], want)?.remove(0))
     }
 }

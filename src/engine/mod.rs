@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod cpu_family;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

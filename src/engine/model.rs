@@ -4,20 +4,24 @@
 use super::backend::Backend;
 pub use super::backend::{MAX_TOKENS_PER_PASS, MAX_TOKENS_PER_PASS_GPU};
 use super::cpu::CpuModel;
+use super::cpu_family::FamilyCpu;
 use super::device::Device;
 use super::logits::LogitsWant;
 pub use super::logits::{Logits, StepLogits};
 use super::state::{State, StateData};
 use crate::error::{Error, Result};
-use crate::mixers::{state_layout, MixerKind};
+pub use crate::mixers::{LmDims, MixerKind, MixerWeights};
 use crate::model::state_layout::StateLayout;
-use crate::model::{Config, DType, Dims, Weights};
+use crate::model::{DType, Weights};
 pub use crate::options::GpuOptions;
 use std::path::Path;
 use std::sync::Arc;
 
 pub struct Model {
-    weights: Arc<Weights>,
+    weights: MixerWeights,
+    dims: LmDims,
+    /// States of another model are refused (see [`MixerWeights::fingerprint`]).
+    fingerprint: u64,
     /// The named tensors of a sequence's state (the mixer's).
     state_layout: Arc<StateLayout>,
     device: Device,
@@ -25,7 +29,7 @@ pub struct Model {
 }
 
 impl Model {
-    /// Load a model directory (config.json + model.safetensors or pytorch_model.bin).
+    /// Load a model directory (config.json + weights, any mixer, either file layout).
     pub fn load(path: &Path, device: Device, dtype: DType) -> Result<Model> {
         if dtype == DType::F64 {
             return Err(Error::input(
@@ -34,6 +38,18 @@ impl Model {
         }
         #[cfg(feature = "cuda")]
         if let Device::Cuda(ordinal) = device {
+            let weights = MixerWeights::load(path, dtype);
+            // Only Mamba-3 SISO has CUDA kernels so far.
+            if let Ok(w) = &weights {
+                if w.kind() != MixerKind::Mamba3Siso {
+                    return Err(Error::Device(format!(
+                        "{} models run on the CPU only in this version (no CUDA kernels for \
+                         this mixer yet): use --device cpu",
+                        w.kind().name()
+                    )));
+                }
+            }
+            let _ = weights?;
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other. Nor does loading
             // the cuBLASLt library (`Lt::new` waits for it; an error shows there). That
@@ -54,28 +70,40 @@ impl Model {
                 .map_err(|_| Error::Device("opening the CUDA device panicked".into()))?;
             let weights = Arc::new(weights?);
             let model = crate::engine::cuda::CudaModel::on(gpu?, weights.clone())?;
-            return Ok(Model {
-                state_layout: Self::layout_of(&weights),
-                weights,
+            return Ok(Self::assemble(
+                MixerWeights::Mamba3(weights),
                 device,
-                backend: Box::new(model),
-            });
+                Box::new(model),
+            ));
         }
         let weights = crate::timeline::stage("checkpoint read and converted", || {
-            Weights::load(path, dtype)
+            MixerWeights::load(path, dtype)
         })?;
-        Self::from_weights(weights, device)
+        Self::from_mixer_weights(weights, device)
     }
 
+    /// A model of Mamba-3 SISO parameters built in memory (synthetic, trained, converted).
     pub fn from_weights(weights: Weights, device: Device) -> Result<Model> {
-        let weights = Arc::new(weights);
+        Self::from_mixer_weights(MixerWeights::Mamba3(Arc::new(weights)), device)
+    }
+
+    /// A model of any mixer's parameters on `device`.
+    pub fn from_mixer_weights(weights: MixerWeights, device: Device) -> Result<Model> {
         let backend: Box<dyn Backend> = match device {
-            Device::Cpu => Box::new(CpuModel::<f32>::new(weights.clone())),
+            Device::Cpu => cpu_backend(&weights)?,
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => Box::new(crate::engine::cuda::CudaModel::new(
-                weights.clone(),
-                ordinal,
-            )?),
+            Device::Cuda(ordinal) => match &weights {
+                MixerWeights::Mamba3(w) => {
+                    Box::new(crate::engine::cuda::CudaModel::new(w.clone(), ordinal)?)
+                }
+                other => {
+                    return Err(Error::Device(format!(
+                        "{} models run on the CPU only in this version (no CUDA kernels \
+                         for this mixer yet): use --device cpu",
+                        other.kind().name()
+                    )))
+                }
+            },
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
                 return Err(Error::Device(
@@ -83,16 +111,18 @@ impl Model {
                 ))
             }
         };
-        Ok(Model {
-            state_layout: Self::layout_of(&weights),
+        Ok(Self::assemble(weights, device, backend))
+    }
+
+    fn assemble(weights: MixerWeights, device: Device, backend: Box<dyn Backend>) -> Model {
+        Model {
+            dims: weights.lm_dims(),
+            fingerprint: weights.fingerprint(),
+            state_layout: Arc::new(weights.state_layout()),
             weights,
             device,
             backend,
-        })
-    }
-
-    fn layout_of(w: &Weights) -> Arc<StateLayout> {
-        Arc::new(state_layout(MixerKind::of(&w.config), &w.dims))
+        }
     }
 
     /// The named tensors of one sequence's state.
@@ -100,17 +130,28 @@ impl Model {
         &self.state_layout
     }
 
-    pub fn weights(&self) -> &Weights {
+    /// The parameters, whichever the mixer.
+    pub fn weights(&self) -> &MixerWeights {
         &self.weights
     }
-    pub fn config(&self) -> &Config {
-        &self.weights.config
+    /// The Mamba-3 SISO parameters, if that is the model's mixer.
+    pub fn mamba3(&self) -> Option<&Arc<Weights>> {
+        self.weights.mamba3()
     }
-    pub fn dims(&self) -> Dims {
-        self.weights.dims
+    /// Which mixer the model's layers use.
+    pub fn kind(&self) -> MixerKind {
+        self.weights.kind()
+    }
+    /// The sizes of the language model (vocabulary, width, depth).
+    pub fn dims(&self) -> LmDims {
+        self.dims
     }
     pub fn dtype(&self) -> DType {
-        self.weights.dtype
+        self.weights.dtype()
+    }
+    /// A hash of the config and parameters; a state records the one of its model.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
     pub fn device(&self) -> Device {
         self.device
@@ -127,7 +168,7 @@ impl Model {
 
     /// A fresh (zero) state for one sequence, on this model's device.
     pub fn new_state(&self) -> State {
-        let host = State::new_host(self.weights.fingerprint, self.state_layout.clone());
+        let host = State::new_host(self.fingerprint, self.state_layout.clone());
         match self.backend.new_state(&self.state_layout) {
             Some(data) => State { data, ..host },
             None => host,
@@ -137,7 +178,7 @@ impl Model {
     /// Load a state saved by [`State::save`] onto this model's device; refused if it
     /// belongs to another model.
     pub fn load_state(&self, path: &Path) -> Result<State> {
-        let mut s = State::load_host(path, self.weights.fingerprint, self.state_layout.clone())?;
+        let mut s = State::load_host(path, self.fingerprint, self.state_layout.clone())?;
         self.place(&mut s)?;
         Ok(s)
     }
@@ -149,10 +190,10 @@ impl Model {
     }
 
     fn check_state(&self, s: &State, b: usize) -> Result<()> {
-        if s.model != self.weights.fingerprint || *s.layout != *self.state_layout {
+        if s.model != self.fingerprint || *s.layout != *self.state_layout {
             return Err(Error::State(format!(
                 "state {b} belongs to another model (fingerprint {:016x}, this model {:016x})",
-                s.model, self.weights.fingerprint
+                s.model, self.fingerprint
             )));
         }
         Ok(())
@@ -177,12 +218,12 @@ impl Model {
         states: &mut [&mut State],
         want: LogitsWant,
     ) -> Result<Vec<Logits>> {
-        super::cpu::check_batch(&self.weights, seqs, states.len())?;
+        super::cpu::check_batch(self.dims.vocab_size, seqs, states.len())?;
         for (b, s) in states.iter_mut().enumerate() {
             self.check_state(s, b)?;
             self.place(s)?;
         }
-        let vocab = self.weights.dims.vocab_padded;
+        let vocab = self.dims.vocab_padded;
         let mut out: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
         // Cut into passes of at most MAX_TOKENS_PER_PASS tokens, shared among the
         // sequences that still have tokens left.
@@ -239,7 +280,7 @@ impl Model {
         out.rows = 0;
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
         self.check_and_place(&seqs, states)?;
-        let vp = self.weights.dims.vocab_padded;
+        let vp = self.dims.vocab_padded;
         self.backend
             .decode_into(tokens, &mut data_of(states), out)?;
         for s in states.iter_mut() {
@@ -257,12 +298,12 @@ impl Model {
         let rows = self.forward(&seqs, states, LogitsWant::Last)?;
         Ok(Logits::from_rows(
             rows.concat(),
-            self.weights.dims.vocab_padded,
+            self.dims.vocab_padded,
         ))
     }
 
     fn check_and_place(&self, seqs: &[&[u32]], states: &mut [&mut State]) -> Result<()> {
-        super::cpu::check_batch(&self.weights, seqs, states.len())?;
+        super::cpu::check_batch(self.dims.vocab_size, seqs, states.len())?;
         for (b, s) in states.iter_mut().enumerate() {
             self.check_state(s, b)?;
             self.place(s)?;
@@ -304,7 +345,7 @@ impl Model {
         }
         Ok(Logits::from_rows(
             rows.concat(),
-            self.weights.dims.vocab_padded,
+            self.dims.vocab_padded,
         ))
     }
 
@@ -334,7 +375,7 @@ impl Model {
         for (s, t) in states.iter_mut().zip(seqs) {
             s.position += t.len() as u64;
         }
-        let vocab = self.weights.dims.vocab_padded;
+        let vocab = self.dims.vocab_padded;
         Ok(rows
             .into_iter()
             .map(|d| Logits::from_rows(d, vocab))
@@ -377,21 +418,16 @@ impl Model {
     /// Runs on the CPU backend whatever the model's device (on a CUDA model the state is
     /// brought to the host first and stays there until the next GPU call places it back).
     pub fn hidden(&self, tokens: &[u32], state: &mut State, want: LogitsWant) -> Result<Vec<f32>> {
-        super::cpu::check_batch(&self.weights, &[tokens], 1)?;
+        super::cpu::check_batch(self.dims.vocab_size, &[tokens], 1)?;
         self.check_state(state, 0)?;
         #[cfg(feature = "cuda")]
         if let StateData::Cuda(_) = &state.data {
             state.data = StateData::Host(Arc::new(state.to_host()?));
         }
-        let cpu = CpuModel::<f32>::new(self.weights.clone());
+        let cpu = cpu_backend(&self.weights)?;
         let mut out = Vec::new();
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
-            let host = match &mut state.data {
-                StateData::Host(h) => Arc::make_mut(h),
-                #[cfg(feature = "cuda")]
-                StateData::Cuda(_) => unreachable!("brought to the host above"),
-            };
-            let rows = cpu.hidden(&[piece], &mut [host], want)?.remove(0);
+            let rows = cpu.hidden(piece, &mut state.data, want)?;
             state.position += piece.len() as u64;
             match want {
                 LogitsWant::All => out.extend(rows),
@@ -401,4 +437,12 @@ impl Model {
         }
         Ok(out)
     }
+}
+
+/// The CPU backend of a model's mixer.
+fn cpu_backend(weights: &MixerWeights) -> Result<Box<dyn Backend>> {
+    Ok(match weights {
+        MixerWeights::Mamba3(w) => Box::new(CpuModel::<f32>::new(w.clone())),
+        other => Box::new(FamilyCpu::new(other.clone())?),
+    })
 }

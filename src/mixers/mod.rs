@@ -3,42 +3,350 @@
 //! launches and kernels, its backward and its tests.
 //!
 //! The family is data: [`MixerKind`] is read from the config, and everything the engine
-//! needs to know about a mixer without running it — the per-layer state it carries — is
-//! asked of it here ([`state_layout`]). This file is the one place a mixer is registered.
+//! needs to know about a mixer without running it — its parameters ([`MixerWeights`]),
+//! the per-layer state it carries ([`MixerWeights::state_layout`]), the sizes of its
+//! language model ([`LmDims`]) — is asked of it here. This file is the one place a mixer
+//! is registered; the engine's backends (`engine/cpu*.rs`, `engine/cuda/`) say which
+//! mixers each runs.
 
 pub mod mamba1;
 pub mod mamba2;
 pub mod mamba3;
 pub mod mimo;
 
+use crate::error::{Error, Result};
+use crate::model::family_config::{detect_family, parse_json_lenient, FamilyKind};
+use crate::model::family_weights::{FamilyWeights, Mamba1Weights, Mamba2Weights};
 use crate::model::state_layout::StateLayout;
-use crate::model::{Config, Dims};
+use crate::model::weights::{fingerprint_tensor, fingerprint_values, Fnv};
+use crate::model::{DType, Matrix, Weights};
+use mimo::MimoWeights;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// Which mixer a model's layers use (`ssm_cfg.layer` in the official config).
+/// Which mixer a model's layers use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MixerKind {
     /// Mamba-3, single input single output (`layer = "Mamba3"`, `is_mimo = false`).
     Mamba3Siso,
+    /// Mamba-3 MIMO (`layer = "Mamba3"`, `is_mimo = true`).
+    Mamba3Mimo,
+    /// Mamba-1 and FalconMamba (official `layer` absent or `"Mamba1"`; transformers
+    /// `model_type` `mamba` or `falcon_mamba`).
+    Mamba1,
+    /// Mamba-2 (official `layer = "Mamba2"`; transformers `model_type = "mamba2"`).
+    Mamba2,
 }
 
 impl MixerKind {
-    /// The mixer a validated config names.
-    pub fn of(_config: &Config) -> MixerKind {
-        // `Config::validate` refuses every other mixer today, naming the field.
-        MixerKind::Mamba3Siso
+    /// The mixer a `config.json` (either layout) names, without validating the rest.
+    pub fn detect(text: &str, origin: &str) -> Result<MixerKind> {
+        Ok(match detect_family(text, origin)? {
+            FamilyKind::Mamba1 => MixerKind::Mamba1,
+            FamilyKind::Mamba2 => MixerKind::Mamba2,
+            FamilyKind::Mamba3 => {
+                let root = parse_json_lenient(text).map_err(|e| Error::Config {
+                    path: origin.into(),
+                    msg: format!("not valid JSON: {e}"),
+                })?;
+                match root.pointer("/ssm_cfg/is_mimo") {
+                    Some(serde_json::Value::Bool(true)) => MixerKind::Mamba3Mimo,
+                    _ => MixerKind::Mamba3Siso,
+                }
+            }
+        })
     }
 
-    /// The name used in messages and state files.
+    /// The name used in messages, state files and `--family`.
     pub fn name(self) -> &'static str {
         match self {
             MixerKind::Mamba3Siso => "mamba3",
+            MixerKind::Mamba3Mimo => "mamba3-mimo",
+            MixerKind::Mamba1 => "mamba1",
+            MixerKind::Mamba2 => "mamba2",
         }
     }
 }
 
-/// The named tensors one sequence's state holds per layer, for a model of this kind.
-pub fn state_layout(kind: MixerKind, dims: &Dims) -> StateLayout {
-    match kind {
-        MixerKind::Mamba3Siso => mamba3::state::layout(dims),
+/// The sizes of the language model around the mixers, the same for every mixer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LmDims {
+    pub d_model: usize,
+    pub n_layer: usize,
+    /// token ids below this are valid
+    pub vocab_size: usize,
+    /// rows of the embedding and of each position's logits
+    pub vocab_padded: usize,
+}
+
+/// A model's parameters, whichever its mixer.
+#[derive(Clone, Debug)]
+pub enum MixerWeights {
+    Mamba3(Arc<Weights>),
+    Mimo(Arc<MimoWeights>),
+    Mamba1(Arc<Mamba1Weights>),
+    Mamba2(Arc<Mamba2Weights>),
+}
+
+impl MixerWeights {
+    /// Load a model folder (or a weights file with `config.json` beside it) of any mixer
+    /// and either file layout, matrices in `dtype`.
+    pub fn load(path: &Path, dtype: DType) -> Result<MixerWeights> {
+        if !path.is_file() && !path.is_dir() {
+            return Err(Error::input(format!(
+                "model path {} does not exist (expected a directory holding config.json and \
+                 model.safetensors, pytorch_model.bin or model.safetensors.index.json)",
+                path.display()
+            )));
+        }
+        let config = config_path(path);
+        let text = std::fs::read_to_string(&config).map_err(|e| Error::io(&config, e))?;
+        let origin = config.display().to_string();
+        Ok(match MixerKind::detect(&text, &origin)? {
+            MixerKind::Mamba3Siso => MixerWeights::Mamba3(Arc::new(Weights::load(path, dtype)?)),
+            MixerKind::Mamba3Mimo => MixerWeights::Mimo(Arc::new(MimoWeights::load(path, dtype)?)),
+            MixerKind::Mamba1 | MixerKind::Mamba2 => match FamilyWeights::load(path, dtype)? {
+                FamilyWeights::Mamba1(w) => MixerWeights::Mamba1(Arc::new(w)),
+                FamilyWeights::Mamba2(w) => MixerWeights::Mamba2(Arc::new(w)),
+            },
+        })
     }
+
+    pub fn kind(&self) -> MixerKind {
+        match self {
+            MixerWeights::Mamba3(_) => MixerKind::Mamba3Siso,
+            MixerWeights::Mimo(_) => MixerKind::Mamba3Mimo,
+            MixerWeights::Mamba1(_) => MixerKind::Mamba1,
+            MixerWeights::Mamba2(_) => MixerKind::Mamba2,
+        }
+    }
+
+    /// The Mamba-3 SISO parameters, if that is the mixer.
+    pub fn mamba3(&self) -> Option<&Arc<Weights>> {
+        match self {
+            MixerWeights::Mamba3(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    pub fn lm_dims(&self) -> LmDims {
+        match self {
+            MixerWeights::Mamba3(w) => LmDims {
+                d_model: w.dims.d_model,
+                n_layer: w.dims.n_layer,
+                vocab_size: w.dims.vocab_size,
+                vocab_padded: w.dims.vocab_padded,
+            },
+            MixerWeights::Mimo(w) => LmDims {
+                d_model: w.dims.d_model,
+                n_layer: w.dims.n_layer,
+                vocab_size: w.dims.vocab_size,
+                vocab_padded: w.dims.vocab_padded,
+            },
+            MixerWeights::Mamba1(w) => family_dims(&w.config),
+            MixerWeights::Mamba2(w) => family_dims(&w.config),
+        }
+    }
+
+    /// The dtype of the matrices.
+    pub fn dtype(&self) -> DType {
+        match self {
+            MixerWeights::Mamba3(w) => w.dtype,
+            MixerWeights::Mimo(w) => w.dtype,
+            MixerWeights::Mamba1(w) => w.dtype,
+            MixerWeights::Mamba2(w) => w.dtype,
+        }
+    }
+
+    /// The named tensors one sequence's state holds per layer.
+    pub fn state_layout(&self) -> StateLayout {
+        match self {
+            MixerWeights::Mamba3(w) => mamba3::state::layout(&w.dims),
+            MixerWeights::Mimo(w) => mimo::layout(&w.dims),
+            MixerWeights::Mamba1(w) => {
+                mamba1::layout(w.config.mamba1().expect("a Mamba-1 config"), w.config.n_layer)
+            }
+            MixerWeights::Mamba2(w) => {
+                mamba2::layout(w.config.mamba2().expect("a Mamba-2 config"), w.config.n_layer)
+            }
+        }
+    }
+
+    /// Every parameter tensor, by name (the official names where the mixer has them).
+    fn tensors(&self) -> Vec<(String, Param<'_>)> {
+        let mut out = Vec::new();
+        match self {
+            MixerWeights::Mamba3(w) => {
+                for (name, t) in w.to_tensors() {
+                    out.push((name, Param::Count(t.numel())));
+                }
+            }
+            MixerWeights::Mimo(w) => {
+                out.push(("embedding".into(), Param::Matrix(&w.embedding)));
+                out.push(("norm_f".into(), Param::Vector(&w.norm_f)));
+                if let Some(h) = &w.lm_head {
+                    out.push(("lm_head".into(), Param::Matrix(h)));
+                }
+                for (i, l) in w.layers.iter().enumerate() {
+                    let n = |s: &str| format!("{i}.{s}");
+                    for (s, m) in [("in_proj", &l.in_proj), ("out_proj", &l.out_proj)] {
+                        out.push((n(s), Param::Matrix(m)));
+                    }
+                    for (s, v) in [
+                        ("norm", &l.norm),
+                        ("dt_bias", &l.dt_bias),
+                        ("B_bias", &l.b_bias),
+                        ("C_bias", &l.c_bias),
+                        ("B_norm", &l.b_norm),
+                        ("C_norm", &l.c_norm),
+                        ("mimo_x", &l.mimo_x),
+                        ("mimo_z", &l.mimo_z),
+                        ("mimo_o", &l.mimo_o),
+                        ("D", &l.d),
+                    ] {
+                        out.push((n(s), Param::Vector(v)));
+                    }
+                    if let Some(v) = &l.out_norm {
+                        out.push((n("out_norm"), Param::Vector(v)));
+                    }
+                    if let Some(m) = &l.mlp {
+                        out.push((n("mlp.norm"), Param::Vector(&m.norm)));
+                        out.push((n("mlp.fc1"), Param::Matrix(&m.fc1)));
+                        out.push((n("mlp.fc2"), Param::Matrix(&m.fc2)));
+                    }
+                }
+            }
+            MixerWeights::Mamba1(w) => {
+                lm_tensors(w, &mut out, |m, push| {
+                    push("in_proj", Param::Matrix(&m.in_proj));
+                    push("conv", Param::Vector(&m.conv_weight));
+                    push("x_proj", Param::Matrix(&m.x_proj));
+                    push("dt_proj", Param::Matrix(&m.dt_proj));
+                    push("dt_bias", Param::Vector(&m.dt_bias));
+                    push("A_log", Param::Vector(&m.a_log));
+                    push("D", Param::Vector(&m.d));
+                    push("out_proj", Param::Matrix(&m.out_proj));
+                    for (s, v) in [
+                        ("in_proj.bias", &m.in_proj_bias),
+                        ("conv.bias", &m.conv_bias),
+                        ("out_proj.bias", &m.out_proj_bias),
+                    ] {
+                        if let Some(v) = v {
+                            push(s, Param::Vector(v));
+                        }
+                    }
+                });
+            }
+            MixerWeights::Mamba2(w) => {
+                lm_tensors(w, &mut out, |m, push| {
+                    push("in_proj", Param::Matrix(&m.in_proj));
+                    push("conv", Param::Vector(&m.conv_weight));
+                    push("dt_bias", Param::Vector(&m.dt_bias));
+                    push("A_log", Param::Vector(&m.a_log));
+                    push("D", Param::Vector(&m.d));
+                    push("out_proj", Param::Matrix(&m.out_proj));
+                    for (s, v) in [
+                        ("norm", &m.norm),
+                        ("in_proj.bias", &m.in_proj_bias),
+                        ("conv.bias", &m.conv_bias),
+                        ("out_proj.bias", &m.out_proj_bias),
+                    ] {
+                        if let Some(v) = v {
+                            push(s, Param::Vector(v));
+                        }
+                    }
+                });
+            }
+        }
+        out
+    }
+
+    /// Parameters (a tied head counted once).
+    pub fn param_count(&self) -> usize {
+        self.tensors().iter().map(|(_, p)| p.len()).sum()
+    }
+
+    /// A hash of the config and of samples of every parameter: states are refused by a
+    /// model with another fingerprint.
+    pub fn fingerprint(&self) -> u64 {
+        if let MixerWeights::Mamba3(w) = self {
+            return w.fingerprint;
+        }
+        let config = match self {
+            MixerWeights::Mimo(w) => format!("{:?}", w.dims),
+            MixerWeights::Mamba1(w) => format!("{:?}", w.config.mixer),
+            MixerWeights::Mamba2(w) => format!("{:?}", w.config.mixer),
+            MixerWeights::Mamba3(_) => unreachable!("returned above"),
+        };
+        let mut h = Fnv::new()
+            .bytes(self.kind().name().as_bytes())
+            .bytes(config.as_bytes())
+            .u64(self.lm_dims().vocab_padded as u64);
+        for (name, p) in self.tensors() {
+            h = match p {
+                Param::Matrix(m) => fingerprint_tensor(h, &name, &m.data),
+                Param::Vector(v) => fingerprint_values(h, &name, v.len(), |i| v[i] as f64),
+                Param::Count(n) => h.bytes(name.as_bytes()).u64(n as u64),
+            };
+        }
+        h.0
+    }
+}
+
+/// One parameter tensor, for counting and fingerprints.
+enum Param<'a> {
+    Matrix(&'a Matrix),
+    Vector(&'a [f32]),
+    /// only its size (Mamba-3 has its own fingerprint)
+    Count(usize),
+}
+
+impl Param<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Param::Matrix(m) => m.rows * m.cols,
+            Param::Vector(v) => v.len(),
+            Param::Count(n) => *n,
+        }
+    }
+}
+
+/// The LM's own tensors, then each block's norm and (through `mixer`) its mixer's.
+fn lm_tensors<'a, M>(
+    w: &'a crate::model::family_weights::LmWeights<M>,
+    out: &mut Vec<(String, Param<'a>)>,
+    mixer: impl Fn(&'a M, &mut dyn FnMut(&str, Param<'a>)),
+) {
+    out.push(("embedding".into(), Param::Matrix(&w.embedding)));
+    out.push(("norm_f".into(), Param::Vector(&w.norm_f)));
+    if let Some(h) = &w.lm_head {
+        out.push(("lm_head".into(), Param::Matrix(h)));
+    }
+    for (i, b) in w.layers.iter().enumerate() {
+        out.push((format!("{i}.norm"), Param::Vector(&b.norm)));
+        mixer(&b.mixer, &mut |s, p| out.push((format!("{i}.mixer.{s}"), p)));
+    }
+}
+
+fn family_dims(c: &crate::model::family_config::FamilyConfig) -> LmDims {
+    LmDims {
+        d_model: c.d_model,
+        n_layer: c.n_layer,
+        vocab_size: c.vocab_size.min(c.vocab_padded),
+        vocab_padded: c.vocab_padded,
+    }
+}
+
+/// `config.json` of a model folder, or beside a weights file.
+fn config_path(path: &Path) -> PathBuf {
+    if path.is_file() {
+        path.parent().unwrap_or(Path::new(".")).join("config.json")
+    } else {
+        path.join("config.json")
+    }
+}
+
+/// The named tensors of one sequence's state for a Mamba-3 SISO model of these dims.
+pub fn state_layout(dims: &crate::model::Dims) -> StateLayout {
+    mamba3::state::layout(dims)
 }

@@ -147,12 +147,12 @@ impl Default for Fnv {
 
 /// Hash a tensor's name, length and 32 evenly spaced values (as f32), so that the same
 /// parameters give the same fingerprint whatever file format or dtype they came in.
-fn fingerprint_tensor(h: Fnv, name: &str, data: &TensorData) -> Fnv {
+pub(crate) fn fingerprint_tensor(h: Fnv, name: &str, data: &TensorData) -> Fnv {
     fingerprint_values(h, name, data.len(), |i| data.get_f64(i))
 }
 
 /// [`fingerprint_tensor`] of `n` values read through `get`.
-fn fingerprint_values(h: Fnv, name: &str, n: usize, get: impl Fn(usize) -> f64) -> Fnv {
+pub(crate) fn fingerprint_values(h: Fnv, name: &str, n: usize, get: impl Fn(usize) -> f64) -> Fnv {
     let mut h = h.bytes(name.as_bytes()).u64(n as u64);
     let samples = n.min(32);
     for i in 0..samples {

@@ -6,17 +6,24 @@ use std::path::PathBuf;
 
 pub const FIXTURES: [&str; 2] = ["siso-tiny", "siso-mlp-norm"];
 
-/// A fixture's directory: beside the sources that built the test, or under `tests/fixtures`
-/// of the working directory (the GPU test binaries run on the GPU machine from a copy of
-/// the repository, not where they were built).
+/// A fixture's directory: the repository's own copies (`tests/fixtures`: the SISO ones) or
+/// the shared fixtures (`../shared/fixtures`: every mixer), beside the sources that built
+/// the test or under the working directory (the GPU test binaries run on the GPU machine
+/// from a copy of the repository, not where they were built).
 pub fn fixture(name: &str) -> PathBuf {
-    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let base = if built.is_dir() {
-        built
-    } else {
-        PathBuf::from("tests/fixtures")
-    };
-    base.join(name)
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let bases = [
+        manifest.join("tests/fixtures"),
+        manifest.join("../shared/fixtures"),
+        PathBuf::from("tests/fixtures"),
+        PathBuf::from("../shared/fixtures"),
+        PathBuf::from("shared/fixtures"),
+    ];
+    bases
+        .iter()
+        .map(|b| b.join(name))
+        .find(|p| p.is_dir())
+        .unwrap_or_else(|| bases[0].join(name))
 }
 
 pub struct Golden {

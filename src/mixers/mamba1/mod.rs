@@ -31,8 +31,6 @@ pub mod step;
 pub(crate) mod golden_tests;
 #[cfg(test)]
 mod prefill_tests;
-#[cfg(test)]
-pub(crate) mod test_models;
 
 use crate::error::{Error, Result};
 use crate::model::family_config::Mamba1Config;

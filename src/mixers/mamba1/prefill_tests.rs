@@ -6,7 +6,7 @@ use super::lm::LogitRows;
 use super::prefill::prefill;
 use super::reference::Reference;
 use super::step::step;
-use super::test_models::{mamba1, Gen};
+use crate::model::family_synthetic::{mamba1, Gen};
 use super::{zero_state, State};
 use crate::cpu::Real;
 use crate::model::dtype::DType;

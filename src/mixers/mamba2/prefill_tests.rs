@@ -9,7 +9,7 @@ use super::{zero_state, State};
 use crate::cpu::Real;
 use crate::mixers::mamba1::golden_tests::{conv_ssm_parts, fixture, rel_l2, to64, Golden, LAYOUTS, TOL};
 use crate::mixers::mamba1::lm::LogitRows;
-use crate::mixers::mamba1::test_models::{mamba2, Gen};
+use crate::model::family_synthetic::{mamba2, Gen};
 use crate::model::dtype::DType;
 use crate::model::family_config::{Mamba2Config, MixerConfig};
 use crate::model::family_weights::Mamba2Weights;

@@ -27,6 +27,7 @@ use crate::cpu::math::{rms_norm, silu, wrap_angle};
 use crate::cpu::matmul::{gemm, matmul_t, View, ViewMut};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::mamba1::lm::LogitRows;
 use crate::model::config::NORM_EPS;
 use rayon::prelude::*;
 
@@ -39,6 +40,19 @@ pub fn mimo_prefill<F: Real>(
     state: &mut MimoSeqState<F>,
     chunk_len: usize,
 ) -> Result<Vec<F>> {
+    mimo_prefill_rows(w, tokens, state, chunk_len, LogitRows::All, true)
+}
+
+/// [`mimo_prefill`] returning only the rows `want` asks for: logits `[rows, vocab_padded]`
+/// with `head`, else the hidden states after `norm_f` `[rows, D_m]`.
+pub fn mimo_prefill_rows<F: Real>(
+    w: &MimoWeights,
+    tokens: &[u32],
+    state: &mut MimoSeqState<F>,
+    chunk_len: usize,
+    want: LogitRows,
+    head: bool,
+) -> Result<Vec<F>> {
     let d = w.dims;
     check_window(&d, tokens, state)?;
     if chunk_len == 0 {
@@ -46,11 +60,11 @@ pub fn mimo_prefill<F: Real>(
     }
     let (rows, dm) = (tokens.len(), d.d_model);
     let mut hs = vec![F::zero(); rows * dm];
-    for (row, &t) in hs.chunks_mut(dm).zip(tokens) {
+    hs.par_chunks_mut(dm).zip(tokens).for_each(|(row, &t)| {
         for (i, v) in row.iter_mut().enumerate() {
             *v = F::from_f(w.embedding.data.get_f64(t as usize * dm + i));
         }
-    }
+    });
     let mut res = vec![F::zero(); rows * dm];
     let mut normed = vec![F::zero(); rows * dm];
     let mut proj = vec![F::zero(); rows * d.d_in_proj];
@@ -69,25 +83,37 @@ pub fn mimo_prefill<F: Real>(
             norm_rows(&res, &mlp.norm, dm, &mut normed);
             let hidden = d.mlp_hidden;
             matmul_t(&normed, rows, &mlp.fc1, &mut vg);
-            for (a, vg) in act.chunks_mut(hidden).zip(vg.chunks(2 * hidden)) {
-                for i in 0..hidden {
-                    a[i] = vg[i] * silu(vg[hidden + i]);
-                }
-            }
+            act.par_chunks_mut(hidden)
+                .zip(vg.par_chunks(2 * hidden))
+                .for_each(|(a, vg)| {
+                    for i in 0..hidden {
+                        a[i] = vg[i] * silu(vg[hidden + i]);
+                    }
+                });
             matmul_t(&act, rows, &mlp.fc2, &mut hs);
         }
     }
     add_assign(&mut res, &hs);
-    norm_rows(&res, &w.norm_f, dm, &mut normed);
-    let mut logits = vec![F::zero(); rows * d.vocab_padded];
-    matmul_t(&normed, rows, w.head(), &mut logits);
+    let keep = match want {
+        LogitRows::All => rows,
+        LogitRows::Last => rows.min(1),
+        LogitRows::None => return Ok(Vec::new()),
+    };
+    let tail = &res[(rows - keep) * dm..];
+    let mut hidden = vec![F::zero(); keep * dm];
+    norm_rows(tail, &w.norm_f, dm, &mut hidden);
+    if !head {
+        return Ok(hidden);
+    }
+    let mut logits = vec![F::zero(); keep * d.vocab_padded];
+    matmul_t(&hidden, keep, w.head(), &mut logits);
     Ok(logits)
 }
 
 fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize, out: &mut [F]) {
-    for (o, r) in out.chunks_mut(width).zip(x.chunks(width)) {
-        rms_norm(r, w, F::from_f(NORM_EPS), o);
-    }
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .for_each(|(o, r)| rms_norm(r, w, F::from_f(NORM_EPS), o));
 }
 
 fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {

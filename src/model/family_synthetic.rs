@@ -1,6 +1,7 @@
-//! Random small models of both families, for checking the fast paths against the
-//! references on configurations the fixtures do not cover (biases, groups, FalconMamba
-//! norms, odd widths). Every parameter is drawn away from any special value.
+//! Random Mamba-1 and Mamba-2 models: for checking the fast paths against the references
+//! on configurations the fixtures do not cover (biases, groups, FalconMamba norms, odd
+//! widths), and for `mamba3 bench --family` on a shape without a checkpoint. Every
+//! parameter is drawn away from any special value.
 
 use crate::model::dtype::TensorData;
 use crate::model::family_config::{
@@ -78,6 +79,100 @@ fn lm<M>(
             .collect(),
         norm_f: g.vec(d_model, 0.7, 1.3),
         lm_head: (!tied).then(|| g.matrix(vocab, d_model, 1.0)),
+    }
+}
+
+impl<M> LmWeights<M> {
+    /// The same model with its matrices held in `dtype` (rounded once).
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        let conv = |m: &mut Matrix| *m = m.convert(dtype);
+        conv(&mut self.embedding);
+        self.lm_head.as_mut().map(conv);
+        self.dtype = dtype;
+        self
+    }
+}
+
+impl Mamba1Weights {
+    /// Its matrices in `dtype` (the mixer's vectors stay f32).
+    pub fn mixers_with_dtype(mut self, dtype: DType) -> Self {
+        for b in &mut self.layers {
+            for m in [
+                &mut b.mixer.in_proj,
+                &mut b.mixer.x_proj,
+                &mut b.mixer.dt_proj,
+                &mut b.mixer.out_proj,
+            ] {
+                *m = m.convert(dtype);
+            }
+        }
+        self.with_dtype(dtype)
+    }
+}
+
+impl Mamba2Weights {
+    /// Its matrices in `dtype` (the mixer's vectors stay f32).
+    pub fn mixers_with_dtype(mut self, dtype: DType) -> Self {
+        for b in &mut self.layers {
+            for m in [&mut b.mixer.in_proj, &mut b.mixer.out_proj] {
+                *m = m.convert(dtype);
+            }
+        }
+        self.with_dtype(dtype)
+    }
+}
+
+/// The official config of a Mamba-1 (`layer` "Mamba1") or Mamba-2 model of this shape,
+/// every other field at the official default.
+pub fn official_config(
+    layer: &str,
+    d_model: usize,
+    n_layer: usize,
+    vocab_size: usize,
+    d_state: usize,
+    headdim: usize,
+) -> crate::error::Result<FamilyConfig> {
+    let head = if layer == "Mamba2" {
+        format!(r#", "headdim": {headdim}"#)
+    } else {
+        String::new()
+    };
+    FamilyConfig::from_json_str(
+        &format!(
+            r#"{{"d_model": {d_model}, "n_layer": {n_layer}, "vocab_size": {vocab_size},
+                "ssm_cfg": {{"layer": "{layer}", "d_state": {d_state}{head}}}}}"#
+        ),
+        "synthetic",
+    )
+}
+
+/// A random model of `config`'s shape with matrices in `dtype`.
+pub fn synthetic(config: &FamilyConfig, dtype: DType, seed: u64) -> crate::model::family_weights::FamilyWeights {
+    use crate::model::family_weights::FamilyWeights;
+    let (dm, nl, v) = (config.d_model, config.n_layer, config.vocab_padded);
+    let mut w = match &config.mixer {
+        MixerConfig::Mamba1(c) => FamilyWeights::Mamba1(mamba1(c.clone(), dm, nl, v, seed).mixers_with_dtype(dtype)),
+        MixerConfig::Mamba2(c) => FamilyWeights::Mamba2(mamba2(c.clone(), dm, nl, v, seed).mixers_with_dtype(dtype)),
+    };
+    match &mut w {
+        FamilyWeights::Mamba1(m) => {
+            m.config = config.clone();
+            tie(m);
+        }
+        FamilyWeights::Mamba2(m) => {
+            m.config = config.clone();
+            tie(m);
+        }
+    }
+    w
+}
+
+/// Make the head follow the config: none when tied, a copy of the embedding otherwise.
+fn tie<M>(m: &mut LmWeights<M>) {
+    if m.config.tie_embeddings {
+        m.lm_head = None;
+    } else if m.lm_head.is_none() {
+        m.lm_head = Some(m.embedding.clone());
     }
 }
 

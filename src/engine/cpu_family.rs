@@ -1,0 +1,137 @@
+//! The CPU backend of the mixers other than Mamba-3 SISO (which has its own packed-batch
+//! pipeline in `cpu.rs`): Mamba-3 MIMO, Mamba-1 and Mamba-2, each through its mixer's fast
+//! CPU paths on the engine's flat states.
+//!
+//! A pass of several sequences prefills each from its own state in turn (each prefill is
+//! parallel inside); a pass of one token per sequence is a decode step, batched where the
+//! mixer has a batched step (Mamba-1, Mamba-2: every weight read once for the batch).
+
+use super::backend::{Backend, MAX_TOKENS_PER_PASS};
+use super::logits::{HostBuf, LogitsWant, StepLogits};
+use super::state::StateData;
+use crate::error::{Error, Result};
+use crate::mixers::mamba1::lm::LogitRows;
+use crate::mixers::{mamba1, mamba2, mimo, MixerWeights};
+use crate::model::state_layout::{StateBuf, StateLayout};
+
+pub struct FamilyCpu {
+    weights: MixerWeights,
+}
+
+impl FamilyCpu {
+    /// A backend for `weights`; an error for Mamba-3 SISO, which `CpuModel` runs.
+    pub fn new(weights: MixerWeights) -> Result<FamilyCpu> {
+        if let MixerWeights::Mamba3(_) = weights {
+            return Err(Error::input(
+                "Mamba-3 SISO runs on the engine's CpuModel, not FamilyCpu",
+            ));
+        }
+        Ok(FamilyCpu { weights })
+    }
+
+    /// One sequence's window from its state: the rows `want` asks for, logits with `head`,
+    /// else the hidden states after `norm_f`.
+    pub fn prefill(
+        &self,
+        tokens: &[u32],
+        state: &mut StateBuf<f32>,
+        want: LogitsWant,
+        head: bool,
+    ) -> Result<Vec<f32>> {
+        let rows = match want {
+            LogitsWant::All => LogitRows::All,
+            LogitsWant::Last => LogitRows::Last,
+            LogitsWant::None => LogitRows::None,
+        };
+        match &self.weights {
+            MixerWeights::Mimo(w) => {
+                mimo::mimo_prefill_rows(w, tokens, state, w.dims.chunk_len, rows, head)
+            }
+            MixerWeights::Mamba1(w) => mamba1::prefill::prefill_rows(w, state, tokens, rows, head),
+            MixerWeights::Mamba2(w) => mamba2::prefill::prefill_rows(w, state, tokens, rows, head),
+            MixerWeights::Mamba3(_) => unreachable!("refused by FamilyCpu::new"),
+        }
+    }
+
+    /// One token for each sequence: logits `[batch, vocab_padded]`.
+    fn step(&self, tokens: &[u32], states: &mut [&mut StateBuf<f32>]) -> Result<Vec<f32>> {
+        match &self.weights {
+            MixerWeights::Mamba1(w) => mamba1::step::step(w, states, tokens),
+            MixerWeights::Mamba2(w) => mamba2::step::step(w, states, tokens),
+            _ => {
+                let mut out = Vec::new();
+                for (&t, st) in tokens.iter().zip(states.iter_mut()) {
+                    out.extend(self.prefill(&[t], st, LogitsWant::Last, true)?);
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// The host data of states placed on the host (each made unique: copy-on-write).
+fn host_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut StateBuf<f32>>> {
+    states.iter_mut().map(|s| s.host_mut()).collect()
+}
+
+impl Backend for FamilyCpu {
+    fn device_name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn max_tokens_per_pass(&self) -> usize {
+        MAX_TOKENS_PER_PASS
+    }
+
+    fn new_state(&self, _layout: &StateLayout) -> Option<StateData> {
+        None
+    }
+
+    fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let StateData::Cuda(s) = data {
+            *data = StateData::Host(std::sync::Arc::new(s.to_host(layout)?));
+        }
+        let _ = (layout, data);
+        Ok(())
+    }
+
+    fn forward(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut StateData],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut hosts = host_states(states)?;
+        if want == LogitsWant::Last && seqs.iter().all(|s| s.len() == 1) {
+            let tokens: Vec<u32> = seqs.iter().map(|s| s[0]).collect();
+            let vp = self.weights.lm_dims().vocab_padded;
+            let rows = self.step(&tokens, &mut hosts)?;
+            return Ok(rows.chunks(vp).map(<[f32]>::to_vec).collect());
+        }
+        seqs.iter()
+            .zip(hosts)
+            .map(|(s, st)| self.prefill(s, st, want, true))
+            .collect()
+    }
+
+    fn decode_into(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut StateData],
+        out: &mut StepLogits,
+    ) -> Result<()> {
+        let rows = self.step(tokens, &mut host_states(states)?)?;
+        out.buf = HostBuf::Heap(rows);
+        Ok(())
+    }
+
+    fn hidden(
+        &self,
+        tokens: &[u32],
+        state: &mut StateData,
+        want: LogitsWant,
+    ) -> Result<Vec<f32>> {
+        self.prefill(tokens, state.host_mut()?, want, false)
+    }
+}

@@ -1,0 +1,240 @@
+//! The official Mamba-1, Mamba-2 and Mamba-3 MIMO goldens (`../shared/fixtures/m1-tiny`,
+//! `m2-tiny`, `mimo-tiny`, `mimo-mlp-norm`) through the engine, as a user loads them: every
+//! file layout (official safetensors and `.bin`; transformers' `hf/` for Mamba-1/2), f32
+//! and bf16 weights — full prefill, continued windows, the states after the prefix (every
+//! tensor of the mixer's state layout against the golden tensor of the same name), decode
+//! from the prefix, a packed batch against each sequence alone, and a saved state loaded
+//! back — and through the `mamba3 logits` command.
+mod common;
+use common::*;
+use mamba3::{DType, Device, LogitsWant, MixerKind, Model, State};
+use std::path::PathBuf;
+
+/// (fixture, its model folders, its mixer)
+fn models() -> Vec<(&'static str, Vec<PathBuf>, MixerKind)> {
+    let m12 = |n: &str| {
+        vec![
+            fixture(n),
+            fixture(n).join("pytorch_model.bin"),
+            fixture(n).join("hf"),
+        ]
+    };
+    let mimo = |n: &str| vec![fixture(n), fixture(n).join("pytorch_model.bin")];
+    vec![
+        ("m1-tiny", m12("m1-tiny"), MixerKind::Mamba1),
+        ("m2-tiny", m12("m2-tiny"), MixerKind::Mamba2),
+        ("mimo-tiny", mimo("mimo-tiny"), MixerKind::Mamba3Mimo),
+        ("mimo-mlp-norm", mimo("mimo-mlp-norm"), MixerKind::Mamba3Mimo),
+    ]
+}
+
+/// The fixtures' README: f32 within 1e-5 relative L2, bf16 within 1e-2.
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        _ => 1e-2,
+    }
+}
+
+/// With bf16 weights the states drift more than the logits (the deep layers' inputs carry
+/// every earlier layer's rounding); f32 states meet the logits' tolerance.
+fn state_tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        _ => 6e-2,
+    }
+}
+
+fn check_states(g: &Golden, state: &State, tol: f64, what: &str) {
+    let layout = state.layout().clone();
+    let host = state.to_host().unwrap();
+    for l in 0..layout.n_layer {
+        for (i, t) in layout.tensors.iter().enumerate() {
+            let off = layout.offset_in_layer(i);
+            let got = to_f64(&host.layer(l)[off..off + t.len()]);
+            let gold = g.tensor(&layout.file_name(l, i));
+            let e = if t.name == "angle" {
+                rel_l2_angles(&got, &gold)
+            } else {
+                rel_l2(&got, &gold)
+            };
+            assert!(e <= tol, "{what}: state.{l}.{} rel L2 {e:e} > {tol:e}", t.name);
+        }
+    }
+}
+
+fn windows(m: &Model, tokens: &[u32], ends: &[usize]) -> Vec<f32> {
+    let mut st = m.new_state();
+    let mut out = Vec::new();
+    let mut start = 0;
+    for &e in ends {
+        out.extend(m.prefill(&tokens[start..e], &mut st, LogitsWant::All).unwrap().data);
+        start = e;
+    }
+    assert_eq!(st.position(), tokens.len() as u64);
+    out
+}
+
+#[test]
+fn family_goldens_through_the_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, folders, kind) in models() {
+        let g = Golden::load(name);
+        let gold = g.logits.as_slice();
+        let t = g.input_ids.len();
+        for folder in &folders {
+            for dtype in [DType::F32, DType::BF16] {
+                let what = format!("{name} {} {dtype}", folder.display());
+                let m = Model::load(folder, Device::Cpu, dtype).unwrap();
+                assert_eq!(m.kind(), kind, "{what}");
+                let tol = tol(dtype);
+
+                let mut st = m.new_state();
+                let full = m.prefill(&g.input_ids, &mut st, LogitsWant::All).unwrap();
+                let e = rel_l2(&to_f64(&full.data), gold);
+                eprintln!("{what}: prefill rel L2 {e:.2e}");
+                assert!(e <= tol, "{what}: prefill rel L2 {e:e}");
+
+                for ends in [vec![1, 17, g.prefix, t - 1, t], vec![2, 3, 4, 5, 50, t]] {
+                    let e = rel_l2(&to_f64(&windows(&m, &g.input_ids, &ends)), gold);
+                    assert!(e <= tol, "{what}: windows {ends:?} rel L2 {e:e}");
+                }
+
+                let mut st = m.new_state();
+                let mut got = m
+                    .prefill(&g.input_ids[..g.prefix], &mut st, LogitsWant::All)
+                    .unwrap()
+                    .data;
+                check_states(&g, &st, state_tol(dtype), &what);
+                // A saved state loads back into the same model and is refused by another.
+                let file = tmp.path().join("state.safetensors");
+                st.save(&file).unwrap();
+                let mut back = m.load_state(&file).unwrap();
+                assert_eq!(back.position(), g.prefix as u64);
+                // Decode the rest: half from the state, half from the loaded copy.
+                let half = g.prefix + (t - g.prefix) / 2;
+                for &tok in &g.input_ids[g.prefix..half] {
+                    got.extend(m.decode(&[tok], &mut [&mut st]).unwrap().data);
+                    m.decode(&[tok], &mut [&mut back]).unwrap();
+                }
+                for &tok in &g.input_ids[half..] {
+                    got.extend(m.decode(&[tok], &mut [&mut back]).unwrap().data);
+                }
+                let e = rel_l2(&to_f64(&got), gold);
+                assert!(e <= tol, "{what}: decode from the prefix rel L2 {e:e}");
+
+                // A packed batch: the whole input beside a shorter piece of it, then a
+                // batched decode step; each row equals its sequence alone.
+                if dtype == DType::F32 {
+                    let short = &g.input_ids[..23];
+                    let mut sts = [m.new_state(), m.new_state()];
+                    let [a, b] = &mut sts;
+                    let out = m
+                        .prefill_batch(&[&g.input_ids, short], &mut [a, b], LogitsWant::Last)
+                        .unwrap();
+                    let vp = g.vocab_padded;
+                    let e = rel_l2(&to_f64(&out[0].data), &gold[(t - 1) * vp..t * vp]);
+                    assert!(e <= tol, "{what}: batch row 0 rel L2 {e:e}");
+                    let e = rel_l2(&to_f64(&out[1].data), &gold[22 * vp..23 * vp]);
+                    assert!(e <= tol, "{what}: batch row 1 rel L2 {e:e}");
+                    let [a, b] = &mut sts;
+                    let step = m.decode(&[5, g.input_ids[23]], &mut [a, b]).unwrap();
+                    let e = rel_l2(&to_f64(step.row(1)), &gold[23 * vp..24 * vp]);
+                    assert!(e <= tol, "{what}: batched decode row 1 rel L2 {e:e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn states_of_one_family_are_refused_by_another() {
+    let m1 = Model::load(&fixture("m1-tiny"), Device::Cpu, DType::F32).unwrap();
+    let m2 = Model::load(&fixture("m2-tiny"), Device::Cpu, DType::F32).unwrap();
+    let mimo = Model::load(&fixture("mimo-tiny"), Device::Cpu, DType::F32).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    for (a, b) in [(&m1, &m2), (&m2, &mimo), (&mimo, &m1)] {
+        let mut st = a.new_state();
+        a.prefill(&[1, 2, 3], &mut st, LogitsWant::None).unwrap();
+        let e = b.prefill(&[4], &mut st, LogitsWant::Last).unwrap_err();
+        assert!(e.to_string().contains("another model"), "{e}");
+        let file = tmp.path().join("s.safetensors");
+        st.save(&file).unwrap();
+        assert!(b.load_state(&file).is_err());
+    }
+    // The same weights in the official and transformers layouts are one model.
+    let hf = Model::load(&fixture("m1-tiny").join("hf"), Device::Cpu, DType::F32).unwrap();
+    assert_eq!(hf.fingerprint(), m1.fingerprint());
+    // Out-of-range tokens are errors that leave the state alone.
+    let mut st = m2.new_state();
+    m2.prefill(&[1, 2], &mut st, LogitsWant::None).unwrap();
+    let before = st.to_host().unwrap();
+    let e = m2.prefill(&[3, 100_000], &mut st, LogitsWant::All).unwrap_err();
+    assert!(e.to_string().contains("100000"), "{e}");
+    assert_eq!(st.to_host().unwrap(), before);
+    assert_eq!(st.position(), 2);
+}
+
+/// `mamba3 logits` on every family fixture and layout: full, windows, decode from the
+/// prefix with the states written after it.
+#[test]
+fn logits_command_matches_family_goldens() {
+    let exe = env!("CARGO_BIN_EXE_mamba3");
+    let dir = tempfile::tempdir().unwrap();
+    for (name, folders, _) in models() {
+        let g = Golden::load(name);
+        let ids = fixture(name).join("golden.safetensors");
+        let p = g.prefix.to_string();
+        for folder in &folders {
+            for extra in [
+                vec!["--windows", "1,7,33,40,100"],
+                vec!["--decode-from", &p, "--states-after", &p],
+                vec!["--dtype", "bf16"],
+            ] {
+                let what = format!("{name} {} {extra:?}", folder.display());
+                let out = dir.path().join("out.safetensors");
+                let run = std::process::Command::new(exe)
+                    .args(["logits", "--model"])
+                    .arg(folder)
+                    .arg("--input-ids")
+                    .arg(&ids)
+                    .arg("--out")
+                    .arg(&out)
+                    .args(&extra)
+                    .output()
+                    .unwrap();
+                assert!(
+                    run.status.success(),
+                    "{what}: {}",
+                    String::from_utf8_lossy(&run.stderr)
+                );
+                let f = mamba3::model::tensor_file::TensorFile::open(&out).unwrap();
+                let read = |n: &str| {
+                    let t = f.get(n).unwrap_or_else(|| panic!("{what}: no {n}"));
+                    t.to_float(n, DType::F64).unwrap().to_f64_vec()
+                };
+                let tol = if extra.contains(&"bf16") { 1e-2 } else { 1e-5 };
+                let e = rel_l2(&read("logits"), &g.logits);
+                assert!(e <= tol, "{what}: logits rel L2 {e:e}");
+                if extra.contains(&"--states-after") {
+                    for l in 0..2 {
+                        for field in ["conv", "ssm", "k", "v", "angle"] {
+                            let n = format!("state.{l}.{field}");
+                            if f.get(&n).is_none() {
+                                continue;
+                            }
+                            let e = if field == "angle" {
+                                rel_l2_angles(&read(&n), &g.tensor(&n))
+                            } else {
+                                rel_l2(&read(&n), &g.tensor(&n))
+                            };
+                            assert!(e <= 1e-5, "{what}: {n} rel L2 {e:e}");
+                        }
+                        let n = format!("state.{l}.ssm");
+                        assert!(f.get(&n).is_some(), "{what}: no {n}");
+                    }
+                }
+            }
+        }
+    }
+}
