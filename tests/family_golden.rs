@@ -238,3 +238,49 @@ fn logits_command_matches_family_goldens() {
         }
     }
 }
+
+/// `mamba3 convert` repacks any family's folder (a `.bin`, a transformers folder) into one
+/// `model.safetensors` beside its config; the result loads as the same model, or, converted
+/// to bf16, meets the bf16 tolerance. `mamba3 inspect` names the mixer.
+#[test]
+fn convert_and_inspect_take_every_family() {
+    let exe = env!("CARGO_BIN_EXE_mamba3");
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (name, src, dtype)) in [
+        ("m1-tiny", fixture("m1-tiny").join("pytorch_model.bin"), None),
+        ("m2-tiny", fixture("m2-tiny").join("hf"), Some("bf16")),
+        ("mimo-tiny", fixture("mimo-tiny").join("pytorch_model.bin"), None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = dir.path().join(format!("out{i}"));
+        let mut cmd = std::process::Command::new(exe);
+        cmd.args(["convert", "--model"]).arg(&src).arg("--out").arg(&out);
+        if let Some(d) = dtype {
+            cmd.args(["--dtype", d]);
+        }
+        let run = cmd.output().unwrap();
+        assert!(run.status.success(), "{name}: {}", String::from_utf8_lossy(&run.stderr));
+        assert!(out.join("model.safetensors").is_file() && out.join("config.json").is_file());
+        let a = Model::load(&out, Device::Cpu, DType::F32).unwrap();
+        let g = Golden::load(name);
+        let mut st = a.new_state();
+        let got = a.prefill(&g.input_ids, &mut st, LogitsWant::All).unwrap();
+        let e = rel_l2(&to_f64(&got.data), &g.logits);
+        let tol = if dtype.is_some() { 1e-2 } else { 1e-5 };
+        assert!(e <= tol, "{name} converted: rel L2 {e:e}");
+        if dtype.is_none() {
+            let b = Model::load(&src, Device::Cpu, DType::F32).unwrap();
+            assert_eq!(a.fingerprint(), b.fingerprint(), "{name}");
+        }
+        let run = std::process::Command::new(exe)
+            .args(["inspect", "--model"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&run.stdout);
+        assert!(run.status.success() && text.contains("mixer"), "{name}: {text}");
+        assert!(text.contains(a.kind().name()), "{name}: {text}");
+    }
+}

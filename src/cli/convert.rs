@@ -1,10 +1,14 @@
-//! `mamba3 convert`: rewrite a checkpoint (the official `pytorch_model.bin`, or another
-//! safetensors file) as `model.safetensors`, after checking every tensor against the config.
+//! `mamba3 convert`: rewrite a checkpoint (the official `pytorch_model.bin`, shards, or
+//! another safetensors file) as one `model.safetensors`, after checking every tensor
+//! against the config. Mamba-3 SISO keeps exactly the official tensors; the other mixers
+//! keep every stored tensor under its stored name (so a transformers folder stays one).
 
 use super::PathArg;
 use crate::error::{Error, Result};
 use crate::model::tensor_file::{write_safetensors, DiskDType, RawTensor, TensorFile};
 use crate::model::weights::{expected_tensors, locate};
+use crate::mixers::{MixerKind, MixerWeights};
+use crate::model::shards::TensorSource;
 use crate::model::{Config, DType, Weights};
 use std::path::Path;
 
@@ -23,6 +27,9 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    if MixerKind::of_path(&a.model)? != MixerKind::Mamba3Siso {
+        return repack(&a);
+    }
     let (config_path, weights_path) = locate(&a.model)?;
     check_out(&a.out, &config_path)?;
     let config = Config::from_file(&config_path)?;
@@ -32,25 +39,58 @@ pub fn run(a: Args) -> Result<()> {
     let mut tensors: Vec<(String, RawTensor)> = Vec::new();
     for (name, _) in expected_tensors(&config) {
         let raw = file.get(&name).expect("checked above");
-        let raw = match (a.dtype, raw.dtype) {
-            (Some(to), DiskDType::Float(from)) if to != from => {
-                RawTensor::from_data(raw.shape.clone(), &raw.to_float(&name, to)?)
-            }
-            _ => RawTensor {
-                dtype: raw.dtype,
-                shape: raw.shape.clone(),
-                bytes: std::borrow::Cow::Owned(raw.bytes.into_owned()),
-            },
-        };
-        tensors.push((name, raw));
+        tensors.push((name.clone(), convert_raw(raw, &name, a.dtype)?));
     }
+    write_out(&a, &config_path, &weights_path, tensors)
+}
+
+/// Any other mixer: every stored tensor, checked first by loading the model.
+fn repack(a: &Args) -> Result<()> {
+    MixerWeights::load(&a.model, DType::F32)?;
+    let config_path = if a.model.is_file() {
+        a.model.parent().unwrap_or(Path::new(".")).join("config.json")
+    } else {
+        a.model.join("config.json")
+    };
+    check_out(&a.out, &config_path)?;
+    let src = TensorSource::open(&a.model)?;
+    let mut tensors: Vec<(String, RawTensor)> = Vec::new();
+    for name in src.names() {
+        let raw = src.get(&name).expect("a stored name");
+        tensors.push((name.clone(), convert_raw(raw, &name, a.dtype)?));
+    }
+    write_out(a, &config_path, &src.origin().to_path_buf(), tensors)
+}
+
+/// A tensor in `dtype` if it is a float tensor of another dtype, else as stored.
+fn convert_raw(raw: RawTensor, name: &str, dtype: Option<DType>) -> Result<RawTensor<'static>> {
+    Ok(match (dtype, raw.dtype) {
+        (Some(to), DiskDType::Float(from)) if to != from => {
+            RawTensor::from_data(raw.shape.clone(), &raw.to_float(name, to)?)
+        }
+        _ => RawTensor {
+            dtype: raw.dtype,
+            shape: raw.shape.clone(),
+            bytes: std::borrow::Cow::Owned(raw.bytes.into_owned()),
+        },
+    })
+}
+
+/// Write `tensors` (sorted by name) to `--out`: a file, or a folder that also receives the
+/// config and tokenizer files.
+fn write_out(
+    a: &Args,
+    config_path: &Path,
+    weights_path: &Path,
+    mut tensors: Vec<(String, RawTensor)>,
+) -> Result<()> {
     tensors.sort_by(|x, y| x.0.cmp(&y.0));
     let is_file = a.out.extension().is_some_and(|e| e == "safetensors");
     let target = if is_file {
         a.out.clone()
     } else {
         std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
-        copy_beside(&config_path, &a.out)?;
+        copy_beside(config_path, &a.out)?;
         if let Some(dir) = config_path.parent() {
             for extra in [
                 "tokenizer.json",

@@ -4,7 +4,9 @@ use super::PathArg;
 use crate::error::Result;
 use crate::model::tensor_file::TensorFile;
 use crate::model::weights::locate;
+use crate::mixers::{MixerKind, MixerWeights};
 use crate::model::{DType, Weights};
+use std::path::Path;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -19,6 +21,9 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let model = crate::model::default_model::resolve(a.model.as_deref())?;
+    if MixerKind::of_path(&model)? != MixerKind::Mamba3Siso {
+        return family(&model, &MixerWeights::load(&model, a.dtype)?);
+    }
     let (config_path, weights_path) = locate(&model)?;
     let file = TensorFile::open(&weights_path)?;
     let disk_dtypes: std::collections::BTreeSet<String> = file
@@ -71,5 +76,33 @@ pub fn run(a: Args) -> Result<()> {
         gib(state)
     );
     println!("config\n{}", w.config.to_json());
+    Ok(())
+}
+
+/// The summary of a model of another mixer than Mamba-3 SISO.
+fn family(path: &Path, w: &MixerWeights) -> Result<()> {
+    let d = w.lm_dims();
+    let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    println!("model        {}", path.display());
+    println!("mixer        {}", w.kind().name());
+    println!("fingerprint  {:016x}", w.fingerprint());
+    println!(
+        "shape        d_model {} · layers {} · vocab {} (padded {})",
+        d.d_model, d.n_layer, d.vocab_size, d.vocab_padded
+    );
+    match w {
+        MixerWeights::Mimo(m) => println!("mixer dims   {:?}", m.dims),
+        MixerWeights::Mamba1(m) => println!("config       {:?}", m.config),
+        MixerWeights::Mamba2(m) => println!("config       {:?}", m.config),
+        MixerWeights::Mamba3(_) => {}
+    }
+    let n = w.param_count();
+    println!("parameters   {n} ({:.2} M), matrices in {}", n as f64 / 1e6, w.dtype());
+    let layout = w.state_layout();
+    println!(
+        "state        {:.3} MiB per sequence (f32: {})",
+        mib(layout.len() * 4),
+        layout.describe()
+    );
     Ok(())
 }

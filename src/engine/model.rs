@@ -38,18 +38,15 @@ impl Model {
         }
         #[cfg(feature = "cuda")]
         if let Device::Cuda(ordinal) = device {
-            let weights = MixerWeights::load(path, dtype);
             // Only Mamba-3 SISO has CUDA kernels so far.
-            if let Ok(w) = &weights {
-                if w.kind() != MixerKind::Mamba3Siso {
-                    return Err(Error::Device(format!(
-                        "{} models run on the CPU only in this version (no CUDA kernels for \
-                         this mixer yet): use --device cpu",
-                        w.kind().name()
-                    )));
-                }
+            let kind = MixerKind::of_path(path)?;
+            if kind != MixerKind::Mamba3Siso {
+                return Err(Error::Device(format!(
+                    "{} models run on the CPU only in this version (no CUDA kernels for \
+                     this mixer yet): use --device cpu",
+                    kind.name()
+                )));
             }
-            let _ = weights?;
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other. Nor does loading
             // the cuBLASLt library (`Lt::new` waits for it; an error shows there). That

@@ -57,6 +57,20 @@ impl MixerKind {
         })
     }
 
+    /// The mixer of the model folder (or weights file) at `path`, from its `config.json`.
+    pub fn of_path(path: &Path) -> Result<MixerKind> {
+        if !path.is_file() && !path.is_dir() {
+            return Err(Error::input(format!(
+                "model path {} does not exist (expected a directory holding config.json and \
+                 model.safetensors, pytorch_model.bin or model.safetensors.index.json)",
+                path.display()
+            )));
+        }
+        let config = config_path(path);
+        let text = std::fs::read_to_string(&config).map_err(|e| Error::io(&config, e))?;
+        MixerKind::detect(&text, &config.display().to_string())
+    }
+
     /// The name used in messages, state files and `--family`.
     pub fn name(self) -> &'static str {
         match self {
@@ -92,17 +106,7 @@ impl MixerWeights {
     /// Load a model folder (or a weights file with `config.json` beside it) of any mixer
     /// and either file layout, matrices in `dtype`.
     pub fn load(path: &Path, dtype: DType) -> Result<MixerWeights> {
-        if !path.is_file() && !path.is_dir() {
-            return Err(Error::input(format!(
-                "model path {} does not exist (expected a directory holding config.json and \
-                 model.safetensors, pytorch_model.bin or model.safetensors.index.json)",
-                path.display()
-            )));
-        }
-        let config = config_path(path);
-        let text = std::fs::read_to_string(&config).map_err(|e| Error::io(&config, e))?;
-        let origin = config.display().to_string();
-        Ok(match MixerKind::detect(&text, &origin)? {
+        Ok(match MixerKind::of_path(path)? {
             MixerKind::Mamba3Siso => MixerWeights::Mamba3(Arc::new(Weights::load(path, dtype)?)),
             MixerKind::Mamba3Mimo => MixerWeights::Mimo(Arc::new(MimoWeights::load(path, dtype)?)),
             MixerKind::Mamba1 | MixerKind::Mamba2 => match FamilyWeights::load(path, dtype)? {
