@@ -284,3 +284,28 @@ fn convert_and_inspect_take_every_family() {
         assert!(text.contains(a.kind().name()), "{name}: {text}");
     }
 }
+
+/// `mamba3 random-model` writes an official folder that loads as the model it describes,
+/// and refuses to overwrite one.
+#[test]
+fn random_model_writes_a_loadable_official_folder() {
+    let exe = env!("CARGO_BIN_EXE_mamba3");
+    let dir = tempfile::tempdir().unwrap();
+    for (family, kind) in [("mamba1", MixerKind::Mamba1), ("mamba2", MixerKind::Mamba2)] {
+        let out = dir.path().join(family);
+        let args = [
+            "random-model", "--family", family, "--d-model", "64", "--layers", "2",
+            "--headdim", "16", "--vocab", "300", "--out",
+        ];
+        let run = std::process::Command::new(exe).args(args).arg(&out).output().unwrap();
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        let m = Model::load(&out, Device::Cpu, DType::F32).unwrap();
+        assert_eq!((m.kind(), m.dims().d_model, m.dims().vocab_size), (kind, 64, 300));
+        let mut st = m.new_state();
+        let lg = m.prefill(&[1, 2, 299], &mut st, LogitsWant::Last).unwrap();
+        assert!(lg.data.iter().all(|v| v.is_finite()));
+        let again = std::process::Command::new(exe).args(args).arg(&out).output().unwrap();
+        assert!(!again.status.success());
+        assert!(String::from_utf8_lossy(&again.stderr).contains("refusing to overwrite"));
+    }
+}

@@ -12,6 +12,8 @@ import traceback
 import openai
 
 BASE = sys.argv[1]
+# The model's width: embeddings have this many numbers.
+D_MODEL = int(sys.argv[2]) if len(sys.argv) > 2 else 96
 MODEL = "tiny"
 client = openai.OpenAI(base_url=BASE, api_key="sk-ci", max_retries=0, timeout=60)
 results = []
@@ -79,7 +81,7 @@ def chat_plain_and_streamed_agree():
 @test
 def embeddings_base64_and_float():
     r = client.embeddings.create(model=MODEL, input=["first text", "second"])  # the client asks for base64
-    assert len(r.data) == 2 and len(r.data[0].embedding) == 96, len(r.data[0].embedding)
+    assert len(r.data) == 2 and len(r.data[0].embedding) == D_MODEL, len(r.data[0].embedding)
     f = client.embeddings.create(model=MODEL, input=["first text", "second"], encoding_format="float")
     for a, b in zip(r.data, f.data):
         assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-6

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod random_model;
 pub mod serve;
 pub mod train;
 
@@ -46,6 +47,8 @@ pub enum Command {
     BenchServe(bench_serve::Args),
     /// Train a model on text files (byte-level), with checkpoints and a loss plot.
     Train(train::Args),
+    /// Write a Mamba-1 or Mamba-2 model of random weights of a given shape (official folder).
+    RandomModel(random_model::Args),
     /// Time optimiser steps (forward, backward, AdamW) on a synthetic model.
     BenchTrain(bench_train::Args),
 }
@@ -112,6 +115,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::BenchServe(a) => bench_serve::run(a),
         Command::Train(a) => train::run(a),
+        Command::RandomModel(a) => random_model::run(a),
         Command::BenchTrain(a) => bench_train::run(a),
     }
 }

@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::model::family_config::{detect_family, parse_json_lenient, FamilyKind};
 use crate::model::family_weights::{FamilyWeights, Mamba1Weights, Mamba2Weights};
 use crate::model::state_layout::StateLayout;
+use crate::model::tensor_file::{write_safetensors, RawTensor};
 use crate::model::weights::{fingerprint_tensor, fingerprint_values, Fnv};
 use crate::model::{DType, Matrix, Weights};
 use mimo::MimoWeights;
@@ -187,7 +188,7 @@ impl MixerWeights {
             }
             MixerWeights::Mimo(w) => {
                 out.push(("embedding".into(), Param::Matrix(&w.embedding)));
-                out.push(("norm_f".into(), Param::Vector(&w.norm_f)));
+                out.push(("norm_f".into(), Param::flat(&w.norm_f)));
                 if let Some(h) = &w.lm_head {
                     out.push(("lm_head".into(), Param::Matrix(h)));
                 }
@@ -208,61 +209,98 @@ impl MixerWeights {
                         ("mimo_o", &l.mimo_o),
                         ("D", &l.d),
                     ] {
-                        out.push((n(s), Param::Vector(v)));
+                        out.push((n(s), Param::flat(v)));
                     }
                     if let Some(v) = &l.out_norm {
-                        out.push((n("out_norm"), Param::Vector(v)));
+                        out.push((n("out_norm"), Param::flat(v)));
                     }
                     if let Some(m) = &l.mlp {
-                        out.push((n("mlp.norm"), Param::Vector(&m.norm)));
+                        out.push((n("mlp.norm"), Param::flat(&m.norm)));
                         out.push((n("mlp.fc1"), Param::Matrix(&m.fc1)));
                         out.push((n("mlp.fc2"), Param::Matrix(&m.fc2)));
                     }
                 }
             }
             MixerWeights::Mamba1(w) => {
+                let c = w.config.mamba1().expect("a Mamba-1 config");
+                let (di, n, k) = (c.d_inner, c.d_state, c.d_conv);
+                let dm = w.config.d_model;
                 lm_tensors(w, &mut out, |m, push| {
-                    push("in_proj", Param::Matrix(&m.in_proj));
-                    push("conv", Param::Vector(&m.conv_weight));
-                    push("x_proj", Param::Matrix(&m.x_proj));
-                    push("dt_proj", Param::Matrix(&m.dt_proj));
-                    push("dt_bias", Param::Vector(&m.dt_bias));
-                    push("A_log", Param::Vector(&m.a_log));
-                    push("D", Param::Vector(&m.d));
-                    push("out_proj", Param::Matrix(&m.out_proj));
-                    for (s, v) in [
-                        ("in_proj.bias", &m.in_proj_bias),
-                        ("conv.bias", &m.conv_bias),
-                        ("out_proj.bias", &m.out_proj_bias),
+                    push("in_proj.weight", Param::Matrix(&m.in_proj));
+                    push("conv1d.weight", Param::Vector(&m.conv_weight, vec![di, 1, k]));
+                    push("x_proj.weight", Param::Matrix(&m.x_proj));
+                    push("dt_proj.weight", Param::Matrix(&m.dt_proj));
+                    push("dt_proj.bias", Param::Vector(&m.dt_bias, vec![di]));
+                    push("A_log", Param::Vector(&m.a_log, vec![di, n]));
+                    push("D", Param::Vector(&m.d, vec![di]));
+                    push("out_proj.weight", Param::Matrix(&m.out_proj));
+                    for (s, v, len) in [
+                        ("in_proj.bias", &m.in_proj_bias, 2 * di),
+                        ("conv1d.bias", &m.conv_bias, di),
+                        ("out_proj.bias", &m.out_proj_bias, dm),
                     ] {
                         if let Some(v) = v {
-                            push(s, Param::Vector(v));
+                            push(s, Param::Vector(v, vec![len]));
                         }
                     }
                 });
             }
             MixerWeights::Mamba2(w) => {
+                let c = w.config.mamba2().expect("a Mamba-2 config");
+                let (cd, k, h, dm) = (c.conv_dim(), c.d_conv, c.nheads, w.config.d_model);
                 lm_tensors(w, &mut out, |m, push| {
-                    push("in_proj", Param::Matrix(&m.in_proj));
-                    push("conv", Param::Vector(&m.conv_weight));
-                    push("dt_bias", Param::Vector(&m.dt_bias));
-                    push("A_log", Param::Vector(&m.a_log));
-                    push("D", Param::Vector(&m.d));
-                    push("out_proj", Param::Matrix(&m.out_proj));
-                    for (s, v) in [
-                        ("norm", &m.norm),
-                        ("in_proj.bias", &m.in_proj_bias),
-                        ("conv.bias", &m.conv_bias),
-                        ("out_proj.bias", &m.out_proj_bias),
+                    push("in_proj.weight", Param::Matrix(&m.in_proj));
+                    push("conv1d.weight", Param::Vector(&m.conv_weight, vec![cd, 1, k]));
+                    push("dt_bias", Param::Vector(&m.dt_bias, vec![h]));
+                    push("A_log", Param::Vector(&m.a_log, vec![h]));
+                    push("D", Param::Vector(&m.d, vec![m.d.len()]));
+                    push("out_proj.weight", Param::Matrix(&m.out_proj));
+                    for (s, v, len) in [
+                        ("norm.weight", &m.norm, c.d_ssm),
+                        ("in_proj.bias", &m.in_proj_bias, c.d_in_proj()),
+                        ("conv1d.bias", &m.conv_bias, cd),
+                        ("out_proj.bias", &m.out_proj_bias, dm),
                     ] {
                         if let Some(v) = v {
-                            push(s, Param::Vector(v));
+                            push(s, Param::Vector(v, vec![len]));
                         }
                     }
                 });
             }
         }
         out
+    }
+
+    /// Write a Mamba-1 or Mamba-2 model as an official folder: `config_json` (its
+    /// `MambaConfig`, which must describe these weights: it is read back and checked) and
+    /// `model.safetensors` under the official names.
+    pub fn save_official(&self, dir: &Path, config_json: &str) -> Result<()> {
+        if !matches!(self, MixerWeights::Mamba1(_) | MixerWeights::Mamba2(_)) {
+            return Err(Error::input(format!(
+                "save_official writes Mamba-1 and Mamba-2 models, not {}",
+                self.kind().name()
+            )));
+        }
+        let mut tensors = Vec::new();
+        for (name, p) in self.tensors() {
+            let raw = match p {
+                Param::Matrix(m) => RawTensor::from_data(vec![m.rows, m.cols], &m.data),
+                Param::Vector(v, shape) => RawTensor::from_f32(shape, v),
+                Param::Count(_) => unreachable!("Mamba-3 only"),
+            };
+            tensors.push((name, raw));
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        crate::atomic::write(&dir.join("config.json"), config_json.as_bytes())?;
+        write_safetensors(&dir.join("model.safetensors"), &tensors, None)?;
+        let back = MixerWeights::load(dir, self.dtype())?;
+        if back.fingerprint() != self.fingerprint() {
+            return Err(Error::input(
+                "the config given does not describe these weights (they read back differently)",
+            ));
+        }
+        Ok(())
     }
 
     /// Parameters (a tied head counted once).
@@ -289,7 +327,7 @@ impl MixerWeights {
         for (name, p) in self.tensors() {
             h = match p {
                 Param::Matrix(m) => fingerprint_tensor(h, &name, &m.data),
-                Param::Vector(v) => fingerprint_values(h, &name, v.len(), |i| v[i] as f64),
+                Param::Vector(v, _) => fingerprint_values(h, &name, v.len(), |i| v[i] as f64),
                 Param::Count(n) => h.bytes(name.as_bytes()).u64(n as u64),
             };
         }
@@ -297,38 +335,45 @@ impl MixerWeights {
     }
 }
 
-/// One parameter tensor, for counting and fingerprints.
+/// One parameter tensor, for counting, fingerprints and saving.
 enum Param<'a> {
     Matrix(&'a Matrix),
-    Vector(&'a [f32]),
-    /// only its size (Mamba-3 has its own fingerprint)
+    /// f32 values and their shape
+    Vector(&'a [f32], Vec<usize>),
+    /// only its size (Mamba-3 has its own fingerprint and writer)
     Count(usize),
 }
 
-impl Param<'_> {
+impl<'a> Param<'a> {
+    fn flat(v: &'a [f32]) -> Param<'a> {
+        Param::Vector(v, vec![v.len()])
+    }
     fn len(&self) -> usize {
         match self {
             Param::Matrix(m) => m.rows * m.cols,
-            Param::Vector(v) => v.len(),
+            Param::Vector(v, _) => v.len(),
             Param::Count(n) => *n,
         }
     }
 }
 
-/// The LM's own tensors, then each block's norm and (through `mixer`) its mixer's.
+/// The LM's own tensors, then each block's norm and (through `mixer`) its mixer's, under
+/// their official names.
 fn lm_tensors<'a, M>(
     w: &'a crate::model::family_weights::LmWeights<M>,
     out: &mut Vec<(String, Param<'a>)>,
     mixer: impl Fn(&'a M, &mut dyn FnMut(&str, Param<'a>)),
 ) {
-    out.push(("embedding".into(), Param::Matrix(&w.embedding)));
-    out.push(("norm_f".into(), Param::Vector(&w.norm_f)));
+    out.push(("backbone.embedding.weight".into(), Param::Matrix(&w.embedding)));
+    out.push(("backbone.norm_f.weight".into(), Param::flat(&w.norm_f)));
     if let Some(h) = &w.lm_head {
-        out.push(("lm_head".into(), Param::Matrix(h)));
+        out.push(("lm_head.weight".into(), Param::Matrix(h)));
     }
     for (i, b) in w.layers.iter().enumerate() {
-        out.push((format!("{i}.norm"), Param::Vector(&b.norm)));
-        mixer(&b.mixer, &mut |s, p| out.push((format!("{i}.mixer.{s}"), p)));
+        out.push((format!("backbone.layers.{i}.norm.weight"), Param::flat(&b.norm)));
+        mixer(&b.mixer, &mut |s, p| {
+            out.push((format!("backbone.layers.{i}.mixer.{s}"), p))
+        });
     }
 }
 

@@ -132,17 +132,29 @@ pub fn official_config(
     d_state: usize,
     headdim: usize,
 ) -> crate::error::Result<FamilyConfig> {
+    let text = official_config_json(layer, d_model, n_layer, vocab_size, d_state, headdim);
+    FamilyConfig::from_json_str(&text, "synthetic")
+}
+
+/// The `config.json` text of [`official_config`].
+pub fn official_config_json(
+    layer: &str,
+    d_model: usize,
+    n_layer: usize,
+    vocab_size: usize,
+    d_state: usize,
+    headdim: usize,
+) -> String {
     let head = if layer == "Mamba2" {
         format!(r#", "headdim": {headdim}"#)
     } else {
         String::new()
     };
-    FamilyConfig::from_json_str(
-        &format!(
-            r#"{{"d_model": {d_model}, "n_layer": {n_layer}, "vocab_size": {vocab_size},
-                "ssm_cfg": {{"layer": "{layer}", "d_state": {d_state}{head}}}}}"#
-        ),
-        "synthetic",
+    format!(
+        "{{\"d_model\": {d_model}, \"n_layer\": {n_layer}, \"vocab_size\": {vocab_size}, \
+         \"ssm_cfg\": {{\"layer\": \"{layer}\", \"d_state\": {d_state}{head}}}, \
+         \"rms_norm\": true, \"residual_in_fp32\": true, \"fused_add_norm\": true, \
+         \"pad_vocab_size_multiple\": 8, \"tie_embeddings\": true}}\n"
     )
 }
 
