@@ -23,6 +23,6 @@ pub mod timeline;
 pub mod train;
 
 pub use engine::{Device, Logits, LogitsWant, Model, State};
-pub use mixers::{MixerKind, MixerWeights};
 pub use error::{Error, Result};
+pub use mixers::{MixerKind, MixerWeights};
 pub use model::DType;

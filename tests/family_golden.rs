@@ -24,7 +24,11 @@ fn models() -> Vec<(&'static str, Vec<PathBuf>, MixerKind)> {
         ("m1-tiny", m12("m1-tiny"), MixerKind::Mamba1),
         ("m2-tiny", m12("m2-tiny"), MixerKind::Mamba2),
         ("mimo-tiny", mimo("mimo-tiny"), MixerKind::Mamba3Mimo),
-        ("mimo-mlp-norm", mimo("mimo-mlp-norm"), MixerKind::Mamba3Mimo),
+        (
+            "mimo-mlp-norm",
+            mimo("mimo-mlp-norm"),
+            MixerKind::Mamba3Mimo,
+        ),
     ]
 }
 
@@ -58,7 +62,11 @@ fn check_states(g: &Golden, state: &State, tol: f64, what: &str) {
             } else {
                 rel_l2(&got, &gold)
             };
-            assert!(e <= tol, "{what}: state.{l}.{} rel L2 {e:e} > {tol:e}", t.name);
+            assert!(
+                e <= tol,
+                "{what}: state.{l}.{} rel L2 {e:e} > {tol:e}",
+                t.name
+            );
         }
     }
 }
@@ -68,7 +76,11 @@ fn windows(m: &Model, tokens: &[u32], ends: &[usize]) -> Vec<f32> {
     let mut out = Vec::new();
     let mut start = 0;
     for &e in ends {
-        out.extend(m.prefill(&tokens[start..e], &mut st, LogitsWant::All).unwrap().data);
+        out.extend(
+            m.prefill(&tokens[start..e], &mut st, LogitsWant::All)
+                .unwrap()
+                .data,
+        );
         start = e;
     }
     assert_eq!(st.position(), tokens.len() as u64);
@@ -169,7 +181,9 @@ fn states_of_one_family_are_refused_by_another() {
     let mut st = m2.new_state();
     m2.prefill(&[1, 2], &mut st, LogitsWant::None).unwrap();
     let before = st.to_host().unwrap();
-    let e = m2.prefill(&[3, 100_000], &mut st, LogitsWant::All).unwrap_err();
+    let e = m2
+        .prefill(&[3, 100_000], &mut st, LogitsWant::All)
+        .unwrap_err();
     assert!(e.to_string().contains("100000"), "{e}");
     assert_eq!(st.to_host().unwrap(), before);
     assert_eq!(st.position(), 2);
@@ -247,21 +261,36 @@ fn convert_and_inspect_take_every_family() {
     let exe = env!("CARGO_BIN_EXE_mamba3");
     let dir = tempfile::tempdir().unwrap();
     for (i, (name, src, dtype)) in [
-        ("m1-tiny", fixture("m1-tiny").join("pytorch_model.bin"), None),
+        (
+            "m1-tiny",
+            fixture("m1-tiny").join("pytorch_model.bin"),
+            None,
+        ),
         ("m2-tiny", fixture("m2-tiny").join("hf"), Some("bf16")),
-        ("mimo-tiny", fixture("mimo-tiny").join("pytorch_model.bin"), None),
+        (
+            "mimo-tiny",
+            fixture("mimo-tiny").join("pytorch_model.bin"),
+            None,
+        ),
     ]
     .into_iter()
     .enumerate()
     {
         let out = dir.path().join(format!("out{i}"));
         let mut cmd = std::process::Command::new(exe);
-        cmd.args(["convert", "--model"]).arg(&src).arg("--out").arg(&out);
+        cmd.args(["convert", "--model"])
+            .arg(&src)
+            .arg("--out")
+            .arg(&out);
         if let Some(d) = dtype {
             cmd.args(["--dtype", d]);
         }
         let run = cmd.output().unwrap();
-        assert!(run.status.success(), "{name}: {}", String::from_utf8_lossy(&run.stderr));
+        assert!(
+            run.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
         assert!(out.join("model.safetensors").is_file() && out.join("config.json").is_file());
         let a = Model::load(&out, Device::Cpu, DType::F32).unwrap();
         let g = Golden::load(name);
@@ -280,7 +309,10 @@ fn convert_and_inspect_take_every_family() {
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&run.stdout);
-        assert!(run.status.success() && text.contains("mixer"), "{name}: {text}");
+        assert!(
+            run.status.success() && text.contains("mixer"),
+            "{name}: {text}"
+        );
         assert!(text.contains(a.kind().name()), "{name}: {text}");
     }
 }
@@ -294,17 +326,42 @@ fn random_model_writes_a_loadable_official_folder() {
     for (family, kind) in [("mamba1", MixerKind::Mamba1), ("mamba2", MixerKind::Mamba2)] {
         let out = dir.path().join(family);
         let args = [
-            "random-model", "--family", family, "--d-model", "64", "--layers", "2",
-            "--headdim", "16", "--vocab", "300", "--out",
+            "random-model",
+            "--family",
+            family,
+            "--d-model",
+            "64",
+            "--layers",
+            "2",
+            "--headdim",
+            "16",
+            "--vocab",
+            "300",
+            "--out",
         ];
-        let run = std::process::Command::new(exe).args(args).arg(&out).output().unwrap();
-        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        let run = std::process::Command::new(exe)
+            .args(args)
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
         let m = Model::load(&out, Device::Cpu, DType::F32).unwrap();
-        assert_eq!((m.kind(), m.dims().d_model, m.dims().vocab_size), (kind, 64, 300));
+        assert_eq!(
+            (m.kind(), m.dims().d_model, m.dims().vocab_size),
+            (kind, 64, 300)
+        );
         let mut st = m.new_state();
         let lg = m.prefill(&[1, 2, 299], &mut st, LogitsWant::Last).unwrap();
         assert!(lg.data.iter().all(|v| v.is_finite()));
-        let again = std::process::Command::new(exe).args(args).arg(&out).output().unwrap();
+        let again = std::process::Command::new(exe)
+            .args(args)
+            .arg(&out)
+            .output()
+            .unwrap();
         assert!(!again.status.success());
         assert!(String::from_utf8_lossy(&again.stderr).contains("refusing to overwrite"));
     }

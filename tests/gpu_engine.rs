@@ -338,7 +338,10 @@ fn packed_batch_equals_each_sequence_alone() {
             let lg = m.prefill(s, &mut alone, LogitsWant::All).unwrap();
             worst = worst.max(rel_l2(&to_f64(&packed[b].data), &to_f64(&lg.data)));
             let (a, p) = (alone.to_host().unwrap(), states[b].to_host().unwrap());
-            for (x, y) in layers(&a, &m.mamba3().unwrap().dims).iter().zip(layers(&p, &m.mamba3().unwrap().dims)) {
+            for (x, y) in layers(&a, &m.mamba3().unwrap().dims)
+                .iter()
+                .zip(layers(&p, &m.mamba3().unwrap().dims))
+            {
                 worst = worst.max(rel_l2(&to_f64(y.ssm), &to_f64(x.ssm)));
                 worst = worst.max(rel_l2(&to_f64(y.k), &to_f64(x.k)));
             }

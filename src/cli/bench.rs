@@ -235,7 +235,9 @@ fn synthetic_weights(a: &Args) -> Result<MixerWeights> {
                 a.d_model, a.layers, a.d_state, a.headdim, a.expand, a.ngroups, a.vocab,
             );
             cfg.ssm_cfg.chunk_size = a.chunk;
-            Ok(MixerWeights::Mamba3(Arc::new(Weights::synthetic(cfg, dtype, 0)?)))
+            Ok(MixerWeights::Mamba3(Arc::new(Weights::synthetic(
+                cfg, dtype, 0,
+            )?)))
         }
         ("mamba3", r) => {
             let cfg = mimo_config_from_json_str(
@@ -243,14 +245,27 @@ fn synthetic_weights(a: &Args) -> Result<MixerWeights> {
                     r#"{{"d_model": {}, "n_layer": {}, "vocab_size": {}, "ssm_cfg": {{
                         "layer": "Mamba3", "d_state": {}, "headdim": {}, "expand": {},
                         "ngroups": {}, "chunk_size": {}, "is_mimo": true, "mimo_rank": {r}}}}}"#,
-                    a.d_model, a.layers, a.vocab, a.d_state, a.headdim, a.expand, a.ngroups, a.chunk
+                    a.d_model,
+                    a.layers,
+                    a.vocab,
+                    a.d_state,
+                    a.headdim,
+                    a.expand,
+                    a.ngroups,
+                    a.chunk
                 ),
                 "bench flags",
             )?;
-            Ok(MixerWeights::Mimo(Arc::new(MimoWeights::synthetic(cfg, dtype, 0)?)))
+            Ok(MixerWeights::Mimo(Arc::new(MimoWeights::synthetic(
+                cfg, dtype, 0,
+            )?)))
         }
         (family @ ("mamba1" | "mamba2"), 0) => {
-            let layer = if family == "mamba1" { "Mamba1" } else { "Mamba2" };
+            let layer = if family == "mamba1" {
+                "Mamba1"
+            } else {
+                "Mamba2"
+            };
             let cfg = official_config(layer, a.d_model, a.layers, a.vocab, a.d_state, a.headdim)?;
             Ok(match synthetic(&cfg, dtype, 0) {
                 FamilyWeights::Mamba1(w) => MixerWeights::Mamba1(Arc::new(w)),

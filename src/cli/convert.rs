@@ -5,10 +5,10 @@
 
 use super::PathArg;
 use crate::error::{Error, Result};
-use crate::model::tensor_file::{write_safetensors, DiskDType, RawTensor, TensorFile};
-use crate::model::weights::{expected_tensors, locate};
 use crate::mixers::{MixerKind, MixerWeights};
 use crate::model::shards::TensorSource;
+use crate::model::tensor_file::{write_safetensors, DiskDType, RawTensor, TensorFile};
+use crate::model::weights::{expected_tensors, locate};
 use crate::model::{Config, DType, Weights};
 use std::path::Path;
 
@@ -48,7 +48,10 @@ pub fn run(a: Args) -> Result<()> {
 fn repack(a: &Args) -> Result<()> {
     MixerWeights::load(&a.model, DType::F32)?;
     let config_path = if a.model.is_file() {
-        a.model.parent().unwrap_or(Path::new(".")).join("config.json")
+        a.model
+            .parent()
+            .unwrap_or(Path::new("."))
+            .join("config.json")
     } else {
         a.model.join("config.json")
     };

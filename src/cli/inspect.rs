@@ -2,9 +2,9 @@
 
 use super::PathArg;
 use crate::error::Result;
+use crate::mixers::{MixerKind, MixerWeights};
 use crate::model::tensor_file::TensorFile;
 use crate::model::weights::locate;
-use crate::mixers::{MixerKind, MixerWeights};
 use crate::model::{DType, Weights};
 use std::path::Path;
 
@@ -97,7 +97,11 @@ fn family(path: &Path, w: &MixerWeights) -> Result<()> {
         MixerWeights::Mamba3(_) => {}
     }
     let n = w.param_count();
-    println!("parameters   {n} ({:.2} M), matrices in {}", n as f64 / 1e6, w.dtype());
+    println!(
+        "parameters   {n} ({:.2} M), matrices in {}",
+        n as f64 / 1e6,
+        w.dtype()
+    );
     let layout = w.state_layout();
     println!(
         "state        {:.3} MiB per sequence (f32: {})",

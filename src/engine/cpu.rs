@@ -308,12 +308,7 @@ impl Backend for CpuModel<f32> {
         Ok(())
     }
 
-    fn hidden(
-        &self,
-        tokens: &[u32],
-        state: &mut StateData,
-        want: LogitsWant,
-    ) -> Result<Vec<f32>> {
+    fn hidden(&self, tokens: &[u32], state: &mut StateData, want: LogitsWant) -> Result<Vec<f32>> {
         Ok(CpuModel::hidden(self, &[tokens], &mut [state.host_mut()?], want)?.remove(0))
     }
 }

@@ -45,7 +45,7 @@ impl FamilyCpu {
         };
         match &self.weights {
             MixerWeights::Mimo(w) => {
-                mimo::mimo_prefill_rows(w, tokens, state, w.dims.chunk_len, rows, head)
+                mimo::mimo_prefill_rows(w, tokens, state, mimo_chunk_len(w.dims.rank), rows, head)
             }
             MixerWeights::Mamba1(w) => mamba1::prefill::prefill_rows(w, state, tokens, rows, head),
             MixerWeights::Mamba2(w) => mamba2::prefill::prefill_rows(w, state, tokens, rows, head),
@@ -67,6 +67,13 @@ impl FamilyCpu {
             }
         }
     }
+}
+
+/// The MIMO prefill's chunk on the CPU: about 32 rows (`L·R`) per chunk, whatever the
+/// config's `chunk_size` (which only changes rounding). Measured with `benches/mimo_chunk.rs`
+/// (docs/decisions.md, "MIMO CPU chunk length").
+fn mimo_chunk_len(rank: usize) -> usize {
+    (32 / rank.max(1)).max(1)
 }
 
 /// The host data of states placed on the host (each made unique: copy-on-write).
@@ -126,12 +133,7 @@ impl Backend for FamilyCpu {
         Ok(())
     }
 
-    fn hidden(
-        &self,
-        tokens: &[u32],
-        state: &mut StateData,
-        want: LogitsWant,
-    ) -> Result<Vec<f32>> {
+    fn hidden(&self, tokens: &[u32], state: &mut StateData, want: LogitsWant) -> Result<Vec<f32>> {
         self.prefill(tokens, state.host_mut()?, want, false)
     }
 }

@@ -293,10 +293,7 @@ impl Model {
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
         self.check_and_place(&seqs, states)?;
         let rows = self.forward(&seqs, states, LogitsWant::Last)?;
-        Ok(Logits::from_rows(
-            rows.concat(),
-            self.dims.vocab_padded,
-        ))
+        Ok(Logits::from_rows(rows.concat(), self.dims.vocab_padded))
     }
 
     fn check_and_place(&self, seqs: &[&[u32]], states: &mut [&mut State]) -> Result<()> {
@@ -340,10 +337,7 @@ impl Model {
         for s in states.iter_mut() {
             s.position += 1;
         }
-        Ok(Logits::from_rows(
-            rows.concat(),
-            self.dims.vocab_padded,
-        ))
+        Ok(Logits::from_rows(rows.concat(), self.dims.vocab_padded))
     }
 
     /// Capture one prefill pass of sequences of exactly these lengths as a CUDA graph.

@@ -168,12 +168,14 @@ impl MixerWeights {
         match self {
             MixerWeights::Mamba3(w) => mamba3::state::layout(&w.dims),
             MixerWeights::Mimo(w) => mimo::layout(&w.dims),
-            MixerWeights::Mamba1(w) => {
-                mamba1::layout(w.config.mamba1().expect("a Mamba-1 config"), w.config.n_layer)
-            }
-            MixerWeights::Mamba2(w) => {
-                mamba2::layout(w.config.mamba2().expect("a Mamba-2 config"), w.config.n_layer)
-            }
+            MixerWeights::Mamba1(w) => mamba1::layout(
+                w.config.mamba1().expect("a Mamba-1 config"),
+                w.config.n_layer,
+            ),
+            MixerWeights::Mamba2(w) => mamba2::layout(
+                w.config.mamba2().expect("a Mamba-2 config"),
+                w.config.n_layer,
+            ),
         }
     }
 
@@ -227,7 +229,10 @@ impl MixerWeights {
                 let dm = w.config.d_model;
                 lm_tensors(w, &mut out, |m, push| {
                     push("in_proj.weight", Param::Matrix(&m.in_proj));
-                    push("conv1d.weight", Param::Vector(&m.conv_weight, vec![di, 1, k]));
+                    push(
+                        "conv1d.weight",
+                        Param::Vector(&m.conv_weight, vec![di, 1, k]),
+                    );
                     push("x_proj.weight", Param::Matrix(&m.x_proj));
                     push("dt_proj.weight", Param::Matrix(&m.dt_proj));
                     push("dt_proj.bias", Param::Vector(&m.dt_bias, vec![di]));
@@ -250,7 +255,10 @@ impl MixerWeights {
                 let (cd, k, h, dm) = (c.conv_dim(), c.d_conv, c.nheads, w.config.d_model);
                 lm_tensors(w, &mut out, |m, push| {
                     push("in_proj.weight", Param::Matrix(&m.in_proj));
-                    push("conv1d.weight", Param::Vector(&m.conv_weight, vec![cd, 1, k]));
+                    push(
+                        "conv1d.weight",
+                        Param::Vector(&m.conv_weight, vec![cd, 1, k]),
+                    );
                     push("dt_bias", Param::Vector(&m.dt_bias, vec![h]));
                     push("A_log", Param::Vector(&m.a_log, vec![h]));
                     push("D", Param::Vector(&m.d, vec![m.d.len()]));
@@ -364,13 +372,19 @@ fn lm_tensors<'a, M>(
     out: &mut Vec<(String, Param<'a>)>,
     mixer: impl Fn(&'a M, &mut dyn FnMut(&str, Param<'a>)),
 ) {
-    out.push(("backbone.embedding.weight".into(), Param::Matrix(&w.embedding)));
+    out.push((
+        "backbone.embedding.weight".into(),
+        Param::Matrix(&w.embedding),
+    ));
     out.push(("backbone.norm_f.weight".into(), Param::flat(&w.norm_f)));
     if let Some(h) = &w.lm_head {
         out.push(("lm_head.weight".into(), Param::Matrix(h)));
     }
     for (i, b) in w.layers.iter().enumerate() {
-        out.push((format!("backbone.layers.{i}.norm.weight"), Param::flat(&b.norm)));
+        out.push((
+            format!("backbone.layers.{i}.norm.weight"),
+            Param::flat(&b.norm),
+        ));
         mixer(&b.mixer, &mut |s, p| {
             out.push((format!("backbone.layers.{i}.mixer.{s}"), p))
         });

@@ -159,12 +159,20 @@ pub fn official_config_json(
 }
 
 /// A random model of `config`'s shape with matrices in `dtype`.
-pub fn synthetic(config: &FamilyConfig, dtype: DType, seed: u64) -> crate::model::family_weights::FamilyWeights {
+pub fn synthetic(
+    config: &FamilyConfig,
+    dtype: DType,
+    seed: u64,
+) -> crate::model::family_weights::FamilyWeights {
     use crate::model::family_weights::FamilyWeights;
     let (dm, nl, v) = (config.d_model, config.n_layer, config.vocab_padded);
     let mut w = match &config.mixer {
-        MixerConfig::Mamba1(c) => FamilyWeights::Mamba1(mamba1(c.clone(), dm, nl, v, seed).mixers_with_dtype(dtype)),
-        MixerConfig::Mamba2(c) => FamilyWeights::Mamba2(mamba2(c.clone(), dm, nl, v, seed).mixers_with_dtype(dtype)),
+        MixerConfig::Mamba1(c) => {
+            FamilyWeights::Mamba1(mamba1(c.clone(), dm, nl, v, seed).mixers_with_dtype(dtype))
+        }
+        MixerConfig::Mamba2(c) => {
+            FamilyWeights::Mamba2(mamba2(c.clone(), dm, nl, v, seed).mixers_with_dtype(dtype))
+        }
     };
     match &mut w {
         FamilyWeights::Mamba1(m) => {

@@ -6,11 +6,11 @@ use super::lm::LogitRows;
 use super::prefill::prefill;
 use super::reference::Reference;
 use super::step::step;
-use crate::model::family_synthetic::{mamba1, Gen};
 use super::{zero_state, State};
 use crate::cpu::Real;
 use crate::model::dtype::DType;
 use crate::model::family_config::Mamba1Config;
+use crate::model::family_synthetic::{mamba1, Gen};
 use crate::model::family_weights::Mamba1Weights;
 
 /// Windows `ends` of `tokens` through the fast path from a fresh state: all logits and the
@@ -228,7 +228,10 @@ fn batched_step_matches_the_reference<F: Real>(w: &Mamba1Weights, tol: f64) {
         let want = r.forward(&mut st, &seq).unwrap().concat();
         let e = rel_l2(&got[i], &want);
         assert!(e <= tol, "sequence {i}: batched step rel L2 {e:e}");
-        assert!(state_err(&states[i], &st, conv_len(w)) <= tol, "sequence {i}: states");
+        assert!(
+            state_err(&states[i], &st, conv_len(w)) <= tol,
+            "sequence {i}: states"
+        );
     }
     // Refusals leave every state as it was.
     let before = states.clone();

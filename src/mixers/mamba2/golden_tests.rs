@@ -3,7 +3,8 @@
 use super::reference::Reference;
 use super::State;
 use crate::cpu::Real;
-use crate::mixers::mamba1::golden_tests::{against_golden, conv_ssm_parts, fixture, Golden, Oracle, LAYOUTS,
+use crate::mixers::mamba1::golden_tests::{
+    against_golden, conv_ssm_parts, fixture, Golden, Oracle, LAYOUTS,
 };
 use crate::mixers::mamba1::lm::TokenOut;
 use crate::model::dtype::DType;

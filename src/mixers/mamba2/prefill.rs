@@ -7,11 +7,11 @@
 //! definition, and the tests hold this path to it.
 
 use super::{layer, layout, State};
-use crate::mixers::mamba1::check_state;
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::matmul::{gemm, View, ViewMut};
 use crate::cpu::Real;
 use crate::error::Result;
+use crate::mixers::mamba1::check_state;
 use crate::mixers::mamba1::lm::{
     conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, LogitRows,
 };

@@ -7,11 +7,13 @@ use super::reference::Reference;
 use super::step::step;
 use super::{zero_state, State};
 use crate::cpu::Real;
-use crate::mixers::mamba1::golden_tests::{conv_ssm_parts, fixture, rel_l2, to64, Golden, LAYOUTS, TOL};
+use crate::mixers::mamba1::golden_tests::{
+    conv_ssm_parts, fixture, rel_l2, to64, Golden, LAYOUTS, TOL,
+};
 use crate::mixers::mamba1::lm::LogitRows;
-use crate::model::family_synthetic::{mamba2, Gen};
 use crate::model::dtype::DType;
 use crate::model::family_config::{Mamba2Config, MixerConfig};
+use crate::model::family_synthetic::{mamba2, Gen};
 use crate::model::family_weights::Mamba2Weights;
 
 fn windows<F: Real>(w: &Mamba2Weights, tokens: &[u32], ends: &[usize]) -> (Vec<f64>, State<F>) {
@@ -64,13 +66,19 @@ fn against_reference(w: &Mamba2Weights, tokens: &[u32], what: &str) {
         let w = with_chunk(w, chunk);
         for ends in [vec![t], vec![1, 2, 19, t], vec![5, t - 1, t]] {
             let (got, st) = windows::<f64>(&w, tokens, &ends);
-            let (e, es) = (rel_l2(&got, &gold), state_err(&st, &ref_state, conv_len(&w)));
+            let (e, es) = (
+                rel_l2(&got, &gold),
+                state_err(&st, &ref_state, conv_len(&w)),
+            );
             assert!(
                 e <= 1e-12 && es <= 1e-12,
                 "{what} chunk {chunk} f64 {ends:?}: logits {e:e} states {es:e}"
             );
             let (got, st) = windows::<f32>(&w, tokens, &ends);
-            let (e, es) = (rel_l2(&got, &gold), state_err(&st, &ref_state, conv_len(&w)));
+            let (e, es) = (
+                rel_l2(&got, &gold),
+                state_err(&st, &ref_state, conv_len(&w)),
+            );
             assert!(
                 e <= TOL && es <= TOL,
                 "{what} chunk {chunk} f32 {ends:?}: logits {e:e} states {es:e}"
@@ -203,7 +211,10 @@ fn batched_step_matches_the_reference<F: Real>(w: &Mamba2Weights, tol: f64) {
         let want = r.forward(&mut st, &seq).unwrap().concat();
         let e = rel_l2(&got[i], &want);
         assert!(e <= tol, "sequence {i}: batched step rel L2 {e:e}");
-        assert!(state_err(&states[i], &st, conv_len(w)) <= tol, "sequence {i}: states");
+        assert!(
+            state_err(&states[i], &st, conv_len(w)) <= tol,
+            "sequence {i}: states"
+        );
     }
     // Refusals leave every state as it was.
     let before = states.clone();

@@ -3,11 +3,11 @@
 //! against, generic over f32/f64. No chunking, no tricks.
 
 use super::{layer, layout, zero_state, State};
-use crate::mixers::mamba1::{check_state, LayerState};
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::lm::{rms_unit, Dense, LmRef, TokenOut};
+use crate::mixers::mamba1::{check_state, LayerState};
 use crate::model::family_config::Mamba2Config;
 use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 

@@ -5,9 +5,9 @@
 
 use super::prefill::{deltas, gate_rows, taps};
 use super::{layer, layout, State};
-use crate::mixers::mamba1::check_state;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::mamba1::check_state;
 use crate::mixers::mamba1::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project, LogitRows};
 use crate::mixers::mamba1::step::check_batch;
 use crate::model::family_config::Mamba2Config;

@@ -335,7 +335,8 @@ fn rank_one_equals_siso_up_to_the_pair_relabelling() {
         let e = rel_l2(&got, &want);
         eprintln!("rope {rope}: R=1 MIMO vs SISO logits {e:.1e}");
         assert!(e < 1e-12, "rope {rope}: R=1 MIMO vs SISO logits {e:e}");
-        let mimo_layers = (0..mimo.dims.n_layer).map(|l| MimoLayerState::copy_of(&mst, l, &mimo.dims));
+        let mimo_layers =
+            (0..mimo.dims.n_layer).map(|l| MimoLayerState::copy_of(&mst, l, &mimo.dims));
         for (ms, ss) in mimo_layers.zip(layers(&sst, &sd)) {
             let k_siso: Vec<f64> = (0..ms.k.len())
                 .map(|i| ss.k[(i / n) * n + siso_n(i % n)])

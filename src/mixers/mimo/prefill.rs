@@ -76,7 +76,14 @@ pub fn mimo_prefill_rows<F: Real>(
         norm_rows(&res, &lw.norm, dm, &mut normed);
         matmul_t(&normed, rows, &lw.in_proj, &mut proj);
         let ctx = MimoMixerCtx::new(w, l);
-        mimo_mixer_prefill(&ctx, &proj, rows, chunk_len, &mut layer(state, l, &d), &mut o)?;
+        mimo_mixer_prefill(
+            &ctx,
+            &proj,
+            rows,
+            chunk_len,
+            &mut layer(state, l, &d),
+            &mut o,
+        )?;
         matmul_t(&o, rows, &lw.out_proj, &mut hs);
         if let Some(mlp) = &lw.mlp {
             add_assign(&mut res, &hs);
@@ -469,7 +476,12 @@ mod tests {
         let mut want = vec![F::zero(); len * di];
         for t in 0..len {
             let row = &proj[t * dpi..(t + 1) * dpi];
-            mixer_token(&ctx, row, &mut want_st.view(), &mut want[t * di..(t + 1) * di]);
+            mixer_token(
+                &ctx,
+                row,
+                &mut want_st.view(),
+                &mut want[t * di..(t + 1) * di],
+            );
         }
         let mut st = start.clone();
         let mut got = vec![F::zero(); len * di];

@@ -146,7 +146,11 @@ pub fn mimo_zero_state<F: Real>(d: &MimoDims) -> MimoSeqState<F> {
 }
 
 /// Layer `l` of a sequence's state.
-pub fn layer<'a, F: Real>(st: &'a mut MimoSeqState<F>, l: usize, d: &MimoDims) -> MimoLayerView<'a, F> {
+pub fn layer<'a, F: Real>(
+    st: &'a mut MimoSeqState<F>,
+    l: usize,
+    d: &MimoDims,
+) -> MimoLayerView<'a, F> {
     MimoLayerView::of(st.layer_mut(l), d)
 }
 
