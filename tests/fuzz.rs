@@ -265,7 +265,10 @@ fn try_model_dir(dir: &Path, what: &str, tally: &mut Tally) {
         }
     };
     tally.loaded += 1;
-    for (name, raw) in model.mamba3().unwrap().to_tensors() {
+    let Some(weights) = model.mamba3() else {
+        return;
+    };
+    for (name, raw) in weights.to_tensors() {
         let data = raw.to_float(&name, DType::F32).unwrap();
         if let Some((i, v)) = first_non_finite(&data) {
             tally

@@ -339,7 +339,9 @@ pub fn load_lm<M>(
         ));
     }
     let embedding = r.matrix(emb_name, vp, dm)?;
-    let mut layers = Vec::with_capacity(config.n_layer);
+    // Grown as layers are read: a config claiming 10^9 layers fails at the first missing
+    // one, not in an allocation.
+    let mut layers = Vec::new();
     for i in 0..config.n_layer {
         layers.push(Block {
             norm: r.vector(&layer(i, "norm.weight"), &[dm])?,
