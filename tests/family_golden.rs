@@ -7,7 +7,7 @@
 //! back — and through the `mamba3 logits` command.
 mod common;
 use common::*;
-use mamba3::{DType, Device, LogitsWant, MixerKind, Model, State};
+use mamba3::{DType, Device, LogitsWant, MixerKind, Model};
 use std::path::PathBuf;
 
 /// (fixture, its model folders, its mixer)
@@ -47,44 +47,6 @@ fn state_tol(dtype: DType) -> f64 {
         DType::F32 => 1e-5,
         _ => 6e-2,
     }
-}
-
-fn check_states(g: &Golden, state: &State, tol: f64, what: &str) {
-    let layout = state.layout().clone();
-    let host = state.to_host().unwrap();
-    for l in 0..layout.n_layer {
-        for (i, t) in layout.tensors.iter().enumerate() {
-            let off = layout.offset_in_layer(i);
-            let got = to_f64(&host.layer(l)[off..off + t.len()]);
-            let gold = g.tensor(&layout.file_name(l, i));
-            let e = if t.name == "angle" {
-                rel_l2_angles(&got, &gold)
-            } else {
-                rel_l2(&got, &gold)
-            };
-            assert!(
-                e <= tol,
-                "{what}: state.{l}.{} rel L2 {e:e} > {tol:e}",
-                t.name
-            );
-        }
-    }
-}
-
-fn windows(m: &Model, tokens: &[u32], ends: &[usize]) -> Vec<f32> {
-    let mut st = m.new_state();
-    let mut out = Vec::new();
-    let mut start = 0;
-    for &e in ends {
-        out.extend(
-            m.prefill(&tokens[start..e], &mut st, LogitsWant::All)
-                .unwrap()
-                .data,
-        );
-        start = e;
-    }
-    assert_eq!(st.position(), tokens.len() as u64);
-    out
 }
 
 #[test]

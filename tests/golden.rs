@@ -4,7 +4,7 @@
 //! the prefix.
 mod common;
 use common::*;
-use mamba3::{DType, Device, LogitsWant, Model, State};
+use mamba3::{DType, Device, LogitsWant, Model};
 
 const FORMATS: [&str; 2] = ["model.safetensors", "pytorch_model.bin"];
 
@@ -25,47 +25,6 @@ fn state_tol(dtype: DType) -> f64 {
         DType::F32 => 1e-4,
         _ => 6e-2,
     }
-}
-
-fn check_states(name: &str, g: &Golden, state: &State, tol: f64, what: &str) {
-    // Every tensor of the state's layout (Mamba-3: angle, ssm, k, v) against the golden
-    // tensor of the same name; angles are compared modulo 2π.
-    let layout = state.layout().clone();
-    let host = state.to_host().unwrap();
-    for l in 0..layout.n_layer {
-        for (i, t) in layout.tensors.iter().enumerate() {
-            let off = layout.offset_in_layer(i);
-            let got = to_f64(&host.layer(l)[off..off + t.len()]);
-            let gold = g.tensor(&layout.file_name(l, i));
-            let e = if t.name == "angle" {
-                rel_l2_angles(&got, &gold)
-            } else {
-                rel_l2(&got, &gold)
-            };
-            assert!(
-                e <= tol,
-                "{name} {what}: state.{l}.{} rel L2 {e:e} > {tol:e}",
-                t.name
-            );
-        }
-    }
-}
-
-/// Prefill `tokens` as consecutive windows ending at `ends` (the last must be the length).
-fn windows(m: &Model, tokens: &[u32], ends: &[usize]) -> Vec<f32> {
-    let mut st = m.new_state();
-    let mut out = Vec::new();
-    let mut start = 0;
-    for &e in ends {
-        out.extend(
-            m.prefill(&tokens[start..e], &mut st, LogitsWant::All)
-                .unwrap()
-                .data,
-        );
-        start = e;
-    }
-    assert_eq!(st.position(), tokens.len() as u64);
-    out
 }
 
 #[test]
@@ -104,7 +63,7 @@ fn goldens_through_the_engine() {
                     .prefill(&g.input_ids[..g.prefix], &mut st, LogitsWant::All)
                     .unwrap()
                     .data;
-                check_states(name, &g, &st, state_tol(dtype), &what);
+                check_states(&g, &st, state_tol(dtype), &format!("{name} {what}"));
                 for &tok in &g.input_ids[g.prefix..] {
                     got.extend(m.decode(&[tok], &mut [&mut st]).unwrap().data);
                 }

@@ -62,7 +62,7 @@ fn repack(a: &Args) -> Result<()> {
         let raw = src.get(&name).expect("a stored name");
         tensors.push((name.clone(), convert_raw(raw, &name, a.dtype)?));
     }
-    write_out(a, &config_path, &src.origin().to_path_buf(), tensors)
+    write_out(a, &config_path, src.origin(), tensors)
 }
 
 /// A tensor in `dtype` if it is a float tensor of another dtype, else as stored.

@@ -26,12 +26,17 @@ pub(crate) fn needs_gpu(what: &str) -> Error {
     ))
 }
 
+/// The defaults are a CPU backend's: states live on the host.
 pub(crate) trait Backend {
     /// A human-readable name of the device.
-    fn device_name(&self) -> String;
+    fn device_name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
 
     /// How many tokens one pass of the layers takes at most.
-    fn max_tokens_per_pass(&self) -> usize;
+    fn max_tokens_per_pass(&self) -> usize {
+        MAX_TOKENS_PER_PASS
+    }
 
     /// Wait until queued device work has finished.
     fn synchronize(&self) -> Result<()> {
@@ -40,10 +45,14 @@ pub(crate) trait Backend {
 
     /// A fresh (zero) state's data on this device; `None` keeps the host state (always on
     /// the CPU; on a GPU when device memory cannot be had now).
-    fn new_state(&self, layout: &StateLayout) -> Option<StateData>;
+    fn new_state(&self, _layout: &StateLayout) -> Option<StateData> {
+        None
+    }
 
     /// Move a state's data onto this device (a no-op when it is there).
-    fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()>;
+    fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()> {
+        data.bring_to_host(layout)
+    }
 
     /// One pass of the layers: each sequence from its state; each sequence's logits rows
     /// (all positions, the last, or none), flattened.

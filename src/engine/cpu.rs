@@ -20,11 +20,10 @@ use crate::model::weights::Weights;
 use rayon::prelude::*;
 use std::sync::Arc;
 
-use super::backend::{Backend, MAX_TOKENS_PER_PASS};
+use super::backend::Backend;
 pub use super::logits::LogitsWant;
 use super::logits::{HostBuf, StepLogits};
 use super::state::StateData;
-use crate::model::state_layout::{StateBuf, StateLayout};
 
 pub struct CpuModel<F> {
     pub weights: Arc<Weights>,
@@ -260,40 +259,14 @@ impl<F: Real> CpuModel<F> {
     }
 }
 
-/// The host data of states placed on the host (each made unique: copy-on-write).
-fn host_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut StateBuf<f32>>> {
-    states.iter_mut().map(|s| s.host_mut()).collect()
-}
-
 impl Backend for CpuModel<f32> {
-    fn device_name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
-    }
-
-    fn max_tokens_per_pass(&self) -> usize {
-        MAX_TOKENS_PER_PASS
-    }
-
-    fn new_state(&self, _layout: &StateLayout) -> Option<StateData> {
-        None
-    }
-
-    fn place(&self, _layout: &StateLayout, data: &mut StateData) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let StateData::Cuda(s) = data {
-            *data = StateData::Host(Arc::new(s.to_host(_layout)?));
-        }
-        let _ = data;
-        Ok(())
-    }
-
     fn forward(
         &self,
         seqs: &[&[u32]],
         states: &mut [&mut StateData],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
-        CpuModel::forward(self, seqs, &mut host_states(states)?, want)
+        CpuModel::forward(self, seqs, &mut StateData::hosts_mut(states)?, want)
     }
 
     fn decode_into(
@@ -303,7 +276,8 @@ impl Backend for CpuModel<f32> {
         out: &mut StepLogits,
     ) -> Result<()> {
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
-        let data = self.forward_flat(&seqs, &mut host_states(states)?, LogitsWant::Last)?;
+        let data =
+            self.forward_flat(&seqs, &mut StateData::hosts_mut(states)?, LogitsWant::Last)?;
         out.buf = HostBuf::Heap(data);
         Ok(())
     }

@@ -6,13 +6,12 @@
 //! parallel inside); a pass of one token per sequence is a decode step, batched where the
 //! mixer has a batched step (Mamba-1, Mamba-2: every weight read once for the batch).
 
-use super::backend::{Backend, MAX_TOKENS_PER_PASS};
+use super::backend::Backend;
 use super::logits::{HostBuf, LogitsWant, StepLogits};
 use super::state::StateData;
 use crate::error::{Error, Result};
-use crate::mixers::mamba1::lm::LogitRows;
 use crate::mixers::{mamba1, mamba2, mimo, MixerWeights};
-use crate::model::state_layout::{StateBuf, StateLayout};
+use crate::model::state_layout::StateBuf;
 
 pub struct FamilyCpu {
     weights: MixerWeights,
@@ -38,17 +37,12 @@ impl FamilyCpu {
         want: LogitsWant,
         head: bool,
     ) -> Result<Vec<f32>> {
-        let rows = match want {
-            LogitsWant::All => LogitRows::All,
-            LogitsWant::Last => LogitRows::Last,
-            LogitsWant::None => LogitRows::None,
-        };
         match &self.weights {
             MixerWeights::Mimo(w) => {
-                mimo::mimo_prefill_rows(w, tokens, state, mimo_chunk_len(w.dims.rank), rows, head)
+                mimo::mimo_prefill_rows(w, tokens, state, mimo_chunk_len(w.dims.rank), want, head)
             }
-            MixerWeights::Mamba1(w) => mamba1::prefill::prefill_rows(w, state, tokens, rows, head),
-            MixerWeights::Mamba2(w) => mamba2::prefill::prefill_rows(w, state, tokens, rows, head),
+            MixerWeights::Mamba1(w) => mamba1::prefill::prefill_rows(w, state, tokens, want, head),
+            MixerWeights::Mamba2(w) => mamba2::prefill::prefill_rows(w, state, tokens, want, head),
             MixerWeights::Mamba3(_) => unreachable!("refused by FamilyCpu::new"),
         }
     }
@@ -76,40 +70,14 @@ fn mimo_chunk_len(rank: usize) -> usize {
     (32 / rank.max(1)).max(1)
 }
 
-/// The host data of states placed on the host (each made unique: copy-on-write).
-fn host_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut StateBuf<f32>>> {
-    states.iter_mut().map(|s| s.host_mut()).collect()
-}
-
 impl Backend for FamilyCpu {
-    fn device_name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
-    }
-
-    fn max_tokens_per_pass(&self) -> usize {
-        MAX_TOKENS_PER_PASS
-    }
-
-    fn new_state(&self, _layout: &StateLayout) -> Option<StateData> {
-        None
-    }
-
-    fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let StateData::Cuda(s) = data {
-            *data = StateData::Host(std::sync::Arc::new(s.to_host(layout)?));
-        }
-        let _ = (layout, data);
-        Ok(())
-    }
-
     fn forward(
         &self,
         seqs: &[&[u32]],
         states: &mut [&mut StateData],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
-        let mut hosts = host_states(states)?;
+        let mut hosts = StateData::hosts_mut(states)?;
         if want == LogitsWant::Last && seqs.iter().all(|s| s.len() == 1) {
             let tokens: Vec<u32> = seqs.iter().map(|s| s[0]).collect();
             let vp = self.weights.lm_dims().vocab_padded;
@@ -128,7 +96,7 @@ impl Backend for FamilyCpu {
         states: &mut [&mut StateData],
         out: &mut StepLogits,
     ) -> Result<()> {
-        let rows = self.step(tokens, &mut host_states(states)?)?;
+        let rows = self.step(tokens, &mut StateData::hosts_mut(states)?)?;
         out.buf = HostBuf::Heap(rows);
         Ok(())
     }

@@ -2,16 +2,7 @@
 //! [`StepLogits`], the rows of a decode step in a buffer that a serving loop keeps from
 //! step to step.
 
-/// Which positions' logits a forward pass returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitsWant {
-    /// every position of every sequence
-    All,
-    /// the last position of each sequence
-    Last,
-    /// none (only advance the states)
-    None,
-}
+pub use crate::mixers::LogitsWant;
 
 /// Logits of some positions: `[rows, vocab]` row-major, `vocab = vocab_padded` (the rows
 /// past `vocab_size` are padding and never a valid token).

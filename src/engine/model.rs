@@ -411,10 +411,7 @@ impl Model {
     pub fn hidden(&self, tokens: &[u32], state: &mut State, want: LogitsWant) -> Result<Vec<f32>> {
         super::cpu::check_batch(self.dims.vocab_size, &[tokens], 1)?;
         self.check_state(state, 0)?;
-        #[cfg(feature = "cuda")]
-        if let StateData::Cuda(_) = &state.data {
-            state.data = StateData::Host(Arc::new(state.to_host()?));
-        }
+        state.data.bring_to_host(&self.state_layout)?;
         let cpu = cpu_backend(&self.weights)?;
         let mut out = Vec::new();
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {

@@ -26,6 +26,24 @@ pub enum StateData {
 }
 
 impl StateData {
+    /// Bring a state on a device to the host (a no-op for a host state).
+    pub(crate) fn bring_to_host(&mut self, layout: &StateLayout) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let StateData::Cuda(s) = self {
+            *self = StateData::Host(Arc::new(s.to_host(layout)?));
+        }
+        let _ = layout;
+        Ok(())
+    }
+
+    /// The host values of several states (each made unique: copy-on-write); an error for
+    /// a state on a device.
+    pub(crate) fn hosts_mut<'a>(
+        states: &'a mut [&mut StateData],
+    ) -> Result<Vec<&'a mut StateBuf<f32>>> {
+        states.iter_mut().map(|s| s.host_mut()).collect()
+    }
+
     /// The host values (made unique: copy-on-write); an error for a state on a device.
     pub(crate) fn host_mut(&mut self) -> Result<&mut StateBuf<f32>> {
         match self {

@@ -26,6 +26,17 @@ use mimo::MimoWeights;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// Which positions' logits (or hidden rows) a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWant {
+    /// every position of every sequence
+    All,
+    /// the last position of each sequence
+    Last,
+    /// none (only advance the states)
+    None,
+}
+
 /// Which mixer a model's layers use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MixerKind {
@@ -423,9 +434,4 @@ fn config_path(path: &Path) -> PathBuf {
     } else {
         path.join("config.json")
     }
-}
-
-/// The named tensors of one sequence's state for a Mamba-3 SISO model of these dims.
-pub fn state_layout(dims: &crate::model::Dims) -> StateLayout {
-    mamba3::state::layout(dims)
 }

@@ -164,3 +164,46 @@ pub fn short_run(
         ckpt_every: 0,
     }
 }
+
+/// Every tensor of a state's layout (Mamba-3: angle, ssm, k, v; Mamba-1/2: conv, ssm)
+/// against the golden tensor of the same name, within `tol` relative L2; angles are
+/// compared modulo 2π.
+pub fn check_states(g: &Golden, state: &mamba3::State, tol: f64, what: &str) {
+    let layout = state.layout().clone();
+    let host = state.to_host().unwrap();
+    for l in 0..layout.n_layer {
+        for (i, t) in layout.tensors.iter().enumerate() {
+            let off = layout.offset_in_layer(i);
+            let got = to_f64(&host.layer(l)[off..off + t.len()]);
+            let gold = g.tensor(&layout.file_name(l, i));
+            let e = if t.name == "angle" {
+                rel_l2_angles(&got, &gold)
+            } else {
+                rel_l2(&got, &gold)
+            };
+            assert!(
+                e <= tol,
+                "{what}: state.{l}.{} rel L2 {e:e} > {tol:e}",
+                t.name
+            );
+        }
+    }
+}
+
+/// Prefill `tokens` as consecutive windows ending at `ends` (the last must be the length):
+/// every position's logits.
+pub fn windows(m: &mamba3::Model, tokens: &[u32], ends: &[usize]) -> Vec<f32> {
+    let mut st = m.new_state();
+    let mut out = Vec::new();
+    let mut start = 0;
+    for &e in ends {
+        out.extend(
+            m.prefill(&tokens[start..e], &mut st, mamba3::LogitsWant::All)
+                .unwrap()
+                .data,
+        );
+        start = e;
+    }
+    assert_eq!(st.position(), tokens.len() as u64);
+    out
+}

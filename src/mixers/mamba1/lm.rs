@@ -6,6 +6,7 @@ use crate::cpu::math::{rms_norm, silu};
 use crate::cpu::matmul::matmul_t;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::LogitsWant;
 use crate::model::family_weights::LmWeights;
 use crate::model::weights::Matrix;
 
@@ -120,17 +121,6 @@ pub fn rms_unit<F: Real>(v: &mut [F], eps: F) {
     }
 }
 
-/// Which rows of logits a multi-token call returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitRows {
-    /// every row
-    All,
-    /// the last row only
-    Last,
-    /// none (only advance the states)
-    None,
-}
-
 /// The LM around a mixer over many rows at once (spec §1): a window of one sequence in
 /// prefill, or one token of each sequence in a batched decode step. `mixer(layer, weights,
 /// normed rows)` returns the mixer's output rows `[rows, D_m]`. Token errors name the
@@ -139,7 +129,7 @@ pub enum LogitRows {
 pub fn lm_rows<F: Real, M>(
     w: &LmWeights<M>,
     tokens: &[u32],
-    want: LogitRows,
+    want: LogitsWant,
     head: bool,
     mut mixer: impl FnMut(usize, &M, &[F]) -> Result<Vec<F>>,
 ) -> Result<Vec<F>> {
@@ -176,9 +166,9 @@ pub fn lm_rows<F: Real, M>(
         }
     }
     let keep = match want {
-        LogitRows::All => rows,
-        LogitRows::Last => 1,
-        LogitRows::None => return Ok(Vec::new()),
+        LogitsWant::All => rows,
+        LogitsWant::Last => 1,
+        LogitsWant::None => return Ok(Vec::new()),
     };
     let tail = &residual[(rows - keep) * dm..];
     let mut hidden = vec![F::zero(); keep * dm];

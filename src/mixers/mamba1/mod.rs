@@ -28,6 +28,8 @@ pub mod reference;
 pub mod step;
 
 #[cfg(test)]
+pub(crate) mod fast_tests;
+#[cfg(test)]
 pub(crate) mod golden_tests;
 #[cfg(test)]
 mod prefill_tests;

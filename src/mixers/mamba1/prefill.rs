@@ -6,13 +6,12 @@
 //! blocks of channels in parallel, with each block's state held transposed `[N, block]`
 //! in L1 for the whole window.
 
-use super::lm::{
-    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, LogitRows,
-};
+use super::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps};
 use super::{check_state, layer, layout, State};
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
 use crate::error::Result;
+use crate::mixers::LogitsWant;
 use crate::model::family_config::Mamba1Config;
 use crate::model::family_weights::{Mamba1Mixer, Mamba1Weights};
 use rayon::prelude::*;
@@ -27,7 +26,7 @@ pub fn prefill<F: Real>(
     w: &Mamba1Weights,
     state: &mut State<F>,
     tokens: &[u32],
-    want: LogitRows,
+    want: LogitsWant,
 ) -> Result<Vec<F>> {
     prefill_rows(w, state, tokens, want, true)
 }
@@ -37,7 +36,7 @@ pub fn prefill_rows<F: Real>(
     w: &Mamba1Weights,
     state: &mut State<F>,
     tokens: &[u32],
-    want: LogitRows,
+    want: LogitsWant,
     head: bool,
 ) -> Result<Vec<F>> {
     let cfg = w.mixer_config()?.clone();

@@ -3,12 +3,14 @@
 //! product over the batch's rows, reading each weight once; the conv and the scan run per
 //! sequence (in parallel) on its own state.
 
-use super::lm::{conv_rows, lm_rows, project, LogitRows};
+use super::lm::{conv_rows, lm_rows, project};
 use super::prefill::{gate_rows, scan_rows, ssm_inputs, taps};
 use super::{check_state, layer, layout, State};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::LogitsWant;
 use crate::model::family_weights::Mamba1Weights;
+use crate::model::state_layout::StateLayout;
 use rayon::prelude::*;
 
 /// Advance every `states[i]` by `tokens[i]`; returns the logits `[batch, vocab_padded]`.
@@ -19,23 +21,16 @@ pub fn step<F: Real>(
     tokens: &[u32],
 ) -> Result<Vec<F>> {
     let cfg = w.mixer_config()?.clone();
-    check_batch(states.len(), tokens.len())?;
-    let vocab = w.config.vocab_padded;
-    let state_layout = layout(&cfg, w.config.n_layer);
-    for (st, &t) in states.iter().zip(tokens) {
-        check_state(st, &state_layout)?;
-        if t as usize >= vocab {
-            return Err(Error::TokenOutOfRange {
-                id: t as u64,
-                pos: 0,
-                vocab,
-            });
-        }
-    }
+    check_step(
+        states,
+        tokens,
+        &layout(&cfg, w.config.n_layer),
+        w.config.vocab_padded,
+    )?;
     let b = tokens.len();
     let di = cfg.d_inner;
     let wd = cfg.dt_rank + 2 * cfg.d_state;
-    let logits = lm_rows(w, tokens, LogitRows::All, true, |l, mw, normed| {
+    let logits = lm_rows(w, tokens, LogitsWant::All, true, |l, mw, normed| {
         let proj = project(normed, b, &mw.in_proj, mw.in_proj_bias.as_deref());
         let mut xc = vec![F::zero(); b * di];
         xc.par_chunks_mut(di)
@@ -68,12 +63,30 @@ pub fn step<F: Real>(
     Ok(logits)
 }
 
-/// One token per state.
-pub(crate) fn check_batch(states: usize, tokens: usize) -> Result<()> {
-    if states != tokens {
+/// Refuse a decode step's arguments before anything is touched: one token per state, each
+/// state of the model's `layout`, each token below `vocab`.
+pub(crate) fn check_step<F: Copy + num_traits::Zero>(
+    states: &[&mut State<F>],
+    tokens: &[u32],
+    layout: &StateLayout,
+    vocab: usize,
+) -> Result<()> {
+    if states.len() != tokens.len() {
         return Err(Error::input(format!(
-            "a decode step takes one token per sequence: {tokens} tokens for {states} states"
+            "a decode step takes one token per sequence: {} tokens for {} states",
+            tokens.len(),
+            states.len()
         )));
+    }
+    for (st, &t) in states.iter().zip(tokens) {
+        check_state(st, layout)?;
+        if t as usize >= vocab {
+            return Err(Error::TokenOutOfRange {
+                id: t as u64,
+                pos: 0,
+                vocab,
+            });
+        }
     }
     Ok(())
 }

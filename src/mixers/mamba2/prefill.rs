@@ -13,8 +13,9 @@ use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::check_state;
 use crate::mixers::mamba1::lm::{
-    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, LogitRows,
+    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps,
 };
+use crate::mixers::LogitsWant;
 use crate::model::family_config::Mamba2Config;
 use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 use rayon::prelude::*;
@@ -25,7 +26,7 @@ pub fn prefill<F: Real>(
     w: &Mamba2Weights,
     state: &mut State<F>,
     tokens: &[u32],
-    want: LogitRows,
+    want: LogitsWant,
 ) -> Result<Vec<F>> {
     prefill_rows(w, state, tokens, want, true)
 }
@@ -35,7 +36,7 @@ pub fn prefill_rows<F: Real>(
     w: &Mamba2Weights,
     state: &mut State<F>,
     tokens: &[u32],
-    want: LogitRows,
+    want: LogitsWant,
     head: bool,
 ) -> Result<Vec<F>> {
     let cfg = w.mixer_config()?.clone();

@@ -6,48 +6,17 @@ use super::prefill::prefill;
 use super::reference::Reference;
 use super::step::step;
 use super::{zero_state, State};
-use crate::cpu::Real;
+use crate::mixers::mamba1::fast_tests::{
+    batched_step_matches_the_reference, state_err, windows, FastFamily,
+};
 use crate::mixers::mamba1::golden_tests::{
     conv_ssm_parts, fixture, rel_l2, to64, Golden, LAYOUTS, TOL,
 };
-use crate::mixers::mamba1::lm::LogitRows;
+use crate::mixers::LogitsWant;
 use crate::model::dtype::DType;
 use crate::model::family_config::{Mamba2Config, MixerConfig};
 use crate::model::family_synthetic::{mamba2, Gen};
 use crate::model::family_weights::Mamba2Weights;
-
-fn windows<F: Real>(w: &Mamba2Weights, tokens: &[u32], ends: &[usize]) -> (Vec<f64>, State<F>) {
-    let mut st = zero_state(w.config.mamba2().unwrap(), w.config.n_layer);
-    let mut out = Vec::new();
-    let mut start = 0;
-    for &end in ends {
-        out.extend(to64(
-            &prefill::<F>(w, &mut st, &tokens[start..end], LogitRows::All).unwrap(),
-        ));
-        start = end;
-    }
-    (out, st)
-}
-
-/// Values of a layer's conv state.
-fn conv_len(w: &Mamba2Weights) -> usize {
-    let c = w.config.mamba2().unwrap();
-    c.conv_dim() * c.d_conv
-}
-
-/// The worst of the conv and SSM parts of every layer (their scales differ, so each is
-/// compared alone).
-fn state_err<F: Real>(a: &State<F>, b: &State<f64>, conv: usize) -> f64 {
-    a.data
-        .chunks(a.layer_len)
-        .zip(b.data.chunks(b.layer_len))
-        .map(|(x, y)| {
-            let (xc, xs) = x.split_at(conv);
-            let (yc, ys) = y.split_at(conv);
-            rel_l2(&to64(xc), yc).max(rel_l2(&to64(xs), ys))
-        })
-        .fold(0.0, f64::max)
-}
 
 fn with_chunk(w: &Mamba2Weights, chunk: usize) -> Mamba2Weights {
     let mut w = w.clone();
@@ -68,7 +37,7 @@ fn against_reference(w: &Mamba2Weights, tokens: &[u32], what: &str) {
             let (got, st) = windows::<f64>(&w, tokens, &ends);
             let (e, es) = (
                 rel_l2(&got, &gold),
-                state_err(&st, &ref_state, conv_len(&w)),
+                state_err(&st, &ref_state, w.conv_len()),
             );
             assert!(
                 e <= 1e-12 && es <= 1e-12,
@@ -77,7 +46,7 @@ fn against_reference(w: &Mamba2Weights, tokens: &[u32], what: &str) {
             let (got, st) = windows::<f32>(&w, tokens, &ends);
             let (e, es) = (
                 rel_l2(&got, &gold),
-                state_err(&st, &ref_state, conv_len(&w)),
+                state_err(&st, &ref_state, w.conv_len()),
             );
             assert!(
                 e <= TOL && es <= TOL,
@@ -86,7 +55,7 @@ fn against_reference(w: &Mamba2Weights, tokens: &[u32], what: &str) {
         }
     }
     let mut st = zero_state::<f64>(w.config.mamba2().unwrap(), w.config.n_layer);
-    let last = prefill(w, &mut st, tokens, LogitRows::Last).unwrap();
+    let last = prefill(w, &mut st, tokens, LogitsWant::Last).unwrap();
     let vocab = w.config.vocab_padded;
     assert!(
         rel_l2(&last, &gold[(t - 1) * vocab..]) <= 1e-12,
@@ -161,8 +130,8 @@ fn prefill_matches_the_goldens_and_continues_with_reference_steps() {
 
         let mut st = zero_state::<f64>(w.config.mamba2().unwrap(), w.config.n_layer);
         let mut got =
-            to64(&prefill(&w, &mut st, &g.input_ids[..g.prefix], LogitRows::All).unwrap());
-        for (l, (conv, ssm)) in conv_ssm_parts(&st, conv_len(&w)).iter().enumerate() {
+            to64(&prefill(&w, &mut st, &g.input_ids[..g.prefix], LogitsWant::All).unwrap());
+        for (l, (conv, ssm)) in conv_ssm_parts(&st, w.conv_len()).iter().enumerate() {
             let ec = rel_l2(conv, &g.tensor(&format!("state.{l}.conv")));
             let es = rel_l2(ssm, &g.tensor(&format!("state.{l}.ssm")));
             assert!(
@@ -177,55 +146,6 @@ fn prefill_matches_the_goldens_and_continues_with_reference_steps() {
         let e = rel_l2(&got, &g.logits);
         assert!(e <= TOL, "{layout}: prefill + reference steps {e:e}");
     }
-}
-
-/// Three sequences of different lengths, prefilled by the fast path, then decoded together
-/// by the batched step: each equals its own reference run.
-fn batched_step_matches_the_reference<F: Real>(w: &Mamba2Weights, tol: f64) {
-    let cfg = w.config.mamba2().unwrap();
-    let vocab = w.config.vocab_padded;
-    let mut gen = Gen::new(7);
-    let prompts: Vec<Vec<u32>> = [5, 1, 23].iter().map(|&n| gen.tokens(n, vocab)).collect();
-    let steps: Vec<Vec<u32>> = (0..4).map(|_| gen.tokens(3, vocab)).collect();
-    let mut states: Vec<State<F>> = prompts
-        .iter()
-        .map(|p| {
-            let mut st = zero_state(cfg, w.config.n_layer);
-            prefill(w, &mut st, p, LogitRows::None).unwrap();
-            st
-        })
-        .collect();
-    let mut got: Vec<Vec<f64>> = vec![Vec::new(); 3];
-    for toks in &steps {
-        let mut refs: Vec<&mut State<F>> = states.iter_mut().collect();
-        let out = step(w, &mut refs, toks).unwrap();
-        for (i, row) in out.chunks(vocab).enumerate() {
-            got[i].extend(to64(row));
-        }
-    }
-    let r = Reference::<f64>::new(w).unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let mut st = r.new_state();
-        r.forward(&mut st, p).unwrap();
-        let seq: Vec<u32> = steps.iter().map(|s| s[i]).collect();
-        let want = r.forward(&mut st, &seq).unwrap().concat();
-        let e = rel_l2(&got[i], &want);
-        assert!(e <= tol, "sequence {i}: batched step rel L2 {e:e}");
-        assert!(
-            state_err(&states[i], &st, conv_len(w)) <= tol,
-            "sequence {i}: states"
-        );
-    }
-    // Refusals leave every state as it was.
-    let before = states.clone();
-    let mut refs: Vec<&mut State<F>> = states.iter_mut().collect();
-    let e = step(w, &mut refs, &[1, 2]).unwrap_err().to_string();
-    assert!(e.contains("2 tokens for 3 states"), "{e}");
-    let e = step(w, &mut refs, &[1, vocab as u32, 2])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("out of range"), "{e}");
-    assert_eq!(states, before);
 }
 
 #[test]
@@ -249,7 +169,7 @@ fn speed_against_the_reference() {
     let tokens = Gen::new(3).tokens(1024, 50288);
     let mut st = zero_state::<f32>(&c, 2);
     let t0 = std::time::Instant::now();
-    prefill(&w, &mut st, &tokens, LogitRows::Last).unwrap();
+    prefill(&w, &mut st, &tokens, LogitsWant::Last).unwrap();
     let fast = tokens.len() as f64 / t0.elapsed().as_secs_f64();
     let r = Reference::<f32>::new(&w).unwrap();
     let mut st = r.new_state();

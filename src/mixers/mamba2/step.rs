@@ -6,10 +6,10 @@
 use super::prefill::{deltas, gate_rows, taps};
 use super::{layer, layout, State};
 use crate::cpu::Real;
-use crate::error::{Error, Result};
-use crate::mixers::mamba1::check_state;
-use crate::mixers::mamba1::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project, LogitRows};
-use crate::mixers::mamba1::step::check_batch;
+use crate::error::Result;
+use crate::mixers::mamba1::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project};
+use crate::mixers::mamba1::step::check_step;
+use crate::mixers::LogitsWant;
 use crate::model::family_config::Mamba2Config;
 use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 use rayon::prelude::*;
@@ -22,23 +22,16 @@ pub fn step<F: Real>(
     tokens: &[u32],
 ) -> Result<Vec<F>> {
     let cfg = w.mixer_config()?.clone();
-    check_batch(states.len(), tokens.len())?;
-    let vocab = w.config.vocab_padded;
-    let state_layout = layout(&cfg, w.config.n_layer);
-    for (st, &t) in states.iter().zip(tokens) {
-        check_state(st, &state_layout)?;
-        if t as usize >= vocab {
-            return Err(Error::TokenOutOfRange {
-                id: t as u64,
-                pos: 0,
-                vocab,
-            });
-        }
-    }
+    check_step(
+        states,
+        tokens,
+        &layout(&cfg, w.config.n_layer),
+        w.config.vocab_padded,
+    )?;
     let b = tokens.len();
     let (width, d_ssm) = (cfg.d_in_proj(), cfg.d_ssm);
     let xbc_off = 2 * cfg.d_mlp() + d_ssm;
-    let logits = lm_rows(w, tokens, LogitRows::All, true, |l, mw, normed| {
+    let logits = lm_rows(w, tokens, LogitsWant::All, true, |l, mw, normed| {
         let proj = project(normed, b, &mw.in_proj, mw.in_proj_bias.as_deref());
         let delta = deltas(&cfg, mw, &proj, b);
         let mut y = vec![F::zero(); b * d_ssm];

@@ -27,7 +27,7 @@ use crate::cpu::math::{rms_norm, silu, wrap_angle};
 use crate::cpu::matmul::{gemm, matmul_t, View, ViewMut};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
-use crate::mixers::mamba1::lm::LogitRows;
+use crate::mixers::LogitsWant;
 use crate::model::config::NORM_EPS;
 use rayon::prelude::*;
 
@@ -40,7 +40,7 @@ pub fn mimo_prefill<F: Real>(
     state: &mut MimoSeqState<F>,
     chunk_len: usize,
 ) -> Result<Vec<F>> {
-    mimo_prefill_rows(w, tokens, state, chunk_len, LogitRows::All, true)
+    mimo_prefill_rows(w, tokens, state, chunk_len, LogitsWant::All, true)
 }
 
 /// [`mimo_prefill`] returning only the rows `want` asks for: logits `[rows, vocab_padded]`
@@ -50,7 +50,7 @@ pub fn mimo_prefill_rows<F: Real>(
     tokens: &[u32],
     state: &mut MimoSeqState<F>,
     chunk_len: usize,
-    want: LogitRows,
+    want: LogitsWant,
     head: bool,
 ) -> Result<Vec<F>> {
     let d = w.dims;
@@ -102,9 +102,9 @@ pub fn mimo_prefill_rows<F: Real>(
     }
     add_assign(&mut res, &hs);
     let keep = match want {
-        LogitRows::All => rows,
-        LogitRows::Last => rows.min(1),
-        LogitRows::None => return Ok(Vec::new()),
+        LogitsWant::All => rows,
+        LogitsWant::Last => rows.min(1),
+        LogitsWant::None => return Ok(Vec::new()),
     };
     let tail = &res[(rows - keep) * dm..];
     let mut hidden = vec![F::zero(); keep * dm];
