@@ -131,8 +131,6 @@ fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {
 struct HeadOut<F> {
     /// combined output `o` `[len, P]`
     o: Vec<F>,
-    angle: Vec<F>,
-    ssm: Vec<F>,
     /// last keys `[R, N]`
     k: Vec<F>,
     v: Vec<F>,
@@ -169,20 +167,33 @@ pub fn mimo_mixer_prefill<F: Real>(
         return Ok(());
     }
     let pre = ctx.token_pre(proj, len);
+    let (h_n, p_n, n_n, s_n) = (d.nheads, d.headdim, d.d_state, d.num_rope_angles);
+    // Each head advances its own angle and ssm slices in place; the carried keys and
+    // values are read by every head before any is replaced (below).
     let results: Vec<HeadOut<F>> = {
-        let st: &MimoLayerView<F> = state;
-        (0..d.nheads)
-            .into_par_iter()
-            .map(|h| scan_head(ctx, proj, len, chunk_len, &pre, h, st))
+        let MimoLayerView { angle, ssm, k, v } = state;
+        let (k_prev, v_prev): (&[F], &[F]) = (k, v);
+        let angles: Vec<&mut [F]> = if s_n == 0 {
+            (0..h_n).map(|_| <&mut [F]>::default()).collect()
+        } else {
+            angle.chunks_mut(s_n).collect()
+        };
+        ssm.par_chunks_mut(p_n * n_n)
+            .zip(angles)
+            .enumerate()
+            .map(|(h, (ssm_h, angle_h))| {
+                let carried = Carried {
+                    k: k_prev,
+                    v: v_prev,
+                };
+                scan_head(ctx, proj, len, chunk_len, &pre, h, angle_h, ssm_h, carried)
+            })
             .collect()
     };
-    let (h_n, p_n, n_n, s_n) = (d.nheads, d.headdim, d.d_state, d.num_rope_angles);
     for (h, r) in results.into_iter().enumerate() {
         for t in 0..len {
             out[t * d.d_inner + h * p_n..][..p_n].copy_from_slice(&r.o[t * p_n..(t + 1) * p_n]);
         }
-        state.angle[h * s_n..(h + 1) * s_n].copy_from_slice(&r.angle);
-        state.ssm[h * p_n * n_n..(h + 1) * p_n * n_n].copy_from_slice(&r.ssm);
         for rk in 0..d.rank {
             state.k[(rk * h_n + h) * n_n..][..n_n].copy_from_slice(&r.k[rk * n_n..(rk + 1) * n_n]);
         }
@@ -191,7 +202,14 @@ pub fn mimo_mixer_prefill<F: Real>(
     Ok(())
 }
 
-/// Every chunk of one head, in order.
+/// The layer's carried keys `[R, H, N]` and raw x `[H, P]` as the window found them.
+struct Carried<'a, F> {
+    k: &'a [F],
+    v: &'a [F],
+}
+
+/// Every chunk of one head, in order, advancing its `angle` `[S]` and `ssm` `[P, N]`.
+#[allow(clippy::too_many_arguments)]
 fn scan_head<F: Real>(
     ctx: &MimoMixerCtx,
     proj: &[F],
@@ -199,7 +217,9 @@ fn scan_head<F: Real>(
     chunk_len: usize,
     pre: &MimoTokenPre<F>,
     h: usize,
-    st: &MimoLayerView<F>,
+    angle: &mut [F],
+    ssm: &mut [F],
+    st: Carried<F>,
 ) -> HeadOut<F> {
     let d = &ctx.d;
     let (h_n, p_n, n_n, r_n, s_n) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
@@ -212,9 +232,6 @@ fn scan_head<F: Real>(
         .map(|&v| F::from_f(v as f64))
         .collect();
     let x_of = |t: usize| &proj[t * dpi + d.x_off() + h * p_n..][..p_n];
-
-    let mut angle = st.angle[h * s_n..(h + 1) * s_n].to_vec();
-    let mut ssm = st.ssm[h * p_n * n_n..(h + 1) * p_n * n_n].to_vec();
 
     // Boundary fold (§3.4): the carried keys and raw x enter with weight Δ_0(1 − λ_0).
     let fold = pre.delta[h] * (F::one() - pre.lambda[h]);
@@ -355,7 +372,7 @@ fn scan_head<F: Real>(
             ViewMut::new(&mut inter[..rows * p_n], rows, p_n),
             None,
             qv,
-            View::new(&ssm, p_n, n_n).t(),
+            View::new(ssm, p_n, n_n).t(),
             F::one(),
             1,
         );
@@ -376,7 +393,7 @@ fn scan_head<F: Real>(
             }
         }
         gemm(
-            ViewMut::new(&mut ssm, p_n, n_n),
+            ViewMut::new(ssm, p_n, n_n),
             Some(lc_end.exp_fast()),
             View::new(&uw[..rows * p_n], rows, p_n).t(),
             kv,
@@ -402,8 +419,6 @@ fn scan_head<F: Real>(
     let l_last = len - (len - 1) / l_max * l_max;
     HeadOut {
         o,
-        angle,
-        ssm,
         k: k[(l_last - 1) * r_n * n_n..l_last * r_n * n_n].to_vec(),
         v: x_of(len - 1).to_vec(),
     }
