@@ -328,3 +328,47 @@ fn random_model_writes_a_loadable_official_folder() {
         assert!(String::from_utf8_lossy(&again.stderr).contains("refusing to overwrite"));
     }
 }
+
+/// A Mamba-1/2 checkpoint holding a NaN or an infinity is refused at load, naming the
+/// tensor, as a Mamba-3 one is.
+#[test]
+fn non_finite_family_weights_are_refused() {
+    use mamba3::model::family_synthetic::{official_config, synthetic};
+    use mamba3::model::family_weights::FamilyWeights;
+    use mamba3::model::TensorData;
+    let dir = tempfile::tempdir().unwrap();
+    for layer in ["Mamba1", "Mamba2"] {
+        let cfg = official_config(layer, 32, 2, 64, 16, 16).unwrap();
+        let json = format!(
+            r#"{{"d_model": 32, "n_layer": 2, "vocab_size": 64, "ssm_cfg": {{"layer": "{layer}",
+               "d_state": 16{}}}}}"#,
+            if layer == "Mamba2" {
+                r#", "headdim": 16"#
+            } else {
+                ""
+            }
+        );
+        let w = match synthetic(&cfg, DType::F32, 3) {
+            FamilyWeights::Mamba1(mut w) => {
+                let TensorData::F32(v) = &mut w.layers[1].mixer.out_proj.data else {
+                    panic!("f32")
+                };
+                v[5] = f32::NAN;
+                mamba3::MixerWeights::Mamba1(std::sync::Arc::new(w))
+            }
+            FamilyWeights::Mamba2(mut w) => {
+                w.layers[0].mixer.a_log[2] = f32::INFINITY;
+                mamba3::MixerWeights::Mamba2(std::sync::Arc::new(w))
+            }
+        };
+        let out = dir.path().join(layer);
+        let e = w.save_official(&out, &json).unwrap_err().to_string();
+        let name = if layer == "Mamba1" {
+            "backbone.layers.1.mixer.out_proj.weight"
+        } else {
+            "backbone.layers.0.mixer.A_log"
+        };
+        assert!(e.contains(name) && e.contains("finite"), "{layer}: {e}");
+        assert!(Model::load(&out, Device::Cpu, DType::F32).is_err());
+    }
+}

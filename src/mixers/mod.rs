@@ -17,7 +17,6 @@ pub mod mimo;
 use crate::error::{Error, Result};
 use crate::model::family_config::{detect_family, parse_json_lenient, FamilyKind};
 use crate::model::family_weights::{FamilyWeights, Mamba1Weights, Mamba2Weights};
-use crate::model::finite::{check_f32, check_tensor};
 use crate::model::state_layout::StateLayout;
 use crate::model::tensor_file::{write_safetensors, RawTensor};
 use crate::model::weights::{fingerprint_tensor, fingerprint_values, Fnv};
@@ -118,22 +117,8 @@ pub enum MixerWeights {
 impl MixerWeights {
     /// Load a model folder (or a weights file with `config.json` beside it) of any mixer
     /// and either file layout, matrices in `dtype`.
+    /// Every loader checks each tensor's name, shape, dtype and finiteness as it reads it.
     pub fn load(path: &Path, dtype: DType) -> Result<MixerWeights> {
-        let w = Self::load_unchecked(path, dtype)?;
-        if !matches!(w, MixerWeights::Mamba3(_)) {
-            // (Mamba-3's loader checks its own tensors as it reads them.)
-            for (name, p) in w.tensors() {
-                match p {
-                    Param::Matrix(m) => check_tensor(&name, &m.data)?,
-                    Param::Vector(v, _) => check_f32(&name, v)?,
-                    Param::Count(_) => {}
-                }
-            }
-        }
-        Ok(w)
-    }
-
-    fn load_unchecked(path: &Path, dtype: DType) -> Result<MixerWeights> {
         Ok(match MixerKind::of_path(path)? {
             MixerKind::Mamba3Siso => MixerWeights::Mamba3(Arc::new(Weights::load(path, dtype)?)),
             MixerKind::Mamba3Mimo => MixerWeights::Mimo(Arc::new(MimoWeights::load(path, dtype)?)),

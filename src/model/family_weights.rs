@@ -228,6 +228,8 @@ impl<'a> TensorReader<'a> {
             });
         }
         let data = raw.to_float(&full, dtype)?;
+        // Checked as held: a finite f32 can still overflow an f16.
+        crate::model::finite::check_tensor(&full, &data)?;
         if let Some(stored) = src.resolve(&full) {
             self.used.insert(stored.to_string());
         }

@@ -235,63 +235,15 @@ impl Weights {
 
     /// Build from an open tensor file, checking every tensor against the config.
     pub fn from_tensor_file(config: Config, file: &TensorFile, dtype: DType) -> Result<Weights> {
-        let path = file.path().display().to_string();
-        // Before anything is sized from the config: its layer count must be the file's,
-        // so that a config claiming 10^7 layers fails here, not in an allocation.
-        check_layer_count(&config, file, &path)?;
-        let expected = expected_tensors(&config);
-        let expected_names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
-        for name in file.names() {
-            let tied_head = name == "lm_head.weight" && config.tie_embeddings;
-            if !expected_names.contains(name.as_str()) && !tied_head {
-                return Err(Error::checkpoint(
-                    &path,
-                    format!(
-                        "unexpected tensor `{name}`: not part of a model with this config \
-                         ({} layers, d_intermediate {}, is_outproj_norm {}, tie_embeddings {})",
-                        config.n_layer,
-                        config.d_intermediate,
-                        config.ssm_cfg.is_outproj_norm,
-                        config.tie_embeddings
-                    ),
-                ));
-            }
-        }
-        let mut fp = Fnv::new().bytes(config_fingerprint_text(&config).as_bytes());
-        let mut take = |name: &str, shape: &[usize]| -> Result<TensorData> {
-            let raw = file.get(name).ok_or_else(|| Error::MissingTensor {
-                name: name.into(),
-                path: path.clone(),
-                expected: shape.to_vec(),
-            })?;
-            if raw.shape != shape {
-                return Err(Error::Tensor {
-                    name: name.into(),
-                    expected: format!("shape {shape:?} (from config)"),
-                    found: format!("shape {:?}", raw.shape),
-                });
-            }
-            if !matches!(raw.dtype, crate::model::tensor_file::DiskDType::Float(_)) {
-                return Err(Error::Tensor {
-                    name: name.into(),
-                    expected: "dtype f32, bf16, f16 or f64".into(),
-                    found: format!("dtype {}", raw.dtype),
-                });
-            }
-            // Straight from the file's bytes to the held dtype; the fingerprint samples the
-            // values as stored, so it does not depend on the dtype asked for.
-            let data = raw.to_float(name, storage_dtype(name, dtype, config.tie_embeddings))?;
-            // Checked as held: a finite f32 can still overflow an f16.
-            crate::model::finite::check_tensor(name, &data)?;
-            fp = fingerprint_values(fp, name, data.len(), |i| {
-                raw.float_at(i).unwrap_or(f64::NAN)
-            });
-            Ok(data)
-        };
-        let mut tensors = std::collections::HashMap::new();
-        for (name, shape) in &expected {
-            tensors.insert(name.clone(), take(name, shape)?);
-        }
+        let fp = Fnv::new().bytes(config_fingerprint_text(&config).as_bytes());
+        let (tensors, fp) = read_expected(
+            &config,
+            file,
+            || expected_tensors(&config),
+            "a model",
+            |name| storage_dtype(name, dtype, config.tie_embeddings),
+            fp,
+        )?;
         let fingerprint = fp.0;
         Ok(Self::assemble(config, dtype, tensors, fingerprint))
     }
@@ -476,6 +428,80 @@ impl Weights {
 
 /// `file` must hold tensors for at least `config.n_layer` layers (one past the highest
 /// `backbone.layers.{i}.` index); more is reported by name as unexpected tensors.
+/// Every tensor `expected()` lists, read from `file` and checked: the file holds the
+/// config's layers (checked before `expected` sizes anything from the config), no tensor
+/// outside the list (a tied head's stored duplicate aside), each present with its shape and
+/// a float dtype, and finite once held in `held(name)`. Returns them by name, and `fp`
+/// extended by samples of the values as stored (so the fingerprint does not depend on the
+/// dtype asked for). `model` names the kind of model in messages.
+pub(crate) fn read_expected(
+    config: &Config,
+    file: &TensorFile,
+    expected: impl FnOnce() -> Vec<(String, Vec<usize>)>,
+    model: &str,
+    held: impl Fn(&str) -> DType,
+    mut fp: Fnv,
+) -> Result<(std::collections::HashMap<String, TensorData>, Fnv)> {
+    let path = file.path().display().to_string();
+    // Before anything is sized from the config: its layer count must be the file's,
+    // so that a config claiming 10^7 layers fails here, not in an allocation.
+    check_layer_count(config, file, &path)?;
+    let expected = expected();
+    let expected_names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    for name in file.names() {
+        let tied_head = name == "lm_head.weight" && config.tie_embeddings;
+        if !expected_names.contains(name.as_str()) && !tied_head {
+            let rank = if config.ssm_cfg.is_mimo {
+                format!(", mimo_rank {}", config.ssm_cfg.mimo_rank)
+            } else {
+                String::new()
+            };
+            return Err(Error::checkpoint(
+                &path,
+                format!(
+                    "unexpected tensor `{name}`: not part of {model} with this config \
+                     ({} layers{rank}, d_intermediate {}, is_outproj_norm {}, tie_embeddings {})",
+                    config.n_layer,
+                    config.d_intermediate,
+                    config.ssm_cfg.is_outproj_norm,
+                    config.tie_embeddings
+                ),
+            ));
+        }
+    }
+    let mut tensors = std::collections::HashMap::new();
+    for (name, shape) in expected {
+        let raw = file.get(&name).ok_or_else(|| Error::MissingTensor {
+            name: name.clone(),
+            path: path.clone(),
+            expected: shape.clone(),
+        })?;
+        if raw.shape != shape {
+            return Err(Error::Tensor {
+                name,
+                expected: format!("shape {shape:?} (from config)"),
+                found: format!("shape {:?}", raw.shape),
+            });
+        }
+        if !matches!(raw.dtype, crate::model::tensor_file::DiskDType::Float(_)) {
+            return Err(Error::Tensor {
+                name,
+                expected: "dtype f32, bf16, f16 or f64".into(),
+                found: format!("dtype {}", raw.dtype),
+            });
+        }
+        // Straight from the file's bytes to the held dtype.
+        let data = raw.to_float(&name, held(&name))?;
+        // Checked as held: a finite f32 can still overflow an f16.
+        crate::model::finite::check_tensor(&name, &data)?;
+        fp = fingerprint_values(fp, &name, data.len(), |i| {
+            raw.float_at(i).unwrap_or(f64::NAN)
+        });
+        tensors.insert(name, data);
+    }
+    Ok((tensors, fp))
+}
+
 fn check_layer_count(config: &Config, file: &TensorFile, path: &str) -> Result<()> {
     let in_file = file
         .names()

@@ -11,9 +11,9 @@ use crate::error::{Error, Result};
 use crate::model::config::Config;
 use crate::model::dtype::{DType, TensorData};
 use crate::model::rng::Rng;
-use crate::model::tensor_file::{DiskDType, TensorFile};
-use crate::model::weights::{layer_name, locate, Matrix, MlpWeights};
-use std::collections::{BTreeSet, HashMap};
+use crate::model::tensor_file::TensorFile;
+use crate::model::weights::{layer_name, locate, read_expected, Fnv, Matrix, MlpWeights};
+use std::collections::HashMap;
 use std::path::Path;
 
 /// Every size of a MIMO model, derived from a validated config (spec-MIMO §1.2).
@@ -281,51 +281,14 @@ impl MimoWeights {
     /// Build from an open tensor file, checking every name, shape and dtype.
     pub fn from_tensor_file(config: Config, file: &TensorFile, dtype: DType) -> Result<Self> {
         validate_mimo(&config)?;
-        let path = file.path().display().to_string();
-        let expected = mimo_expected_tensors(&config);
-        let names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
-        for name in file.names() {
-            let tied_head = name == "lm_head.weight" && config.tie_embeddings;
-            if !names.contains(name.as_str()) && !tied_head {
-                return Err(Error::checkpoint(
-                    &path,
-                    format!(
-                        "unexpected tensor `{name}`: not part of a MIMO model with this config \
-                         ({} layers, mimo_rank {}, d_intermediate {}, is_outproj_norm {}, \
-                         tie_embeddings {})",
-                        config.n_layer,
-                        config.ssm_cfg.mimo_rank,
-                        config.d_intermediate,
-                        config.ssm_cfg.is_outproj_norm,
-                        config.tie_embeddings
-                    ),
-                ));
-            }
-        }
-        let mut tensors = HashMap::new();
-        for (name, shape) in &expected {
-            let raw = file.get(name).ok_or_else(|| Error::MissingTensor {
-                name: name.clone(),
-                path: path.clone(),
-                expected: shape.clone(),
-            })?;
-            if raw.shape != *shape {
-                return Err(Error::Tensor {
-                    name: name.clone(),
-                    expected: format!("shape {shape:?} (from config)"),
-                    found: format!("shape {:?}", raw.shape),
-                });
-            }
-            if !matches!(raw.dtype, DiskDType::Float(_)) {
-                return Err(Error::Tensor {
-                    name: name.clone(),
-                    expected: "dtype f32, bf16, f16 or f64".into(),
-                    found: format!("dtype {}", raw.dtype),
-                });
-            }
-            let held = if is_matrix(name) { dtype } else { DType::F32 };
-            tensors.insert(name.clone(), raw.to_float(name, held)?);
-        }
+        let (tensors, _) = read_expected(
+            &config,
+            file,
+            || mimo_expected_tensors(&config),
+            "a MIMO model",
+            |name| if is_matrix(name) { dtype } else { DType::F32 },
+            Fnv::new(),
+        )?;
         Ok(Self::assemble(config, dtype, tensors))
     }
 
