@@ -47,14 +47,7 @@ pub fn run(a: Args) -> Result<()> {
 /// Any other mixer: every stored tensor, checked first by loading the model.
 fn repack(a: &Args) -> Result<()> {
     MixerWeights::load(&a.model, DType::F32)?;
-    let config_path = if a.model.is_file() {
-        a.model
-            .parent()
-            .unwrap_or(Path::new("."))
-            .join("config.json")
-    } else {
-        a.model.join("config.json")
-    };
+    let config_path = crate::mixers::config_path(&a.model);
     check_out(&a.out, &config_path)?;
     let src = TensorSource::open(&a.model)?;
     let mut tensors: Vec<(String, RawTensor)> = Vec::new();

@@ -413,7 +413,7 @@ fn family_dims(c: &crate::model::family_config::FamilyConfig) -> LmDims {
 }
 
 /// `config.json` of a model folder, or beside a weights file.
-fn config_path(path: &Path) -> PathBuf {
+pub fn config_path(path: &Path) -> PathBuf {
     if path.is_file() {
         path.parent().unwrap_or(Path::new(".")).join("config.json")
     } else {
