@@ -2,9 +2,10 @@
 //! pipeline in `cpu.rs`): Mamba-3 MIMO, Mamba-1 and Mamba-2, each through its mixer's fast
 //! CPU paths on the engine's flat states.
 //!
-//! A pass of several sequences prefills each from its own state in turn (each prefill is
-//! parallel inside); a pass of one token per sequence is a decode step, batched where the
-//! mixer has a batched step (Mamba-1, Mamba-2: every weight read once for the batch).
+//! MIMO runs any pass as one packed batch (the projections over every row at once). For
+//! Mamba-1 and Mamba-2 a pass of one token per sequence is their batched decode step (every
+//! weight read once for the batch), and a pass of longer sequences prefills each from its
+//! own state in turn (each prefill parallel inside).
 
 use super::backend::Backend;
 use super::logits::{HostBuf, LogitsWant, StepLogits};
@@ -28,37 +29,41 @@ impl FamilyCpu {
         Ok(FamilyCpu { weights })
     }
 
-    /// One sequence's window from its state: the rows `want` asks for, logits with `head`,
-    /// else the hidden states after `norm_f`.
-    pub fn prefill(
+    /// Each sequence's tokens from its own state: the rows `want` asks for, logits with
+    /// `head`, else the hidden states after `norm_f`.
+    fn run(
         &self,
-        tokens: &[u32],
-        state: &mut StateBuf<f32>,
+        seqs: &[&[u32]],
+        states: &mut [&mut StateBuf<f32>],
         want: LogitsWant,
         head: bool,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
+        let one_token_each = want == LogitsWant::Last && head && seqs.iter().all(|s| s.len() == 1);
+        let tokens: Vec<u32> = seqs.iter().filter_map(|s| s.first().copied()).collect();
+        let vp = self.weights.lm_dims().vocab_padded;
+        let rows = |flat: Vec<f32>| flat.chunks(vp).map(<[f32]>::to_vec).collect();
         match &self.weights {
             MixerWeights::Mimo(w) => {
-                mimo::mimo_prefill_rows(w, tokens, state, mimo_chunk_len(w.dims.rank), want, head)
+                let chunk = mimo_chunk_len(w.dims.rank);
+                mimo::mimo_forward(w, seqs, states, chunk, want, head)
             }
-            MixerWeights::Mamba1(w) => mamba1::prefill::prefill_rows(w, state, tokens, want, head),
-            MixerWeights::Mamba2(w) => mamba2::prefill::prefill_rows(w, state, tokens, want, head),
+            MixerWeights::Mamba1(w) if one_token_each => {
+                Ok(rows(mamba1::step::step(w, states, &tokens)?))
+            }
+            MixerWeights::Mamba2(w) if one_token_each => {
+                Ok(rows(mamba2::step::step(w, states, &tokens)?))
+            }
+            MixerWeights::Mamba1(w) => seqs
+                .iter()
+                .zip(states.iter_mut())
+                .map(|(s, st)| mamba1::prefill::prefill_rows(w, st, s, want, head))
+                .collect(),
+            MixerWeights::Mamba2(w) => seqs
+                .iter()
+                .zip(states.iter_mut())
+                .map(|(s, st)| mamba2::prefill::prefill_rows(w, st, s, want, head))
+                .collect(),
             MixerWeights::Mamba3(_) => unreachable!("refused by FamilyCpu::new"),
-        }
-    }
-
-    /// One token for each sequence: logits `[batch, vocab_padded]`.
-    fn step(&self, tokens: &[u32], states: &mut [&mut StateBuf<f32>]) -> Result<Vec<f32>> {
-        match &self.weights {
-            MixerWeights::Mamba1(w) => mamba1::step::step(w, states, tokens),
-            MixerWeights::Mamba2(w) => mamba2::step::step(w, states, tokens),
-            _ => {
-                let mut out = Vec::new();
-                for (&t, st) in tokens.iter().zip(states.iter_mut()) {
-                    out.extend(self.prefill(&[t], st, LogitsWant::Last, true)?);
-                }
-                Ok(out)
-            }
         }
     }
 }
@@ -77,17 +82,7 @@ impl Backend for FamilyCpu {
         states: &mut [&mut StateData],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
-        let mut hosts = StateData::hosts_mut(states)?;
-        if want == LogitsWant::Last && seqs.iter().all(|s| s.len() == 1) {
-            let tokens: Vec<u32> = seqs.iter().map(|s| s[0]).collect();
-            let vp = self.weights.lm_dims().vocab_padded;
-            let rows = self.step(&tokens, &mut hosts)?;
-            return Ok(rows.chunks(vp).map(<[f32]>::to_vec).collect());
-        }
-        seqs.iter()
-            .zip(hosts)
-            .map(|(s, st)| self.prefill(s, st, want, true))
-            .collect()
+        self.run(seqs, &mut StateData::hosts_mut(states)?, want, true)
     }
 
     fn decode_into(
@@ -96,12 +91,20 @@ impl Backend for FamilyCpu {
         states: &mut [&mut StateData],
         out: &mut StepLogits,
     ) -> Result<()> {
-        let rows = self.step(tokens, &mut StateData::hosts_mut(states)?)?;
-        out.buf = HostBuf::Heap(rows);
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        let rows = self.run(
+            &seqs,
+            &mut StateData::hosts_mut(states)?,
+            LogitsWant::Last,
+            true,
+        )?;
+        out.buf = HostBuf::Heap(rows.concat());
         Ok(())
     }
 
     fn hidden(&self, tokens: &[u32], state: &mut StateData, want: LogitsWant) -> Result<Vec<f32>> {
-        self.prefill(tokens, state.host_mut()?, want, false)
+        Ok(self
+            .run(&[tokens], &mut [state.host_mut()?], want, false)?
+            .remove(0))
     }
 }

@@ -41,7 +41,7 @@ pub mod weights;
 #[cfg(test)]
 mod golden_tests;
 
-pub use prefill::{mimo_mixer_prefill, mimo_prefill, mimo_prefill_rows};
+pub use prefill::{mimo_forward, mimo_mixer_prefill, mimo_prefill, mimo_prefill_rows};
 pub use reference::{
     check_window, layer, layout, mimo_zero_state, MimoLayerState, MimoLayerView, MimoMixerCtx,
     MimoReference, MimoSeqState,

@@ -53,14 +53,49 @@ pub fn mimo_prefill_rows<F: Real>(
     want: LogitsWant,
     head: bool,
 ) -> Result<Vec<F>> {
+    Ok(mimo_forward(w, &[tokens], &mut [state], chunk_len, want, head)?.remove(0))
+}
+
+/// The MIMO language model over a packed batch: each sequence's tokens from its own state
+/// (fresh or carried), which is advanced past them. The projections are one product over
+/// every row of the batch (a decode step of B sequences reads each weight once); each
+/// sequence's mixers run on its own rows. Returns each sequence's rows `want` asks for,
+/// logits with `head`, else the hidden states after `norm_f`. Nothing is changed when an
+/// argument is refused.
+pub fn mimo_forward<F: Real>(
+    w: &MimoWeights,
+    seqs: &[&[u32]],
+    states: &mut [&mut MimoSeqState<F>],
+    chunk_len: usize,
+    want: LogitsWant,
+    head: bool,
+) -> Result<Vec<Vec<F>>> {
     let d = w.dims;
-    check_window(&d, tokens, state)?;
+    if seqs.len() != states.len() {
+        return Err(Error::input(format!(
+            "{} sequences but {} states: expected one state per sequence",
+            seqs.len(),
+            states.len()
+        )));
+    }
+    for (s, st) in seqs.iter().zip(states.iter()) {
+        check_window(&d, s, st)?;
+    }
     if chunk_len == 0 {
         return Err(Error::input("chunk length 0: expected at least 1"));
     }
+    let starts: Vec<usize> = seqs
+        .iter()
+        .scan(0, |acc, s| {
+            let start = *acc;
+            *acc += s.len();
+            Some(start)
+        })
+        .collect();
+    let tokens: Vec<u32> = seqs.concat();
     let (rows, dm) = (tokens.len(), d.d_model);
     let mut hs = vec![F::zero(); rows * dm];
-    hs.par_chunks_mut(dm).zip(tokens).for_each(|(row, &t)| {
+    hs.par_chunks_mut(dm).zip(&tokens).for_each(|(row, &t)| {
         for (i, v) in row.iter_mut().enumerate() {
             *v = F::from_f(w.embedding.data.get_f64(t as usize * dm + i));
         }
@@ -76,14 +111,17 @@ pub fn mimo_prefill_rows<F: Real>(
         norm_rows(&res, &lw.norm, dm, &mut normed);
         matmul_t(&normed, rows, &lw.in_proj, &mut proj);
         let ctx = MimoMixerCtx::new(w, l);
-        mimo_mixer_prefill(
-            &ctx,
-            &proj,
-            rows,
-            chunk_len,
-            &mut layer(state, l, &d),
-            &mut o,
-        )?;
+        for ((s, &start), st) in seqs.iter().zip(&starts).zip(states.iter_mut()) {
+            let (pr, or) = (start * d.d_in_proj, start * d.d_inner);
+            mimo_mixer_prefill(
+                &ctx,
+                &proj[pr..pr + s.len() * d.d_in_proj],
+                s.len(),
+                chunk_len,
+                &mut layer(st, l, &d),
+                &mut o[or..or + s.len() * d.d_inner],
+            )?;
+        }
         matmul_t(&o, rows, &lw.out_proj, &mut hs);
         if let Some(mlp) = &lw.mlp {
             add_assign(&mut res, &hs);
@@ -101,20 +139,40 @@ pub fn mimo_prefill_rows<F: Real>(
         }
     }
     add_assign(&mut res, &hs);
-    let keep = match want {
-        LogitsWant::All => rows,
-        LogitsWant::Last => rows.min(1),
-        LogitsWant::None => return Ok(Vec::new()),
-    };
-    let tail = &res[(rows - keep) * dm..];
-    let mut hidden = vec![F::zero(); keep * dm];
-    norm_rows(tail, &w.norm_f, dm, &mut hidden);
-    if !head {
-        return Ok(hidden);
+    // The rows asked for, sequence by sequence: `(first row, count)`.
+    let picked: Vec<(usize, usize)> = seqs
+        .iter()
+        .zip(&starts)
+        .map(|(s, &start)| match want {
+            LogitsWant::All => (start, s.len()),
+            LogitsWant::Last => (start + s.len().saturating_sub(1), s.len().min(1)),
+            LogitsWant::None => (start, 0),
+        })
+        .collect();
+    let kept: usize = picked.iter().map(|p| p.1).sum();
+    let mut sel = Vec::with_capacity(kept * dm);
+    for &(first, count) in &picked {
+        sel.extend_from_slice(&res[first * dm..(first + count) * dm]);
     }
-    let mut logits = vec![F::zero(); keep * d.vocab_padded];
-    matmul_t(&hidden, keep, w.head(), &mut logits);
-    Ok(logits)
+    let mut out = vec![F::zero(); kept * dm];
+    norm_rows(&sel, &w.norm_f, dm, &mut out);
+    let width = if head {
+        let mut logits = vec![F::zero(); kept * d.vocab_padded];
+        matmul_t(&out, kept, w.head(), &mut logits);
+        out = logits;
+        d.vocab_padded
+    } else {
+        dm
+    };
+    let mut at = 0;
+    Ok(picked
+        .iter()
+        .map(|&(_, count)| {
+            let rows = out[at * width..(at + count) * width].to_vec();
+            at += count;
+            rows
+        })
+        .collect())
 }
 
 fn norm_rows<F: Real>(x: &[F], w: &[f32], width: usize, out: &mut [F]) {
