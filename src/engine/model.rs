@@ -38,14 +38,9 @@ impl Model {
         }
         #[cfg(feature = "cuda")]
         if let Device::Cuda(ordinal) = device {
-            // Only Mamba-3 SISO has CUDA kernels so far.
             let kind = MixerKind::of_path(path)?;
             if kind != MixerKind::Mamba3Siso {
-                return Err(Error::Device(format!(
-                    "{} models run on the CPU only in this version (no CUDA kernels for \
-                     this mixer yet): use --device cpu",
-                    kind.name()
-                )));
+                return Err(no_cuda_kernels(kind));
             }
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other. Nor does loading
@@ -93,13 +88,7 @@ impl Model {
                 MixerWeights::Mamba3(w) => {
                     Box::new(crate::engine::cuda::CudaModel::new(w.clone(), ordinal)?)
                 }
-                other => {
-                    return Err(Error::Device(format!(
-                        "{} models run on the CPU only in this version (no CUDA kernels \
-                         for this mixer yet): use --device cpu",
-                        other.kind().name()
-                    )))
-                }
+                other => return Err(no_cuda_kernels(other.kind())),
             },
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
@@ -425,6 +414,16 @@ impl Model {
         }
         Ok(out)
     }
+}
+
+/// Only Mamba-3 SISO has CUDA kernels so far.
+#[cfg(feature = "cuda")]
+fn no_cuda_kernels(kind: MixerKind) -> Error {
+    Error::Device(format!(
+        "{} models run on the CPU only in this version (no CUDA kernels for this mixer \
+         yet): use --device cpu",
+        kind.name()
+    ))
 }
 
 /// The CPU backend of a model's mixer.
