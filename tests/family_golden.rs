@@ -32,10 +32,12 @@ fn models() -> Vec<(&'static str, Vec<PathBuf>, MixerKind)> {
     ]
 }
 
-/// The fixtures' README: f32 within 1e-5 relative L2, bf16 within 1e-2.
+/// The fixtures' README and the issues: f32 within 1e-5 relative L2, f16 within 5e-3,
+/// bf16 within 1e-2.
 fn tol(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-5,
+        DType::F16 => 5e-3,
         _ => 1e-2,
     }
 }
@@ -57,7 +59,7 @@ fn family_goldens_through_the_engine() {
         let gold = g.logits.as_slice();
         let t = g.input_ids.len();
         for folder in &folders {
-            for dtype in [DType::F32, DType::BF16] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
                 let what = format!("{name} {} {dtype}", folder.display());
                 let m = Model::load(folder, Device::Cpu, dtype).unwrap();
                 assert_eq!(m.kind(), kind, "{what}");
