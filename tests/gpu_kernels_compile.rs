@@ -23,7 +23,11 @@ mod probe_kernels;
 use mamba3::cuda::kernels::{
     compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath,
 };
+use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
+use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
 use mamba3::mixers::mamba3::cuda::program::{INFERENCE, KERNEL_NAMES, TRAINING};
+use mamba3::model::family_config::{FamilyConfig, MixerConfig};
+use mamba3::model::family_synthetic::official_config;
 use mamba3::model::DType;
 use std::path::PathBuf;
 
@@ -160,6 +164,16 @@ fn every_kernel_compiles_under_nvrtc() {
                 let name = format!("{what} {dtype:?} {scan:?} training");
                 jobs.push((name, TRAINING, kc, "sm_90a"));
             }
+        }
+    }
+    // Mamba-1 and Mamba-2: the fixtures' and the real checkpoints' state sizes, every dtype
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (what, cfg) in family_shapes() {
+            let (program, kc) = match &cfg.mixer {
+                MixerConfig::Mamba1(m) => (M1_PROGRAM, m1_config(m, dtype)),
+                MixerConfig::Mamba2(m) => (M2_PROGRAM, m2_config(m, dtype).unwrap()),
+            };
+            jobs.push((format!("{what} {dtype:?}"), program, kc, "sm_90a"));
         }
     }
     // the hardware probes of benches/gpu_floors.rs (no model constants)
@@ -301,4 +315,20 @@ fn shapes_the_kernels_cannot_take_are_refused() {
     // the benchmark shape is fine
     let bench = c(768, 24, 128, 64, 1, 0.5, false, 0, 64);
     assert!(KernelConfig::new(&bench, &bench.dims(), DType::BF16, ScanMath::Half).is_ok());
+}
+
+/// Mamba-1/Mamba-2 shapes whose kernels differ (state size, conv width): mamba-130m and
+/// mamba2-130m, FalconMamba's state 16, Mamba-2 with state 64 and 256.
+fn family_shapes() -> Vec<(String, FamilyConfig)> {
+    let mut v = Vec::new();
+    for (layer, d_state, headdim) in [
+        ("Mamba1", 16, 64),
+        ("Mamba2", 128, 64),
+        ("Mamba2", 64, 32),
+        ("Mamba2", 256, 64),
+    ] {
+        let cfg = official_config(layer, 768, 2, 1000, d_state, headdim).unwrap();
+        v.push((format!("{layer} N{d_state} P{headdim}"), cfg));
+    }
+    v
 }

@@ -19,6 +19,7 @@ pub mod gemm;
 pub mod gemm_spec;
 pub mod gemm_tune;
 pub mod kernels;
+pub mod packed;
 pub mod probe;
 
 /// How many CUDA devices are visible; 0 when no driver can be loaded (never panics).

@@ -39,8 +39,15 @@ impl Model {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(ordinal) = device {
             let kind = MixerKind::of_path(path)?;
-            if kind != MixerKind::Mamba3Siso {
-                return Err(no_cuda_kernels(kind));
+            match kind {
+                MixerKind::Mamba3Siso => {}
+                MixerKind::Mamba1 | MixerKind::Mamba2 => {
+                    let weights = crate::timeline::stage("checkpoint read and converted", || {
+                        MixerWeights::load(path, dtype)
+                    })?;
+                    return Self::from_mixer_weights(weights, device);
+                }
+                other => return Err(no_cuda_kernels(other)),
             }
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other. Nor does loading
@@ -87,6 +94,9 @@ impl Model {
             Device::Cuda(ordinal) => match &weights {
                 MixerWeights::Mamba3(w) => {
                     Box::new(crate::engine::cuda::CudaModel::new(w.clone(), ordinal)?)
+                }
+                w @ (MixerWeights::Mamba1(_) | MixerWeights::Mamba2(_)) => {
+                    Box::new(crate::engine::cuda::family::FamilyCuda::new(w, ordinal)?)
                 }
                 other => return Err(no_cuda_kernels(other.kind())),
             },
@@ -416,7 +426,7 @@ impl Model {
     }
 }
 
-/// Only Mamba-3 SISO has CUDA kernels so far.
+/// Mamba-3 MIMO has no CUDA kernels yet.
 #[cfg(feature = "cuda")]
 fn no_cuda_kernels(kind: MixerKind) -> Error {
     Error::Device(format!(

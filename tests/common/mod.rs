@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: fixture paths, golden files, error metrics.
 #![allow(dead_code)]
 
+pub mod family;
+
 use mamba3::model::tensor_file::TensorFile;
 use std::path::PathBuf;
 

@@ -17,6 +17,7 @@
 pub mod backend;
 pub mod captured;
 pub mod decode;
+pub mod family;
 pub mod forward;
 pub mod graphs;
 pub mod kernels;

@@ -22,6 +22,8 @@
 //! The carried state (§2.4) is the official cache without its batch axis: per layer
 //! `conv [D_i, K]` and `ssm [D_i, N]` — see [`State`].
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod lm;
 pub mod prefill;
 pub mod reference;

@@ -21,6 +21,8 @@
 //! The carried state (§3.6) is the official cache without its batch axis: per layer
 //! `conv [C_d, K]` and `ssm [H, P, N]` — see [`State`].
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod prefill;
 pub mod reference;
 pub mod step;

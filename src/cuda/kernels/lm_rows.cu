@@ -1,0 +1,70 @@
+// The language model around a Mamba-1 or Mamba-2 mixer (spec §1 of mamba1-mamba2-spec):
+// embedding, RMSNorm, bias rows, written with their sizes as arguments so that one compile
+// serves every shape of a dtype (the mixers' programs add their own kernels after this file).
+//
+// Types: `act_t` is the model dtype (ACT: 0 f32, 1 bf16, 2 f16), in which the GEMMs read
+// their inputs; the residual stream, the GEMM outputs and every per-token value are f32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#if ACT == 0
+typedef float act_t;
+#elif ACT == 1
+typedef __nv_bfloat16 act_t;
+#else
+typedef __half act_t;
+#endif
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+// Twins of src/cpu/math.rs (IEEE exp and division: the f32 goldens ask for 1e-5).
+__device__ __forceinline__ float softplus_f(float u) { return u > 20.f ? u : log1pf(expf(u)); }
+__device__ __forceinline__ float silu_f(float u) { return u / (1.f + expf(-u)); }
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, ≤ 1024); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();  // `part` may still be read by a previous call
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += part[w];
+    return s;
+}
+
+// out[r, :] = table[tokens[r], :] in f32. One block per row.
+extern "C" __global__ void fam_embed(const unsigned* tokens, const act_t* table, float* out,
+                                     int dm) {
+    const int r = blockIdx.x;
+    const act_t* src = table + (size_t)tokens[r] * dm;
+    for (int j = threadIdx.x; j < dm; j += blockDim.x) out[(size_t)r * dm + j] = to_f(src[j]);
+}
+
+// out[i, :] = x[row(i), :] / sqrt(mean(x²) + eps) ⊙ w, in the GEMM dtype; row(i) = rows[i],
+// or i when `rows` is null. One block per output row.
+extern "C" __global__ void fam_rms_norm(const float* x, const int* rows, const float* w,
+                                        act_t* out, int dm, float eps) {
+    const int i = blockIdx.x;
+    const float* xr = x + (size_t)(rows ? rows[i] : i) * dm;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < dm; j += blockDim.x) ss += xr[j] * xr[j];
+    const float r = 1.f / sqrtf(block_sum(ss) / (float)dm + eps);
+    for (int j = threadIdx.x; j < dm; j += blockDim.x)
+        out[(size_t)i * dm + j] = from_f<act_t>(xr[j] * r * w[j]);
+}
+
+// x[r, c] += bias[c] for c < cols, rows `ld` apart. Grid (rows), block 256.
+extern "C" __global__ void fam_add_bias(float* x, const float* bias, int cols, int ld) {
+    float* xr = x + (size_t)blockIdx.x * ld;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) xr[c] += bias[c];
+}

@@ -1,0 +1,556 @@
+//! The CUDA backend of the Mamba-1 and Mamba-2 models (`FamilyCuda`): the LM of spec §1
+//! around the mixer's layer launches (`crate::mixers::mamba1::cuda`, `mamba2::cuda`) —
+//! embedding, per layer `r ← r + Mixer(RMSNorm(r))` on an f32 residual, `norm_f` and the
+//! head on the rows asked for.
+//!
+//! Every pass, prefill or decode, is a packed pass (`crate::cuda::packed`): the sequences'
+//! rows end to end, each from its own state on the device, cut into chunks for the scans.
+//! A decode step is the pass of one row per sequence, whose scans run one step from the
+//! states themselves. Kernels take their sizes as arguments, compiled once per dtype and
+//! state size (not per shape).
+
+use super::state::CudaState;
+use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
+use crate::cuda::gemm::Lt;
+use crate::cuda::gemm_spec::{ElemType, GemmSpec};
+use crate::cuda::kernels::Module;
+use crate::cuda::packed::{upload_matrix, Carve, LayerRun, PackedPass, Scratch};
+use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
+use crate::engine::logits::{HostBuf, StepLogits};
+use crate::engine::state::StateData;
+use crate::engine::LogitsWant;
+use crate::error::{Error, Result};
+use crate::mixers::{mamba1, mamba2, LmDims, MixerWeights};
+use crate::model::family_weights::LmWeights;
+use crate::model::state_layout::StateLayout;
+use cudarc::driver::CudaGraph;
+use std::sync::{Arc, Mutex};
+
+/// The mixer of every layer, on the device.
+enum GpuMixer {
+    Mamba1(mamba1::cuda::GpuMamba1),
+    Mamba2(mamba2::cuda::GpuMamba2),
+}
+
+impl GpuMixer {
+    fn layer(
+        &self,
+        run: &LayerRun,
+        l: usize,
+        normed: u64,
+        residual: u64,
+        scratch: u64,
+    ) -> Result<()> {
+        match self {
+            GpuMixer::Mamba1(m) => m.layer(run, l, normed, residual, scratch),
+            GpuMixer::Mamba2(m) => m.layer(run, l, normed, residual, scratch),
+        }
+    }
+    fn scratch_bytes(&self, rows: usize, chunks: usize, act_bytes: usize) -> usize {
+        match self {
+            GpuMixer::Mamba1(m) => m.scratch_bytes(rows, chunks, act_bytes),
+            GpuMixer::Mamba2(m) => m.scratch_bytes(rows, chunks, act_bytes),
+        }
+    }
+    fn state_floats(&self) -> usize {
+        match self {
+            GpuMixer::Mamba1(m) => m.state_floats(),
+            GpuMixer::Mamba2(m) => m.state_floats(),
+        }
+    }
+    fn chunk_len(&self, rows: usize) -> usize {
+        match self {
+            GpuMixer::Mamba1(_) => mamba1::cuda::chunk_len(rows),
+            GpuMixer::Mamba2(_) => mamba2::cuda::chunk_len(rows),
+        }
+    }
+}
+
+/// The LM's parameters on the device: matrices in the model dtype, norms in f32.
+struct LmDevice {
+    embedding: DevBuf,
+    /// `None`: tied to the embedding
+    head: Option<DevBuf>,
+    norms: Vec<DevBuf>,
+    norm_f: DevBuf,
+    eps: f32,
+}
+
+impl LmDevice {
+    fn upload<M>(gpu: &Gpu, w: &LmWeights<M>) -> Result<LmDevice> {
+        Ok(LmDevice {
+            embedding: upload_matrix(gpu, &w.embedding, w.dtype)?,
+            head: w
+                .lm_head
+                .as_ref()
+                .map(|h| upload_matrix(gpu, h, w.dtype))
+                .transpose()?,
+            norms: w
+                .layers
+                .iter()
+                .map(|b| gpu.upload(&b.norm))
+                .collect::<Result<_>>()?,
+            norm_f: gpu.upload(&w.norm_f)?,
+            eps: w.config.norm_eps as f32,
+        })
+    }
+    fn head(&self) -> u64 {
+        self.head.as_ref().unwrap_or(&self.embedding).ptr
+    }
+}
+
+/// Buffers kept between passes, and the captured decode graphs by batch size.
+#[derive(Default)]
+struct Work {
+    scratch: Scratch,
+    tables: Scratch,
+    graphs: std::collections::BTreeMap<usize, DecodeGraph>,
+}
+
+pub struct FamilyCuda {
+    gpu: Arc<Gpu>,
+    lt: Lt,
+    dims: LmDims,
+    act: ElemType,
+    lm: LmDevice,
+    mixer: GpuMixer,
+    embed: Kernel,
+    rms_norm: Kernel,
+    layout: StateLayout,
+    work: Mutex<Work>,
+}
+
+impl FamilyCuda {
+    /// A Mamba-1 or Mamba-2 model on CUDA device `ordinal`; an error for other mixers.
+    pub fn new(weights: &MixerWeights, ordinal: usize) -> Result<FamilyCuda> {
+        let gpu = Arc::new(Gpu::new(ordinal)?);
+        let dtype = weights.dtype();
+        let (lm, mixer, module_kernels) = match weights {
+            MixerWeights::Mamba1(w) => {
+                let cfg = mamba1::cuda::kernel_config(w.mixer_config()?, dtype);
+                let (module, _) = Module::load(&gpu, mamba1::cuda::PROGRAM, &cfg)?;
+                let mixer = GpuMixer::Mamba1(mamba1::cuda::GpuMamba1::upload(&gpu, w, &module)?);
+                (LmDevice::upload(&gpu, w)?, mixer, lm_kernels(&module)?)
+            }
+            MixerWeights::Mamba2(w) => {
+                let cfg = mamba2::cuda::kernel_config(w.mixer_config()?, dtype)?;
+                let (module, _) = Module::load(&gpu, mamba2::cuda::PROGRAM, &cfg)?;
+                let mixer = GpuMixer::Mamba2(mamba2::cuda::GpuMamba2::upload(&gpu, w, &module)?);
+                (LmDevice::upload(&gpu, w)?, mixer, lm_kernels(&module)?)
+            }
+            other => {
+                return Err(Error::Device(format!(
+                    "FamilyCuda runs Mamba-1 and Mamba-2, not {}",
+                    other.kind().name()
+                )))
+            }
+        };
+        let lt = Lt::new(&gpu)?;
+        let (embed, rms_norm) = module_kernels;
+        Ok(FamilyCuda {
+            act: ElemType::of(dtype),
+            dims: weights.lm_dims(),
+            gpu,
+            lt,
+            lm,
+            mixer,
+            embed,
+            rms_norm,
+            layout: weights.state_layout(),
+            work: Mutex::new(Work::default()),
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The rows whose logits `want` asks for, in order, and each sequence's count.
+    fn picked_rows(lens: &[usize], want: LogitsWant) -> Vec<i32> {
+        let mut picked = Vec::new();
+        let mut row0 = 0;
+        for &len in lens {
+            match want {
+                LogitsWant::All => picked.extend((row0..row0 + len).map(|r| r as i32)),
+                LogitsWant::Last => picked.push((row0 + len - 1) as i32),
+                LogitsWant::None => {}
+            }
+            row0 += len;
+        }
+        picked
+    }
+
+    /// A pass's buffers in `scratch` (sized by a dry run on address 0).
+    fn carve(&self, c: &mut Carve, rows: usize, chunks: usize, picked: usize) -> PassBufs {
+        let (dm, vp, e) = (self.dims.d_model, self.dims.vocab_padded, self.act.size());
+        PassBufs {
+            tokens: c.take(rows, 4),
+            residual: c.take(rows * dm, 4),
+            normed: c.take(rows * dm, e),
+            picked: c.take(picked, 4),
+            logits: c.take(picked * vp, 4),
+            mixer: c.take(self.mixer.scratch_bytes(rows, chunks, e), 1),
+            picked_len: picked,
+        }
+    }
+
+    /// The tables and buffers of a pass of sequences of `lens` rows from the states at
+    /// `addrs`, in `tables` and `scratch`.
+    fn prepare(
+        &self,
+        tables: &mut Scratch,
+        scratch: &mut Scratch,
+        lens: &[usize],
+        addrs: &[u64],
+        picked: usize,
+    ) -> Result<(PackedPass, PassBufs)> {
+        let rows: usize = lens.iter().sum();
+        let pass = PackedPass::new(&self.gpu, tables, lens, addrs, self.mixer.chunk_len(rows))?;
+        let mut sizing = Carve::new(0);
+        self.carve(&mut sizing, rows, pass.chunks, picked);
+        let base = scratch.reserve(&self.gpu, sizing.used())?;
+        let bufs = self.carve(&mut Carve::new(base), rows, pass.chunks, picked);
+        Ok((pass, bufs))
+    }
+
+    /// The launches of a pass (what a graph captures): embedding, the layers, `norm_f` and
+    /// the head on the picked rows. The tokens and picked rows must be on the device.
+    fn launches(&self, pass: &PackedPass, b: &PassBufs) -> Result<()> {
+        let gpu = &*self.gpu;
+        let (rows, dm, vp) = (pass.rows as u32, self.dims.d_model, self.dims.vocab_padded);
+        let dm_i = dm as i32;
+        gpu.launch(
+            &self.embed,
+            (rows, 1, 1),
+            256,
+            0,
+            false,
+            &[&b.tokens, &self.lm.embedding.ptr, &b.residual, &dm_i],
+        )?;
+        let layer_floats = self.mixer.state_floats();
+        let all_rows = 0u64;
+        for (l, norm) in self.lm.norms.iter().enumerate() {
+            let args: [&dyn KArg; 6] = [
+                &b.residual,
+                &all_rows,
+                &norm.ptr,
+                &b.normed,
+                &dm_i,
+                &self.lm.eps,
+            ];
+            gpu.launch(&self.rms_norm, (rows, 1, 1), 256, 0, false, &args)?;
+            let run = LayerRun {
+                gpu,
+                lt: &self.lt,
+                pass,
+                state_off: l * layer_floats,
+                act: self.act,
+            };
+            self.mixer.layer(&run, l, b.normed, b.residual, b.mixer)?;
+        }
+        if b.picked_len == 0 {
+            return Ok(());
+        }
+        let args: [&dyn KArg; 6] = [
+            &b.residual,
+            &b.picked,
+            &self.lm.norm_f.ptr,
+            &b.normed,
+            &dm_i,
+            &self.lm.eps,
+        ];
+        gpu.launch(
+            &self.rms_norm,
+            (b.picked_len as u32, 1, 1),
+            256,
+            0,
+            false,
+            &args,
+        )?;
+        let spec = GemmSpec::linear(
+            b.picked_len,
+            vp,
+            dm,
+            self.act,
+            ElemType::F32,
+            vp,
+            false,
+            false,
+        );
+        self.lt.gemm(gpu, &spec, b.normed, self.lm.head(), b.logits)
+    }
+
+    /// Tokens (each < vocab_padded, else an error naming it) and each state's device address.
+    fn inputs(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut CudaState],
+    ) -> Result<(Vec<u32>, Vec<u64>)> {
+        let tokens: Vec<u32> = seqs.concat();
+        if let Some(pos) = tokens
+            .iter()
+            .position(|&t| t as usize >= self.dims.vocab_padded)
+        {
+            return Err(Error::TokenOutOfRange {
+                id: tokens[pos] as u64,
+                pos,
+                vocab: self.dims.vocab_size,
+            });
+        }
+        let addrs = states
+            .iter_mut()
+            .map(|s| s.unique_ptr())
+            .collect::<Result<_>>()?;
+        Ok((tokens, addrs))
+    }
+
+    /// One pass over packed sequences: each sequence's wanted rows of logits, flattened.
+    fn pass(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut CudaState],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        let (tokens, addrs) = self.inputs(seqs, states)?;
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let picked = Self::picked_rows(&lens, want);
+        let mut guard = self.lock()?;
+        let work = &mut *guard;
+        let (pass, b) = self.prepare(
+            &mut work.tables,
+            &mut work.scratch,
+            &lens,
+            &addrs,
+            picked.len(),
+        )?;
+        self.gpu.htod(&tokens, b.tokens)?;
+        self.gpu.htod(&picked, b.picked)?;
+        self.launches(&pass, &b)?;
+        let mut host = vec![0f32; picked.len() * self.dims.vocab_padded];
+        self.gpu.dtoh(b.logits, &mut host)?;
+        drop(guard);
+        Ok(self.split(&host, &lens, want))
+    }
+
+    /// Logits rows cut back into one block per sequence.
+    fn split(&self, host: &[f32], lens: &[usize], want: LogitsWant) -> Vec<Vec<f32>> {
+        let vp = self.dims.vocab_padded;
+        let mut out = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for &len in lens {
+            let n = match want {
+                LogitsWant::All => len,
+                LogitsWant::Last => 1,
+                LogitsWant::None => 0,
+            } * vp;
+            out.push(host[at..at + n].to_vec());
+            at += n;
+        }
+        out
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Work>> {
+        self.work
+            .lock()
+            .map_err(|_| Error::Device("work buffers poisoned".into()))
+    }
+
+    /// Capture the decode step of `batch` sequences as a CUDA graph, with buffers of its
+    /// own; its replays take any states (their addresses go into its tables first).
+    pub fn capture_decode(&self, batch: usize) -> Result<()> {
+        if batch == 0 {
+            return Err(Error::input(
+                "a decode graph needs a batch size of at least 1",
+            ));
+        }
+        let layout = self.layout.clone();
+        let mut graph = DecodeGraph {
+            tables: Scratch::default(),
+            scratch: Scratch::default(),
+            graph: None,
+            bufs: None,
+            spares: Vec::new(),
+        };
+        // One eager step on scratch states first: cuBLASLt plans its products outside the
+        // capture, and every buffer reaches its size.
+        let mut dummies: Vec<CudaState> = (0..batch)
+            .map(|_| CudaState::zeros(&self.gpu, &layout))
+            .collect::<Result<_>>()?;
+        let addrs: Vec<u64> = dummies
+            .iter_mut()
+            .map(|s| s.unique_ptr())
+            .collect::<Result<_>>()?;
+        let lens = vec![1; batch];
+        let (pass, b) =
+            self.prepare(&mut graph.tables, &mut graph.scratch, &lens, &addrs, batch)?;
+        let picked: Vec<i32> = (0..batch as i32).collect();
+        self.gpu.htod(&vec![0u32; batch], b.tokens)?;
+        self.gpu.htod(&picked, b.picked)?;
+        self.launches(&pass, &b)?;
+        self.gpu.sync()?;
+        graph.graph = Some(self.gpu.capture_graph(|| self.launches(&pass, &b))?);
+        graph.bufs = Some(b);
+        self.lock()?.graphs.insert(batch, graph);
+        Ok(())
+    }
+
+    /// The smallest captured decode batch that holds `batch` sequences.
+    fn decode_bucket(&self, batch: usize) -> Result<Option<usize>> {
+        Ok(self.lock()?.graphs.range(batch..).next().map(|(&b, _)| b))
+    }
+
+    /// One decode step by the graph of `bucket` (≥ the batch: the spare rows decode token 0
+    /// into spare states of the graph's own).
+    fn decode_graph(
+        &self,
+        bucket: usize,
+        tokens: &[u32],
+        states: &mut [&mut CudaState],
+    ) -> Result<Vec<f32>> {
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        let (mut toks, mut addrs) = self.inputs(&seqs, states)?;
+        let mut guard = self.lock()?;
+        let work = &mut *guard;
+        let g = work
+            .graphs
+            .get_mut(&bucket)
+            .ok_or_else(|| Error::Device("decode graph vanished".into()))?;
+        // Rows beyond the batch decode into spare states of the graph's own.
+        while g.spares.len() < bucket - tokens.len() {
+            g.spares.push(CudaState::zeros(&self.gpu, &self.layout)?);
+        }
+        for s in g.spares.iter_mut().take(bucket - tokens.len()) {
+            addrs.push(s.unique_ptr()?);
+            toks.push(0);
+        }
+        let lens = vec![1; bucket];
+        let b = g
+            .bufs
+            .as_ref()
+            .ok_or_else(|| Error::Device("decode graph without buffers".into()))?;
+        let (logits, tok_at) = (b.logits, b.tokens);
+        PackedPass::new(
+            &self.gpu,
+            &mut g.tables,
+            &lens,
+            &addrs,
+            self.mixer.chunk_len(bucket),
+        )?;
+        self.gpu.htod(&toks, tok_at)?;
+        g.graph
+            .as_ref()
+            .ok_or_else(|| Error::Device("decode graph not captured".into()))?
+            .launch()
+            .map_err(|e| crate::cuda::context::dev_err("replaying the decode graph", e))?;
+        let mut host = vec![0f32; tokens.len() * self.dims.vocab_padded];
+        self.gpu.dtoh(logits, &mut host)?;
+        Ok(host)
+    }
+}
+
+/// A pass's buffers (device addresses).
+struct PassBufs {
+    tokens: u64,
+    residual: u64,
+    normed: u64,
+    picked: u64,
+    logits: u64,
+    mixer: u64,
+    picked_len: usize,
+}
+
+/// A captured decode step with the buffers it reads and writes.
+struct DecodeGraph {
+    tables: Scratch,
+    scratch: Scratch,
+    graph: Option<CudaGraph>,
+    bufs: Option<PassBufs>,
+    spares: Vec<CudaState>,
+}
+
+/// The LM row kernels of a Mamba-1/Mamba-2 program (lm_rows.cu).
+fn lm_kernels(module: &Module) -> Result<(Kernel, Kernel)> {
+    Ok((module.kernel("fam_embed")?, module.kernel("fam_rms_norm")?))
+}
+
+/// The device data of states placed on this GPU.
+fn device_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut CudaState>> {
+    states.iter_mut().map(|s| s.device_mut()).collect()
+}
+
+impl Backend for FamilyCuda {
+    fn device_name(&self) -> String {
+        format!("cuda:{} ({})", self.gpu.ordinal, self.gpu.name)
+    }
+
+    fn max_tokens_per_pass(&self) -> usize {
+        MAX_TOKENS_PER_PASS_GPU
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.sync()
+    }
+
+    fn new_state(&self, layout: &StateLayout) -> Option<StateData> {
+        CudaState::zeros(&self.gpu, layout)
+            .ok()
+            .map(StateData::Cuda)
+    }
+
+    fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()> {
+        let host = match data {
+            StateData::Host(h) => h.clone(),
+            StateData::Cuda(s) if s.is_on(&self.gpu) => return Ok(()),
+            StateData::Cuda(s) => Arc::new(s.to_host(layout)?),
+        };
+        *data = StateData::Cuda(CudaState::from_host(&self.gpu, layout, &host)?);
+        Ok(())
+    }
+
+    fn forward(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut StateData],
+        want: LogitsWant,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.pass(seqs, &mut device_states(states)?, want)
+    }
+
+    fn decode_into(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut StateData],
+        out: &mut StepLogits,
+    ) -> Result<()> {
+        let mut st = device_states(states)?;
+        if let Some(bucket) = self.decode_bucket(tokens.len())? {
+            out.buf = HostBuf::Heap(self.decode_graph(bucket, tokens, &mut st)?);
+            return Ok(());
+        }
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        let rows = self.pass(&seqs, &mut st, LogitsWant::Last)?;
+        out.buf = HostBuf::Heap(rows.concat());
+        Ok(())
+    }
+
+    fn capture_decode_graph(&self, bucket: usize) -> Result<()> {
+        self.capture_decode(bucket)
+    }
+    fn has_decode_graph(&self, batch: usize) -> Result<bool> {
+        Ok(self.decode_bucket(batch)?.is_some())
+    }
+    fn decode_graph(&self, tokens: &[u32], states: &mut [&mut StateData]) -> Result<Vec<Vec<f32>>> {
+        let bucket = self.decode_bucket(tokens.len())?.ok_or_else(|| {
+            Error::input(format!("no decode graph holds a batch of {}", tokens.len()))
+        })?;
+        let flat = self.decode_graph(bucket, tokens, &mut device_states(states)?)?;
+        Ok(flat
+            .chunks(self.dims.vocab_padded)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+    fn clear_graphs(&self) -> Result<()> {
+        self.lock()?.graphs.clear();
+        Ok(())
+    }
+}

@@ -1,0 +1,417 @@
+//! Mamba-1 on the GPU (spec §2.3, §2.5): one layer of a packed pass as launches — the
+//! in_proj, x_proj, dt_proj and out_proj products on cuBLASLt (model-dtype inputs, f32
+//! outputs), the causal conv with its state (`kernels/conv.cu`, shared with Mamba-2), the
+//! FalconMamba norms, and the selective scan parallel over time chunks
+//! (`kernels/selective_scan.cu`). The LM around the layers is the engine's
+//! (`crate::engine::cuda::family`).
+
+use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
+use crate::cuda::kernels::{KernelConfig, Module, Program};
+use crate::cuda::packed::{ptr_or_null, upload_matrix, upload_opt, Carve, LayerRun, Table};
+use crate::error::Result;
+use crate::model::family_config::Mamba1Config;
+use crate::model::family_weights::Mamba1Weights;
+use crate::model::DType;
+
+/// The LM row kernels every Mamba-1/Mamba-2 program starts with.
+pub const LM_ROWS: (&str, &str) = (
+    "lm_rows.cu",
+    include_str!("../../../cuda/kernels/lm_rows.cu"),
+);
+/// The causal conv with its state (Mamba-2 uses it too).
+pub const CONV: (&str, &str) = ("conv.cu", include_str!("kernels/conv.cu"));
+
+pub const PROGRAM: Program = Program {
+    name: "Mamba-1",
+    head: "",
+    sources: &[
+        LM_ROWS,
+        CONV,
+        (
+            "selective_scan.cu",
+            include_str!("kernels/selective_scan.cu"),
+        ),
+    ],
+    parts: &[0],
+};
+
+/// The `ACT` define of a dtype (lm_rows.cu).
+pub fn act_define(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "1",
+        DType::F16 => "2",
+        _ => "0",
+    }
+}
+
+/// The compile-time constants of a Mamba-1 model's kernels.
+pub fn kernel_config(cfg: &Mamba1Config, dtype: DType) -> KernelConfig {
+    let mut k = KernelConfig { defines: vec![] };
+    k.set("ACT", act_define(dtype));
+    k.set("D_STATE", &cfg.d_state.to_string());
+    k.set("D_CONV", &cfg.d_conv.to_string());
+    k
+}
+
+/// The scan's arguments (`M1Scan` in selective_scan.cu: the same fields in the same order).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct M1Scan {
+    u: u64,
+    dt: u64,
+    dt_bias: u64,
+    a: u64,
+    bc: u64,
+    ld_bc: i32,
+    b_off: i32,
+    z: u64,
+    ld_z: i32,
+    d_skip: u64,
+    d_inner: i32,
+    ssm_off: i64,
+}
+
+impl KArg for M1Scan {
+    fn ptr(&self) -> *mut std::ffi::c_void {
+        self as *const M1Scan as *mut std::ffi::c_void
+    }
+}
+
+struct Layer {
+    in_proj: DevBuf,
+    in_proj_bias: Option<DevBuf>,
+    conv_w: DevBuf,
+    conv_b: Option<DevBuf>,
+    x_proj: DevBuf,
+    dt_proj: DevBuf,
+    dt_bias: DevBuf,
+    /// `A = −exp(A_log)`, `[D_i, N]`
+    a: DevBuf,
+    d: DevBuf,
+    out_proj: DevBuf,
+    out_proj_bias: Option<DevBuf>,
+}
+
+struct Kernels {
+    add_bias: Kernel,
+    conv: ConvKernels,
+    dbc_prep: Kernel,
+    scan_local: Kernel,
+    scan_carry: Kernel,
+    scan_out: Kernel,
+}
+
+/// A Mamba-1 model's mixers on the device.
+pub struct GpuMamba1 {
+    cfg: Mamba1Config,
+    d_model: usize,
+    layers: Vec<Layer>,
+    k: Kernels,
+}
+
+/// Rows per chunk of the scan: ≥ 64 chunks' worth of parallelism for one 4k prompt, and
+/// bounded chunk-state memory for long passes.
+pub fn chunk_len(rows: usize) -> usize {
+    if rows <= 16384 {
+        64
+    } else {
+        256
+    }
+}
+
+impl GpuMamba1 {
+    /// Upload the mixers of `w` and take their kernels from `module` (compiled from
+    /// [`PROGRAM`] with [`kernel_config`]).
+    pub fn upload(gpu: &Gpu, w: &Mamba1Weights, module: &Module) -> Result<GpuMamba1> {
+        let cfg = w.mixer_config()?.clone();
+        let dt = w.dtype;
+        let layers = w
+            .layers
+            .iter()
+            .map(|b| {
+                let m = &b.mixer;
+                let a: Vec<f32> = m.a_log.iter().map(|&v| -v.exp()).collect();
+                Ok(Layer {
+                    in_proj: upload_matrix(gpu, &m.in_proj, dt)?,
+                    in_proj_bias: upload_opt(gpu, m.in_proj_bias.as_deref())?,
+                    conv_w: gpu.upload(&m.conv_weight)?,
+                    conv_b: upload_opt(gpu, m.conv_bias.as_deref())?,
+                    x_proj: upload_matrix(gpu, &m.x_proj, dt)?,
+                    dt_proj: upload_matrix(gpu, &m.dt_proj, dt)?,
+                    dt_bias: gpu.upload(&m.dt_bias)?,
+                    a: gpu.upload(&a)?,
+                    d: gpu.upload(&m.d)?,
+                    out_proj: upload_matrix(gpu, &m.out_proj, dt)?,
+                    out_proj_bias: upload_opt(gpu, m.out_proj_bias.as_deref())?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let k = Kernels {
+            add_bias: module.kernel("fam_add_bias")?,
+            conv: ConvKernels::load(module)?,
+            dbc_prep: module.kernel("m1_dbc_prep")?,
+            scan_local: module.kernel("m1_scan_local")?,
+            scan_carry: module.kernel("m1_scan_carry")?,
+            scan_out: module.kernel("m1_scan_out")?,
+        };
+        Ok(GpuMamba1 {
+            cfg,
+            d_model: w.config.d_model,
+            layers,
+            k,
+        })
+    }
+
+    /// The scratch one layer takes for a pass of `rows` rows in `chunks` chunks, carved
+    /// from `c` (a dry run on address 0 sizes it).
+    fn carve(&self, c: &mut Carve, rows: usize, chunks: usize, act_bytes: usize) -> Bufs {
+        let (di, n, r) = (self.cfg.d_inner, self.cfg.d_state, self.cfg.dt_rank);
+        Bufs {
+            xz: c.take(rows * 2 * di, 4),
+            u: c.take(rows * di, 4),
+            u_act: c.take(rows * di, act_bytes),
+            dbc: c.take(rows * (r + 2 * n), 4),
+            dt_low: c.take(rows * r, act_bytes),
+            dt: c.take(rows * di, 4),
+            y: c.take(rows * di, act_bytes),
+            h_chunk: c.take(chunks * di * n, 4),
+            dt_sum: c.take(chunks * di, 4),
+        }
+    }
+
+    pub fn scratch_bytes(&self, rows: usize, chunks: usize, act_bytes: usize) -> usize {
+        let mut c = Carve::new(0);
+        self.carve(&mut c, rows, chunks, act_bytes);
+        c.used()
+    }
+
+    /// Floats of one layer's state (`conv [D_i, K]` then `ssm [D_i, N]`).
+    pub fn state_floats(&self) -> usize {
+        self.cfg.d_inner * (self.cfg.d_conv + self.cfg.d_state)
+    }
+
+    /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, its output
+    /// added to `residual` (f32); `scratch` holds [`Self::scratch_bytes`].
+    pub fn layer(
+        &self,
+        run: &LayerRun,
+        l: usize,
+        normed: u64,
+        residual: u64,
+        scratch: u64,
+    ) -> Result<()> {
+        let (gpu, pass) = (run.gpu, run.pass);
+        let (di, n, r, dm) = (
+            self.cfg.d_inner,
+            self.cfg.d_state,
+            self.cfg.dt_rank,
+            self.d_model,
+        );
+        let rows = pass.rows;
+        let w = &self.layers[l];
+        let b = self.carve(&mut Carve::new(scratch), rows, pass.chunks, run.act.size());
+        let grid_rows = (rows as u32, 1, 1);
+
+        run.linear(rows, 2 * di, dm, normed, w.in_proj.ptr, b.xz, false)?;
+        if let Some(bias) = &w.in_proj_bias {
+            let (cols, ld) = (2 * di as i32, 2 * di as i32);
+            gpu.launch(
+                &self.k.add_bias,
+                grid_rows,
+                256,
+                0,
+                false,
+                &[&b.xz, &bias.ptr, &cols, &ld],
+            )?;
+        }
+        let conv = ConvIo {
+            input: b.xz,
+            ld: 2 * di,
+            offset: 0,
+            channels: di,
+            weight: w.conv_w.ptr,
+            bias: ptr_or_null(&w.conv_b),
+            out: b.u,
+            out_act: b.u_act,
+        };
+        self.k.conv.run(run, &conv)?;
+
+        let dbc_cols = r + 2 * n;
+        run.linear(rows, dbc_cols, di, b.u_act, w.x_proj.ptr, b.dbc, false)?;
+        let eps = self.cfg.bcdt_rms_eps.map_or(-1.0f32, |e| e as f32);
+        let (ld_dbc, rank) = (dbc_cols as i32, r as i32);
+        gpu.launch(
+            &self.k.dbc_prep,
+            grid_rows,
+            128,
+            0,
+            false,
+            &[&b.dbc, &ld_dbc, &rank, &eps, &b.dt_low],
+        )?;
+        run.linear(rows, di, r, b.dt_low, w.dt_proj.ptr, b.dt, false)?;
+
+        let p = M1Scan {
+            u: b.u,
+            dt: b.dt,
+            dt_bias: w.dt_bias.ptr,
+            a: w.a.ptr,
+            bc: b.dbc,
+            ld_bc: dbc_cols as i32,
+            b_off: r as i32,
+            z: b.xz + 4 * di as u64,
+            ld_z: 2 * di as i32,
+            d_skip: w.d.ptr,
+            d_inner: di as i32,
+            ssm_off: (run.state_off + di * self.cfg.d_conv) as i64,
+        };
+        let ch_blocks = di.div_ceil(128) as u32;
+        let direct = i32::from(pass.one_chunk_each);
+        if !pass.one_chunk_each {
+            let grid = (pass.chunks as u32, ch_blocks, 1);
+            let (row0, len) = (pass.at(Table::ChunkRow0), pass.at(Table::ChunkLen));
+            gpu.launch(
+                &self.k.scan_local,
+                grid,
+                128,
+                0,
+                false,
+                &[&p, &row0, &len, &b.h_chunk, &b.dt_sum],
+            )?;
+            let (c0, nc, st) = (
+                pass.at(Table::SeqChunk0),
+                pass.seq_nchunks(),
+                pass.at(Table::SeqState),
+            );
+            let grid = (pass.seqs as u32, ch_blocks, 1);
+            gpu.launch(
+                &self.k.scan_carry,
+                grid,
+                128,
+                0,
+                false,
+                &[&p, &c0, &nc, &st, &b.h_chunk, &b.dt_sum],
+            )?;
+        }
+        gpu.launch(
+            &self.k.scan_out,
+            (pass.chunks as u32, ch_blocks, 1),
+            128,
+            0,
+            false,
+            &[
+                &p,
+                &pass.at(Table::ChunkRow0),
+                &pass.at(Table::ChunkLen),
+                &pass.at(Table::ChunkSeq),
+                &pass.at(Table::SeqState),
+                &b.h_chunk,
+                &direct,
+                &b.y,
+            ],
+        )?;
+        run.linear(rows, dm, di, b.y, w.out_proj.ptr, residual, true)?;
+        if let Some(bias) = &w.out_proj_bias {
+            let (cols, ld) = (dm as i32, dm as i32);
+            gpu.launch(
+                &self.k.add_bias,
+                grid_rows,
+                256,
+                0,
+                false,
+                &[&residual, &bias.ptr, &cols, &ld],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The causal conv's kernels (`kernels/conv.cu`), shared with Mamba-2.
+pub struct ConvKernels {
+    rows: Kernel,
+    state_update: Kernel,
+}
+
+/// What the conv of one layer reads and writes: `channels` inputs at column `offset` of
+/// `input` (f32 rows `ld` apart), the taps `[C, K]` and bias (0: none), the f32 outputs
+/// `[rows, C]` and optionally (non-zero) a copy in the model dtype.
+pub struct ConvIo {
+    pub input: u64,
+    pub ld: usize,
+    pub offset: usize,
+    pub channels: usize,
+    pub weight: u64,
+    pub bias: u64,
+    pub out: u64,
+    pub out_act: u64,
+}
+
+impl ConvKernels {
+    pub fn load(module: &Module) -> Result<ConvKernels> {
+        Ok(ConvKernels {
+            rows: module.kernel("conv_rows")?,
+            state_update: module.kernel("conv_state_update")?,
+        })
+    }
+
+    /// The conv of every row of the pass, then each sequence's conv state (the layer's
+    /// first state tensor, at `run.state_off`) moved on. The width K is compiled in.
+    pub fn run(&self, run: &LayerRun, io: &ConvIo) -> Result<()> {
+        let (gpu, pass) = (run.gpu, run.pass);
+        let conv_off = run.state_off as i64;
+        let (ld, off, ch) = (io.ld as i32, io.offset as i32, io.channels as i32);
+        let (rows, seqs) = (pass.rows as i32, pass.seqs as i32);
+        gpu.launch(
+            &self.rows,
+            LayerRun::grid_1d(pass.rows * io.channels),
+            256,
+            0,
+            false,
+            &[
+                &io.input,
+                &ld,
+                &off,
+                &ch,
+                &pass.at(Table::RowSeq),
+                &pass.at(Table::SeqRow0),
+                &pass.at(Table::SeqState),
+                &conv_off,
+                &io.weight,
+                &io.bias,
+                &io.out,
+                &io.out_act,
+                &rows,
+            ],
+        )?;
+        gpu.launch(
+            &self.state_update,
+            LayerRun::grid_1d(pass.seqs * io.channels),
+            256,
+            0,
+            false,
+            &[
+                &io.input,
+                &ld,
+                &off,
+                &ch,
+                &pass.at(Table::SeqRow0),
+                &pass.at(Table::SeqLen),
+                &pass.at(Table::SeqState),
+                &conv_off,
+                &seqs,
+            ],
+        )
+    }
+}
+
+/// One layer's scratch buffers (device addresses).
+struct Bufs {
+    xz: u64,
+    u: u64,
+    u_act: u64,
+    dbc: u64,
+    dt_low: u64,
+    dt: u64,
+    y: u64,
+    h_chunk: u64,
+    dt_sum: u64,
+}

@@ -1,0 +1,203 @@
+//! Mamba-1 and Mamba-2 on the GPU: the official goldens (`m1-tiny`, `m2-tiny`, official and
+//! transformers folders, f32/f16/bf16) through the engine on `cuda:0`, and the GPU against
+//! the CPU on random configs of every option (FalconMamba's norms, biases, conv widths,
+//! groups, the gated-MLP branch, per-channel D, Δ clamps, the norm's placement), with
+//! sequences long enough for several scan chunks, packed batches, windows and batched
+//! decode. Run on the GPU machine: `cargo test --release --test gpu_family --
+//! --include-ignored`.
+#![cfg(feature = "cuda")]
+mod common;
+use common::family::goldens_through_the_engine;
+use common::*;
+use mamba3::mixers::MixerWeights;
+use mamba3::model::family_config::{Mamba1Config, Mamba2Config};
+use mamba3::model::family_synthetic::{mamba1, mamba2, Gen};
+use mamba3::{DType, Device, LogitsWant, MixerKind, Model, State};
+use std::sync::Arc;
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn family_goldens_on_the_gpu() {
+    for (name, kind) in [
+        ("m1-tiny", MixerKind::Mamba1),
+        ("m2-tiny", MixerKind::Mamba2),
+    ] {
+        let folders = [
+            fixture(name),
+            fixture(name).join("pytorch_model.bin"),
+            fixture(name).join("hf"),
+        ];
+        goldens_through_the_engine(name, &folders, kind, Device::Cuda(0));
+    }
+}
+
+fn m1_configs() -> Vec<(Mamba1Config, usize)> {
+    let c = |d_inner, d_state, d_conv, dt_rank, conv_bias, proj_bias, eps| Mamba1Config {
+        d_inner,
+        d_state,
+        d_conv,
+        dt_rank,
+        conv_bias,
+        proj_bias,
+        bcdt_rms_eps: eps,
+    };
+    vec![
+        // the real state size, channels not a multiple of the scan's block
+        (c(200, 16, 4, 7, true, false, None), 100),
+        // FalconMamba's norms, biases, no conv bias, K = 2
+        (c(64, 16, 2, 5, false, true, Some(1e-6)), 32),
+        // K larger than some windows, a small state
+        (c(48, 4, 5, 1, true, true, None), 16),
+    ]
+}
+
+fn m2_configs() -> Vec<(Mamba2Config, usize)> {
+    let base = |d_model: usize, headdim: usize, ngroups: usize, d_state: usize| {
+        let d_inner = 2 * d_model;
+        Mamba2Config {
+            d_inner,
+            d_ssm: d_inner,
+            d_state,
+            d_conv: 4,
+            headdim,
+            nheads: d_inner / headdim,
+            ngroups,
+            d_has_hdim: false,
+            rmsnorm: true,
+            norm_before_gate: false,
+            gated_norm_eps: 1e-5,
+            dt_limit: (0.0, f64::INFINITY),
+            conv_bias: true,
+            proj_bias: false,
+            chunk_size: 256,
+        }
+    };
+    let mut v = vec![
+        // the real state size (slices of 32 summed across 4 lanes), 2 groups
+        (base(64, 16, 2, 128), 64),
+        // the real head size too (a block of 256 threads a head)
+        (base(128, 64, 1, 128), 128),
+        // an odd state size held whole by one thread
+        (base(32, 8, 1, 24), 32),
+    ];
+    // gated-MLP branch, D per channel, biases, no conv bias, a real Δ clamp, K = 3, 3 groups
+    let mut c = base(24, 4, 3, 6);
+    c.d_ssm = 36;
+    c.nheads = 9;
+    c.d_has_hdim = true;
+    c.proj_bias = true;
+    c.conv_bias = false;
+    c.dt_limit = (0.02, 0.4);
+    c.d_conv = 3;
+    v.push((c, 24));
+    // the norm before the gate (state 64: slices of 32, 2 lanes); and no norm at all
+    let mut c = base(16, 8, 2, 64);
+    c.norm_before_gate = true;
+    v.push((c, 16));
+    let mut c = base(16, 4, 1, 5);
+    c.rmsnorm = false;
+    v.push((c, 16));
+    v
+}
+
+/// The same calls on the CPU and on the GPU model; every output within `tol` relative L2.
+fn gpu_equals_cpu(weights: MixerWeights, what: &str, tol: f64) {
+    let cpu = Model::from_mixer_weights(weights.clone(), Device::Cpu).unwrap();
+    let gpu = Model::from_mixer_weights(weights, Device::Cuda(0)).unwrap();
+    let vocab = cpu.dims().vocab_size;
+    let mut g = Gen::new(7);
+    // Several chunks of the scans (64 and 128 rows), a one-token sequence, a short one.
+    let seqs: Vec<Vec<u32>> = [300usize, 1, 77]
+        .iter()
+        .map(|&n| g.tokens(n, vocab))
+        .collect();
+    let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+    let run = |m: &Model| -> (Vec<f32>, Vec<State>) {
+        let mut states: Vec<State> = refs.iter().map(|_| m.new_state()).collect();
+        let mut st: Vec<&mut State> = states.iter_mut().collect();
+        let mut out: Vec<f32> = m
+            .prefill_batch(&refs, &mut st, LogitsWant::All)
+            .unwrap()
+            .into_iter()
+            .flat_map(|l| l.data)
+            .collect();
+        for step in 0..3u32 {
+            let toks: Vec<u32> = (0..refs.len() as u32)
+                .map(|i| (i * 13 + step * 5 + 1) % vocab as u32)
+                .collect();
+            let mut st: Vec<&mut State> = states.iter_mut().collect();
+            out.extend(m.decode(&toks, &mut st).unwrap().data);
+        }
+        (out, states)
+    };
+    let (want, cpu_states) = run(&cpu);
+    let (got, gpu_states) = run(&gpu);
+    let e = rel_l2(&to_f64(&got), &to_f64(&want));
+    eprintln!("{what}: GPU vs CPU rel L2 {e:.2e}");
+    assert!(e <= tol, "{what}: logits rel L2 {e:e}");
+    for (i, (a, b)) in gpu_states.iter().zip(&cpu_states).enumerate() {
+        let (a, b) = (a.to_host().unwrap(), b.to_host().unwrap());
+        let e = rel_l2(&to_f64(&a.data), &to_f64(&b.data));
+        assert!(e <= tol, "{what}: state {i} rel L2 {e:e}");
+    }
+    // A captured decode graph (a bucket larger than the batch) equals the eager step, and
+    // leaves the same states.
+    let mut eager_states = gpu_states.clone();
+    let mut graph_states = gpu_states.clone();
+    gpu.capture_decode_graph(4).unwrap();
+    let toks = [3u32, 4, 5];
+    let eager = gpu
+        .decode_eager(&toks, &mut eager_states.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    let graph = gpu
+        .decode_graph(&toks, &mut graph_states.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    let e = rel_l2(&to_f64(&graph.data), &to_f64(&eager.data));
+    assert!(e <= 1e-6, "{what}: graph vs eager decode rel L2 {e:e}");
+    for (a, b) in graph_states.iter().zip(&eager_states) {
+        let (a, b) = (a.to_host().unwrap(), b.to_host().unwrap());
+        let e = rel_l2(&to_f64(&a.data), &to_f64(&b.data));
+        assert!(e <= 1e-6, "{what}: graph vs eager state rel L2 {e:e}");
+    }
+    // Windows of the long sequence, split inside and across chunks, equal one pass.
+    let mut st = gpu.new_state();
+    let mut win = Vec::new();
+    let mut start = 0;
+    for end in [1, 130, 131, 300] {
+        win.extend(
+            gpu.prefill(&seqs[0][start..end], &mut st, LogitsWant::All)
+                .unwrap()
+                .data,
+        );
+        start = end;
+    }
+    let vp = cpu.dims().vocab_padded;
+    let e = rel_l2(&to_f64(&win), &to_f64(&want[..300 * vp]));
+    assert!(e <= tol, "{what}: windows rel L2 {e:e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_equals_cpu_on_random_mamba1_configs() {
+    for (i, (c, dm)) in m1_configs().into_iter().enumerate() {
+        let w = mamba1(c.clone(), dm, 2, 90, 30 + i as u64);
+        for dtype in [DType::F32, DType::BF16] {
+            let w = MixerWeights::Mamba1(Arc::new(w.clone().mixers_with_dtype(dtype)));
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            gpu_equals_cpu(w, &format!("mamba1 {i} {dtype} {c:?}"), tol);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_equals_cpu_on_random_mamba2_configs() {
+    for (i, (c, dm)) in m2_configs().into_iter().enumerate() {
+        let w = mamba2(c.clone(), dm, 2, 90, 40 + i as u64);
+        for dtype in [DType::F32, DType::BF16] {
+            let w = MixerWeights::Mamba2(Arc::new(w.clone().mixers_with_dtype(dtype)));
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            gpu_equals_cpu(w, &format!("mamba2 {i} {dtype} {c:?}"), tol);
+        }
+    }
+}
