@@ -223,7 +223,7 @@ pub fn run(a: Args) -> Result<()> {
                 ..SchedulerConfig::default()
             };
             let vocab = match &source {
-                ModelSource::Dir(d) => Config::from_file(&d.join("config.json"))?.vocab_size,
+                ModelSource::Dir(d) => config_vocab_size(d)?,
                 ModelSource::Synthetic { config, .. } => config.vocab_size,
             };
             let h = crate::serve::spawn(cfg)?;
@@ -403,4 +403,17 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `vocab_size` from a model folder's `config.json`, whatever its mixer and layout (every
+/// layout names it so): the range of the random prompts.
+fn config_vocab_size(dir: &std::path::Path) -> Result<usize> {
+    let path = crate::mixers::config_path(dir);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::input(format!("{}: not JSON: {e}", path.display())))?;
+    v.get("vocab_size")
+        .and_then(serde_json::Value::as_u64)
+        .map(|n| n as usize)
+        .ok_or_else(|| Error::input(format!("{}: no integer `vocab_size`", path.display())))
 }
