@@ -11,7 +11,7 @@ use common::family::goldens_through_the_engine;
 use common::*;
 use mamba3::mixers::MixerWeights;
 use mamba3::model::family_config::{Mamba1Config, Mamba2Config};
-use mamba3::model::family_synthetic::{mamba1, mamba2, Gen};
+use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config, Gen};
 use mamba3::{DType, Device, LogitsWant, MixerKind, Model, State};
 use std::sync::Arc;
 
@@ -52,26 +52,7 @@ fn m1_configs() -> Vec<(Mamba1Config, usize)> {
 }
 
 fn m2_configs() -> Vec<(Mamba2Config, usize)> {
-    let base = |d_model: usize, headdim: usize, ngroups: usize, d_state: usize| {
-        let d_inner = 2 * d_model;
-        Mamba2Config {
-            d_inner,
-            d_ssm: d_inner,
-            d_state,
-            d_conv: 4,
-            headdim,
-            nheads: d_inner / headdim,
-            ngroups,
-            d_has_hdim: false,
-            rmsnorm: true,
-            norm_before_gate: false,
-            gated_norm_eps: 1e-5,
-            dt_limit: (0.0, f64::INFINITY),
-            conv_bias: true,
-            proj_bias: false,
-            chunk_size: 256,
-        }
-    };
+    let base = mamba2_config;
     let mut v = vec![
         // the real state size (slices of 32 summed across 4 lanes), 2 groups
         (base(64, 16, 2, 128), 64),

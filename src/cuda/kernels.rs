@@ -19,6 +19,8 @@ use std::path::PathBuf;
 /// The kernels every model shares: constants and helpers (`common.cuh`), the embedding and
 /// row kernels (`dense.cu`), and the weight-streaming GEMVs of decode (`gemv.cu`).
 pub const COMMON: (&str, &str) = ("common.cuh", include_str!("kernels/common.cuh"));
+/// The model dtype's type and conversions: the first source of every program.
+pub const DTYPES: (&str, &str) = ("dtypes.cuh", include_str!("kernels/dtypes.cuh"));
 pub const DENSE: (&str, &str) = ("dense.cu", include_str!("kernels/dense.cu"));
 pub const GEMV: (&str, &str) = ("gemv.cu", include_str!("kernels/gemv.cu"));
 /// The training program's row kernels: the backward of the norms, SwiGLU, embedding and

@@ -5,7 +5,7 @@
 //! Each sequence's rows are also cut into chunks of at most `chunk_len` rows, so that a scan
 //! can run its chunks in parallel and carry the states between them afterwards.
 
-use super::context::{DevBuf, Gpu};
+use super::context::{DevBuf, Gpu, Kernel};
 use super::gemm::Lt;
 use super::gemm_spec::{ElemType, GemmSpec};
 use crate::error::Result;
@@ -166,6 +166,8 @@ pub struct LayerRun<'a> {
     pub state_off: usize,
     /// the dtype of GEMM inputs and weights (the model's)
     pub act: ElemType,
+    /// `fam_add_bias` of lm_rows.cu
+    pub add_bias: &'a Kernel,
 }
 
 impl LayerRun<'_> {
@@ -189,6 +191,39 @@ impl LayerRun<'_> {
     /// One thread per item, blocks of 256.
     pub fn grid_1d(items: usize) -> (u32, u32, u32) {
         (items.div_ceil(256) as u32, 1, 1)
+    }
+}
+
+/// A linear layer on the device: `W [n, k]` in the model dtype, an optional f32 bias.
+pub struct DevLinear {
+    pub w: DevBuf,
+    pub bias: Option<DevBuf>,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl DevLinear {
+    pub fn upload(gpu: &Gpu, m: &Matrix, bias: Option<&[f32]>, dtype: DType) -> Result<DevLinear> {
+        Ok(DevLinear {
+            w: upload_matrix(gpu, m, dtype)?,
+            bias: upload_opt(gpu, bias)?,
+            n: m.rows,
+            k: m.cols,
+        })
+    }
+
+    /// `D[rows, n] (+)= A[rows, k]·Wᵀ + bias` over the pass's rows: A in the model dtype, D
+    /// f32, packed; `acc` adds into D (the residual).
+    pub fn apply(&self, run: &LayerRun, a: u64, d: u64, acc: bool) -> Result<()> {
+        let rows = run.pass.rows;
+        run.linear(rows, self.n, self.k, a, self.w.ptr, d, acc)?;
+        if let Some(b) = &self.bias {
+            let (cols, ld) = (self.n as i32, self.n as i32);
+            let grid = (rows as u32, 1, 1);
+            run.gpu
+                .launch(run.add_bias, grid, 256, 0, false, &[&d, &b.ptr, &cols, &ld])?;
+        }
+        Ok(())
     }
 }
 

@@ -229,6 +229,35 @@ pub fn mamba1(
     )
 }
 
+/// A Mamba-2 mixer config of the official defaults at this size (`D_i = 2·d_model`, every
+/// channel through the SSM, a gated per-group RMSNorm, no Δ clamp, conv bias, no
+/// projection biases, chunk 256): the base the tests vary.
+pub fn mamba2_config(
+    d_model: usize,
+    headdim: usize,
+    ngroups: usize,
+    d_state: usize,
+) -> Mamba2Config {
+    let d_inner = 2 * d_model;
+    Mamba2Config {
+        d_inner,
+        d_ssm: d_inner,
+        d_state,
+        d_conv: 4,
+        headdim,
+        nheads: d_inner / headdim,
+        ngroups,
+        d_has_hdim: false,
+        rmsnorm: true,
+        norm_before_gate: false,
+        gated_norm_eps: 1e-5,
+        dt_limit: (0.0, f64::INFINITY),
+        conv_bias: true,
+        proj_bias: false,
+        chunk_size: 256,
+    }
+}
+
 pub fn mamba2(
     c: Mamba2Config,
     d_model: usize,

@@ -24,28 +24,12 @@
 #define PART_FUSED8 5      // decode_layers8
 #define PART_FUSED16 6     // decode_layers16
 
-#if ACT == 0
-typedef float act_t;
-#elif ACT == 1
-typedef __nv_bfloat16 act_t;
-#else
-typedef __half act_t;
-#endif
+// (act_t, to_f and from_f: dtypes.cuh, the source before this one)
 typedef act_t w_t;
 
 #define PI_F 3.14159265358979323846f
 #define TWO_PI_F 6.28318530717958647692f
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 // Two adjacent elements in one store (p aligned to two elements).
 __device__ __forceinline__ void store_pair(float* p, float a, float b) {
     *reinterpret_cast<float2*>(p) = make_float2(a, b);

@@ -2,28 +2,9 @@
 // embedding, RMSNorm, bias rows, written with their sizes as arguments so that one compile
 // serves every shape of a dtype (the mixers' programs add their own kernels after this file).
 //
-// Types: `act_t` is the model dtype (ACT: 0 f32, 1 bf16, 2 f16), in which the GEMMs read
-// their inputs; the residual stream, the GEMM outputs and every per-token value are f32.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#if ACT == 0
-typedef float act_t;
-#elif ACT == 1
-typedef __nv_bfloat16 act_t;
-#else
-typedef __half act_t;
-#endif
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+// Types (dtypes.cuh, the source before this one): `act_t` is the model dtype, in which the
+// GEMMs read their inputs; the residual stream, the GEMM outputs and every per-token value
+// are f32.
 
 // Twins of src/cpu/math.rs (IEEE exp and division: the f32 goldens ask for 1e-5).
 __device__ __forceinline__ float softplus_f(float u) { return u > 20.f ? u : log1pf(expf(u)); }

@@ -1,7 +1,7 @@
 //! The CUDA model as the engine's [`Backend`].
 
 use super::model::CudaModel;
-use super::state::CudaState;
+use super::state::{device_states, place_on};
 use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
 use crate::engine::logits::StepLogits;
 use crate::engine::state::StateData;
@@ -9,12 +9,6 @@ use crate::engine::LogitsWant;
 use crate::error::Result;
 use crate::model::state_layout::StateLayout;
 use crate::options::GpuOptions;
-use std::sync::Arc;
-
-/// The device data of states placed on this GPU.
-fn device_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut CudaState>> {
-    states.iter_mut().map(|s| s.device_mut()).collect()
-}
 
 impl Backend for CudaModel {
     fn device_name(&self) -> String {
@@ -34,13 +28,7 @@ impl Backend for CudaModel {
     }
 
     fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()> {
-        let host = match data {
-            StateData::Host(h) => h.clone(),
-            StateData::Cuda(s) if s.is_on(self.gpu()) => return Ok(()),
-            StateData::Cuda(s) => Arc::new(s.to_host(layout)?),
-        };
-        *data = StateData::Cuda(self.upload_state(layout, &host)?);
-        Ok(())
+        place_on(self.gpu(), layout, data)
     }
 
     fn forward(

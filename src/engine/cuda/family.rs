@@ -9,7 +9,7 @@
 //! states themselves. Kernels take their sizes as arguments, compiled once per dtype and
 //! state size (not per shape).
 
-use super::state::CudaState;
+use super::state::{device_states, place_on, CudaState};
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
 use crate::cuda::gemm::Lt;
 use crate::cuda::gemm_spec::{ElemType, GemmSpec};
@@ -116,6 +116,7 @@ pub struct FamilyCuda {
     mixer: GpuMixer,
     embed: Kernel,
     rms_norm: Kernel,
+    add_bias: Kernel,
     layout: StateLayout,
     work: Mutex<Work>,
 }
@@ -146,7 +147,7 @@ impl FamilyCuda {
             }
         };
         let lt = Lt::new(&gpu)?;
-        let (embed, rms_norm) = module_kernels;
+        let (embed, rms_norm, add_bias) = module_kernels;
         Ok(FamilyCuda {
             act: ElemType::of(dtype),
             dims: weights.lm_dims(),
@@ -156,6 +157,7 @@ impl FamilyCuda {
             mixer,
             embed,
             rms_norm,
+            add_bias,
             layout: weights.state_layout(),
             work: Mutex::new(Work::default()),
         })
@@ -245,6 +247,7 @@ impl FamilyCuda {
                 pass,
                 state_off: l * layer_floats,
                 act: self.act,
+                add_bias: &self.add_bias,
             };
             self.mixer.layer(&run, l, b.normed, b.residual, b.mixer)?;
         }
@@ -469,13 +472,12 @@ struct DecodeGraph {
 }
 
 /// The LM row kernels of a Mamba-1/Mamba-2 program (lm_rows.cu).
-fn lm_kernels(module: &Module) -> Result<(Kernel, Kernel)> {
-    Ok((module.kernel("fam_embed")?, module.kernel("fam_rms_norm")?))
-}
-
-/// The device data of states placed on this GPU.
-fn device_states<'a>(states: &'a mut [&mut StateData]) -> Result<Vec<&'a mut CudaState>> {
-    states.iter_mut().map(|s| s.device_mut()).collect()
+fn lm_kernels(module: &Module) -> Result<(Kernel, Kernel, Kernel)> {
+    Ok((
+        module.kernel("fam_embed")?,
+        module.kernel("fam_rms_norm")?,
+        module.kernel("fam_add_bias")?,
+    ))
 }
 
 impl Backend for FamilyCuda {
@@ -498,13 +500,7 @@ impl Backend for FamilyCuda {
     }
 
     fn place(&self, layout: &StateLayout, data: &mut StateData) -> Result<()> {
-        let host = match data {
-            StateData::Host(h) => h.clone(),
-            StateData::Cuda(s) if s.is_on(&self.gpu) => return Ok(()),
-            StateData::Cuda(s) => Arc::new(s.to_host(layout)?),
-        };
-        *data = StateData::Cuda(CudaState::from_host(&self.gpu, layout, &host)?);
-        Ok(())
+        place_on(&self.gpu, layout, data)
     }
 
     fn forward(

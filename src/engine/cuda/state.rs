@@ -75,6 +75,30 @@ impl CudaState {
     }
 }
 
+/// Move a state's data onto `gpu` (a no-op when it is there already): `Backend::place` of
+/// every CUDA backend.
+pub fn place_on(
+    gpu: &Arc<Gpu>,
+    layout: &StateLayout,
+    data: &mut crate::engine::state::StateData,
+) -> Result<()> {
+    use crate::engine::state::StateData;
+    let host = match data {
+        StateData::Host(h) => h.clone(),
+        StateData::Cuda(s) if s.is_on(gpu) => return Ok(()),
+        StateData::Cuda(s) => Arc::new(s.to_host(layout)?),
+    };
+    *data = StateData::Cuda(CudaState::from_host(gpu, layout, &host)?);
+    Ok(())
+}
+
+/// The device data of states placed on a GPU (an error for a host state).
+pub fn device_states<'a>(
+    states: &'a mut [&mut crate::engine::state::StateData],
+) -> Result<Vec<&'a mut CudaState>> {
+    states.iter_mut().map(|s| s.device_mut()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use crate::engine::state::StateData;

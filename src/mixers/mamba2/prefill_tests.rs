@@ -15,7 +15,7 @@ use crate::mixers::mamba1::golden_tests::{
 use crate::mixers::LogitsWant;
 use crate::model::dtype::DType;
 use crate::model::family_config::{Mamba2Config, MixerConfig};
-use crate::model::family_synthetic::{mamba2, Gen};
+use crate::model::family_synthetic::{mamba2, mamba2_config, Gen};
 use crate::model::family_weights::Mamba2Weights;
 
 fn with_chunk(w: &Mamba2Weights, chunk: usize) -> Mamba2Weights {
@@ -63,24 +63,11 @@ fn against_reference(w: &Mamba2Weights, tokens: &[u32], what: &str) {
     );
 }
 
+/// The official defaults at this size, with chunks of 16 rows.
 fn config(d_model: usize, headdim: usize, ngroups: usize, d_state: usize) -> Mamba2Config {
-    let d_inner = 2 * d_model;
     Mamba2Config {
-        d_inner,
-        d_ssm: d_inner,
-        d_state,
-        d_conv: 4,
-        headdim,
-        nheads: d_inner / headdim,
-        ngroups,
-        d_has_hdim: false,
-        rmsnorm: true,
-        norm_before_gate: false,
-        gated_norm_eps: 1e-5,
-        dt_limit: (0.0, f64::INFINITY),
-        conv_bias: true,
-        proj_bias: false,
         chunk_size: 16,
+        ..mamba2_config(d_model, headdim, ngroups, d_state)
     }
 }
 

@@ -6,8 +6,8 @@
 //! (`crate::engine::cuda::family`).
 
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
-use crate::cuda::kernels::{KernelConfig, Module, Program};
-use crate::cuda::packed::{ptr_or_null, upload_matrix, upload_opt, Carve, LayerRun, Table};
+use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
+use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::Result;
 use crate::model::family_config::Mamba1Config;
 use crate::model::family_weights::Mamba1Weights;
@@ -25,6 +25,7 @@ pub const PROGRAM: Program = Program {
     name: "Mamba-1",
     head: "",
     sources: &[
+        DTYPES,
         LM_ROWS,
         CONV,
         (
@@ -78,22 +79,19 @@ impl KArg for M1Scan {
 }
 
 struct Layer {
-    in_proj: DevBuf,
-    in_proj_bias: Option<DevBuf>,
+    in_proj: DevLinear,
     conv_w: DevBuf,
     conv_b: Option<DevBuf>,
-    x_proj: DevBuf,
-    dt_proj: DevBuf,
+    x_proj: DevLinear,
+    dt_proj: DevLinear,
     dt_bias: DevBuf,
     /// `A = −exp(A_log)`, `[D_i, N]`
     a: DevBuf,
     d: DevBuf,
-    out_proj: DevBuf,
-    out_proj_bias: Option<DevBuf>,
+    out_proj: DevLinear,
 }
 
 struct Kernels {
-    add_bias: Kernel,
     conv: ConvKernels,
     dbc_prep: Kernel,
     scan_local: Kernel,
@@ -104,7 +102,6 @@ struct Kernels {
 /// A Mamba-1 model's mixers on the device.
 pub struct GpuMamba1 {
     cfg: Mamba1Config,
-    d_model: usize,
     layers: Vec<Layer>,
     k: Kernels,
 }
@@ -132,34 +129,26 @@ impl GpuMamba1 {
                 let m = &b.mixer;
                 let a: Vec<f32> = m.a_log.iter().map(|&v| -v.exp()).collect();
                 Ok(Layer {
-                    in_proj: upload_matrix(gpu, &m.in_proj, dt)?,
-                    in_proj_bias: upload_opt(gpu, m.in_proj_bias.as_deref())?,
+                    in_proj: DevLinear::upload(gpu, &m.in_proj, m.in_proj_bias.as_deref(), dt)?,
                     conv_w: gpu.upload(&m.conv_weight)?,
                     conv_b: upload_opt(gpu, m.conv_bias.as_deref())?,
-                    x_proj: upload_matrix(gpu, &m.x_proj, dt)?,
-                    dt_proj: upload_matrix(gpu, &m.dt_proj, dt)?,
+                    x_proj: DevLinear::upload(gpu, &m.x_proj, None, dt)?,
+                    dt_proj: DevLinear::upload(gpu, &m.dt_proj, None, dt)?,
                     dt_bias: gpu.upload(&m.dt_bias)?,
                     a: gpu.upload(&a)?,
                     d: gpu.upload(&m.d)?,
-                    out_proj: upload_matrix(gpu, &m.out_proj, dt)?,
-                    out_proj_bias: upload_opt(gpu, m.out_proj_bias.as_deref())?,
+                    out_proj: DevLinear::upload(gpu, &m.out_proj, m.out_proj_bias.as_deref(), dt)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let k = Kernels {
-            add_bias: module.kernel("fam_add_bias")?,
             conv: ConvKernels::load(module)?,
             dbc_prep: module.kernel("m1_dbc_prep")?,
             scan_local: module.kernel("m1_scan_local")?,
             scan_carry: module.kernel("m1_scan_carry")?,
             scan_out: module.kernel("m1_scan_out")?,
         };
-        Ok(GpuMamba1 {
-            cfg,
-            d_model: w.config.d_model,
-            layers,
-            k,
-        })
+        Ok(GpuMamba1 { cfg, layers, k })
     }
 
     /// The scratch one layer takes for a pass of `rows` rows in `chunks` chunks, carved
@@ -201,29 +190,13 @@ impl GpuMamba1 {
         scratch: u64,
     ) -> Result<()> {
         let (gpu, pass) = (run.gpu, run.pass);
-        let (di, n, r, dm) = (
-            self.cfg.d_inner,
-            self.cfg.d_state,
-            self.cfg.dt_rank,
-            self.d_model,
-        );
+        let (di, n, r) = (self.cfg.d_inner, self.cfg.d_state, self.cfg.dt_rank);
         let rows = pass.rows;
         let w = &self.layers[l];
         let b = self.carve(&mut Carve::new(scratch), rows, pass.chunks, run.act.size());
         let grid_rows = (rows as u32, 1, 1);
 
-        run.linear(rows, 2 * di, dm, normed, w.in_proj.ptr, b.xz, false)?;
-        if let Some(bias) = &w.in_proj_bias {
-            let (cols, ld) = (2 * di as i32, 2 * di as i32);
-            gpu.launch(
-                &self.k.add_bias,
-                grid_rows,
-                256,
-                0,
-                false,
-                &[&b.xz, &bias.ptr, &cols, &ld],
-            )?;
-        }
+        w.in_proj.apply(run, normed, b.xz, false)?;
         let conv = ConvIo {
             input: b.xz,
             ld: 2 * di,
@@ -237,7 +210,7 @@ impl GpuMamba1 {
         self.k.conv.run(run, &conv)?;
 
         let dbc_cols = r + 2 * n;
-        run.linear(rows, dbc_cols, di, b.u_act, w.x_proj.ptr, b.dbc, false)?;
+        w.x_proj.apply(run, b.u_act, b.dbc, false)?;
         let eps = self.cfg.bcdt_rms_eps.map_or(-1.0f32, |e| e as f32);
         let (ld_dbc, rank) = (dbc_cols as i32, r as i32);
         gpu.launch(
@@ -248,7 +221,7 @@ impl GpuMamba1 {
             false,
             &[&b.dbc, &ld_dbc, &rank, &eps, &b.dt_low],
         )?;
-        run.linear(rows, di, r, b.dt_low, w.dt_proj.ptr, b.dt, false)?;
+        w.dt_proj.apply(run, b.dt_low, b.dt, false)?;
 
         let p = M1Scan {
             u: b.u,
@@ -309,18 +282,7 @@ impl GpuMamba1 {
                 &b.y,
             ],
         )?;
-        run.linear(rows, dm, di, b.y, w.out_proj.ptr, residual, true)?;
-        if let Some(bias) = &w.out_proj_bias {
-            let (cols, ld) = (dm as i32, dm as i32);
-            gpu.launch(
-                &self.k.add_bias,
-                grid_rows,
-                256,
-                0,
-                false,
-                &[&residual, &bias.ptr, &cols, &ld],
-            )?;
-        }
+        w.out_proj.apply(run, b.y, residual, true)?;
         Ok(())
     }
 }

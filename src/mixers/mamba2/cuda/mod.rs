@@ -5,8 +5,8 @@
 //! the engine's (`crate::engine::cuda::family`).
 
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
-use crate::cuda::kernels::{KernelConfig, Module, Program};
-use crate::cuda::packed::{ptr_or_null, upload_matrix, upload_opt, Carve, LayerRun, Table};
+use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
+use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
 use crate::mixers::mamba1::cuda::{act_define, ConvIo, ConvKernels, CONV, LM_ROWS};
 use crate::model::family_config::Mamba2Config;
@@ -17,6 +17,7 @@ pub const PROGRAM: Program = Program {
     name: "Mamba-2",
     head: "",
     sources: &[
+        DTYPES,
         LM_ROWS,
         CONV,
         ("ssd_scan.cu", include_str!("kernels/ssd_scan.cu")),
@@ -87,8 +88,7 @@ impl KArg for M2Scan {
 }
 
 struct Layer {
-    in_proj: DevBuf,
-    in_proj_bias: Option<DevBuf>,
+    in_proj: DevLinear,
     conv_w: DevBuf,
     conv_b: Option<DevBuf>,
     dt_bias: DevBuf,
@@ -97,12 +97,10 @@ struct Layer {
     /// `D` per channel `[d_ssm]` (a per-head `D` repeated over its P channels)
     d: DevBuf,
     norm: Option<DevBuf>,
-    out_proj: DevBuf,
-    out_proj_bias: Option<DevBuf>,
+    out_proj: DevLinear,
 }
 
 struct Kernels {
-    add_bias: Kernel,
     conv: ConvKernels,
     scan_local: Kernel,
     scan_carry: Kernel,
@@ -113,7 +111,6 @@ struct Kernels {
 /// A Mamba-2 model's mixers on the device.
 pub struct GpuMamba2 {
     cfg: Mamba2Config,
-    d_model: usize,
     /// state entries per thread of the scan
     slice: usize,
     layers: Vec<Layer>,
@@ -157,21 +154,18 @@ impl GpuMamba2 {
                     (0..cfg.d_ssm).map(|c| m.d[c / cfg.headdim]).collect()
                 };
                 Ok(Layer {
-                    in_proj: upload_matrix(gpu, &m.in_proj, dt)?,
-                    in_proj_bias: upload_opt(gpu, m.in_proj_bias.as_deref())?,
+                    in_proj: DevLinear::upload(gpu, &m.in_proj, m.in_proj_bias.as_deref(), dt)?,
                     conv_w: gpu.upload(&m.conv_weight)?,
                     conv_b: upload_opt(gpu, m.conv_bias.as_deref())?,
                     dt_bias: gpu.upload(&m.dt_bias)?,
                     a: gpu.upload(&a)?,
                     d: gpu.upload(&d)?,
                     norm: upload_opt(gpu, m.norm.as_deref())?,
-                    out_proj: upload_matrix(gpu, &m.out_proj, dt)?,
-                    out_proj_bias: upload_opt(gpu, m.out_proj_bias.as_deref())?,
+                    out_proj: DevLinear::upload(gpu, &m.out_proj, m.out_proj_bias.as_deref(), dt)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let k = Kernels {
-            add_bias: module.kernel("fam_add_bias")?,
             conv: ConvKernels::load(module)?,
             scan_local: module.kernel("m2_scan_local")?,
             scan_carry: module.kernel("m2_scan_carry")?,
@@ -180,7 +174,6 @@ impl GpuMamba2 {
         };
         Ok(GpuMamba2 {
             cfg,
-            d_model: w.config.d_model,
             slice,
             layers,
             k,
@@ -223,23 +216,12 @@ impl GpuMamba2 {
         scratch: u64,
     ) -> Result<()> {
         let (gpu, pass, cfg) = (run.gpu, run.pass, &self.cfg);
-        let (rows, dm, dip) = (pass.rows, self.d_model, cfg.d_in_proj());
+        let (rows, dip) = (pass.rows, cfg.d_in_proj());
         let w = &self.layers[l];
         let b = self.carve(&mut Carve::new(scratch), rows, pass.chunks, run.act.size());
         let grid_rows = (rows as u32, 1, 1);
 
-        run.linear(rows, dip, dm, normed, w.in_proj.ptr, b.proj, false)?;
-        if let Some(bias) = &w.in_proj_bias {
-            let (cols, ld) = (dip as i32, dip as i32);
-            gpu.launch(
-                &self.k.add_bias,
-                grid_rows,
-                256,
-                0,
-                false,
-                &[&b.proj, &bias.ptr, &cols, &ld],
-            )?;
-        }
+        w.in_proj.apply(run, normed, b.proj, false)?;
         let xbc_off = 2 * cfg.d_mlp() + cfg.d_ssm;
         let conv = ConvIo {
             input: b.proj,
@@ -343,26 +325,7 @@ impl GpuMamba2 {
                 &b.proj, &ld, &b.y, &d_mlp, &d_ssm, &groups, &norm, &nbg, &eps, &b.gated,
             ],
         )?;
-        run.linear(
-            rows,
-            dm,
-            cfg.d_inner,
-            b.gated,
-            w.out_proj.ptr,
-            residual,
-            true,
-        )?;
-        if let Some(bias) = &w.out_proj_bias {
-            let (cols, ld) = (dm as i32, dm as i32);
-            gpu.launch(
-                &self.k.add_bias,
-                grid_rows,
-                256,
-                0,
-                false,
-                &[&residual, &bias.ptr, &cols, &ld],
-            )?;
-        }
+        w.out_proj.apply(run, b.gated, residual, true)?;
         Ok(())
     }
 }

@@ -4,7 +4,7 @@
 //! training row kernels), and the constants one model's kernels are compiled with.
 
 use crate::cuda::kernels::{
-    f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, GEMV, TRAIN,
+    f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES, GEMV, TRAIN,
 };
 use crate::error::{Error, Result};
 use crate::model::{Config, DType, Dims};
@@ -20,6 +20,7 @@ pub const INFERENCE: Program = Program {
     name: "inference",
     head: "",
     sources: &[
+        DTYPES,
         COMMON,
         DENSE,
         GEMV,
@@ -41,6 +42,7 @@ pub const TRAINING: Program = Program {
     name: "training",
     head: "#define PROGRAM_TRAINING 1\n",
     sources: &[
+        DTYPES,
         COMMON,
         DENSE,
         PREFILL_PRE,
