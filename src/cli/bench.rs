@@ -179,6 +179,7 @@ pub fn run(a: Args) -> Result<()> {
             "batch", "prompt", "prefill tok/s", "prefill ms", "decode ms/tok", "decode tok/s"
         );
     }
+    let synthetic = a.model.is_none();
     let mut rng = Rng::new(42);
     let batches = a.batch.0.clone();
     let prompts = a.prompt.0.clone();
@@ -200,9 +201,15 @@ pub fn run(a: Args) -> Result<()> {
                     "decode_us_per_token": m.decode_step_s * 1e6,
                     "decode_tokens_per_s": decode_tps,
                     "mixer": model.kind().name(),
-                    "d_model": d.d_model, "layers": d.n_layer, "d_state": a.d_state,
-                    "headdim": a.headdim, "expand": a.expand, "ngroups": a.ngroups,
-                    "mimo_rank": a.mimo_rank, "vocab_padded": d.vocab_padded, "chunk": a.chunk,
+                    "d_model": d.d_model, "layers": d.n_layer, "vocab_padded": d.vocab_padded,
+                    // the shape flags describe a synthetic model only, not a loaded one
+                    "model": a.model.as_ref().map(|p| p.display().to_string()),
+                    "d_state": synthetic.then_some(a.d_state),
+                    "headdim": synthetic.then_some(a.headdim),
+                    "expand": synthetic.then_some(a.expand),
+                    "ngroups": synthetic.then_some(a.ngroups),
+                    "mimo_rank": synthetic.then_some(a.mimo_rank),
+                    "chunk": synthetic.then_some(a.chunk),
                     "threads": rayon::current_num_threads(),
                     "load_s": load_s,
                     "first_prefill_s": m.first_prefill_s,
