@@ -301,5 +301,8 @@ fn mixers_without_cuda_kernels_are_refused_on_a_gpu() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("mamba3-mimo") && e.contains("--device cpu"), "{e}");
+    assert!(
+        e.contains("mamba3-mimo") && e.contains("--device cpu"),
+        "{e}"
+    );
 }
