@@ -1,7 +1,7 @@
 //! The batched Mamba-2 decode step on the CPU: one token for each of several sequences,
 //! each with its own state. in_proj and out_proj are one product over the batch's rows;
 //! the conv and the state update (spec §3.3, one token: no chunking) run per sequence, in
-//! parallel, on its own state.
+//! parallel, on its own state, and within a sequence in parallel over heads.
 
 use super::prefill::{deltas, gate_rows, taps};
 use super::{layer, layout, State};
@@ -64,22 +64,27 @@ fn update_heads<F: Real>(
     let (p_n, n, g_n) = (c.headdim, c.d_state, c.ngroups);
     let (x, bc) = v.split_at(c.d_ssm);
     let (b, cc) = bc.split_at(g_n * n);
-    for h in 0..c.nheads {
-        let g = c.group_of(h);
-        let (bg, cg) = (&b[g * n..(g + 1) * n], &cc[g * n..(g + 1) * n]);
-        let a = -F::from_f(mw.a_log[h] as f64).exp();
-        let decay = decay_exp(delta[h] * a, decay_cutoff());
-        for p in 0..p_n {
-            let ch = h * p_n + p;
-            let dx = delta[h] * x[ch];
-            let row = &mut ssm[ch * n..(ch + 1) * n];
-            let mut acc = F::zero();
-            for j in 0..n {
-                row[j] = decay * row[j] + dx * bg[j];
-                acc = acc + row[j] * cg[j];
+    // Heads are independent: in parallel, so that one sequence's step (decode at batch 1)
+    // uses every thread rather than one.
+    ssm.par_chunks_mut(p_n * n)
+        .zip(y.par_chunks_mut(p_n))
+        .enumerate()
+        .for_each(|(h, (hs, yh))| {
+            let g = c.group_of(h);
+            let (bg, cg) = (&b[g * n..(g + 1) * n], &cc[g * n..(g + 1) * n]);
+            let a = -F::from_f(mw.a_log[h] as f64).exp();
+            let decay = decay_exp(delta[h] * a, decay_cutoff());
+            for p in 0..p_n {
+                let ch = h * p_n + p;
+                let dx = delta[h] * x[ch];
+                let row = &mut hs[p * n..(p + 1) * n];
+                let mut acc = F::zero();
+                for j in 0..n {
+                    row[j] = decay * row[j] + dx * bg[j];
+                    acc = acc + row[j] * cg[j];
+                }
+                let d = if c.d_has_hdim { mw.d[ch] } else { mw.d[h] };
+                yh[p] = acc + F::from_f(d as f64) * x[ch];
             }
-            let d = if c.d_has_hdim { mw.d[ch] } else { mw.d[h] };
-            y[ch] = acc + F::from_f(d as f64) * x[ch];
-        }
-    }
+        });
 }
