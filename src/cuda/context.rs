@@ -421,15 +421,18 @@ impl Kernel {
 pub trait KArg {
     fn ptr(&self) -> *mut c_void;
 }
+/// `KArg` for types passed by value: scalars, and `#[repr(C)]` argument structs that mirror
+/// a kernel's (e.g. `M1Scan`).
 macro_rules! karg {
     ($($t:ty),*) => {$(
-        impl KArg for $t {
-            fn ptr(&self) -> *mut c_void {
-                self as *const $t as *mut c_void
+        impl $crate::cuda::context::KArg for $t {
+            fn ptr(&self) -> *mut std::ffi::c_void {
+                self as *const $t as *mut std::ffi::c_void
             }
         }
     )*};
 }
+pub(crate) use karg;
 karg!(u64, i64, i32, u32, f32);
 
 /// Raw device memory, freed on drop. `ptr` is the device address.

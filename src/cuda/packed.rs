@@ -171,23 +171,6 @@ pub struct LayerRun<'a> {
 }
 
 impl LayerRun<'_> {
-    /// `D[rows, n] (+)= A[rows, k] · W[n, k]ᵀ`: A and W in the model dtype, D in f32, exact
-    /// f32 products for f32 models (no TF32).
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear(
-        &self,
-        rows: usize,
-        n: usize,
-        k: usize,
-        a: u64,
-        w: u64,
-        d: u64,
-        acc: bool,
-    ) -> Result<()> {
-        let spec = GemmSpec::linear(rows, n, k, self.act, ElemType::F32, n, acc, false);
-        self.lt.gemm(self.gpu, &spec, a, w, d)
-    }
-
     /// One thread per item, blocks of 256.
     pub fn grid_1d(items: usize) -> (u32, u32, u32) {
         (items.div_ceil(256) as u32, 1, 1)
@@ -213,10 +196,21 @@ impl DevLinear {
     }
 
     /// `D[rows, n] (+)= A[rows, k]·Wᵀ + bias` over the pass's rows: A in the model dtype, D
-    /// f32, packed; `acc` adds into D (the residual).
+    /// f32, packed, exact f32 products for f32 models (no TF32); `acc` adds into D (the
+    /// residual).
     pub fn apply(&self, run: &LayerRun, a: u64, d: u64, acc: bool) -> Result<()> {
         let rows = run.pass.rows;
-        run.linear(rows, self.n, self.k, a, self.w.ptr, d, acc)?;
+        let spec = GemmSpec::linear(
+            rows,
+            self.n,
+            self.k,
+            run.act,
+            ElemType::F32,
+            self.n,
+            acc,
+            false,
+        );
+        run.lt.gemm(run.gpu, &spec, a, self.w.ptr, d)?;
         if let Some(b) = &self.bias {
             let (cols, ld) = (self.n as i32, self.n as i32);
             let grid = (rows as u32, 1, 1);

@@ -5,7 +5,7 @@
 //! (`kernels/selective_scan.cu`). The LM around the layers is the engine's
 //! (`crate::engine::cuda::family`).
 
-use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
+use crate::cuda::context::{DevBuf, Gpu, Kernel};
 use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::Result;
@@ -72,11 +72,7 @@ struct M1Scan {
     ssm_off: i64,
 }
 
-impl KArg for M1Scan {
-    fn ptr(&self) -> *mut std::ffi::c_void {
-        self as *const M1Scan as *mut std::ffi::c_void
-    }
-}
+crate::cuda::context::karg!(M1Scan);
 
 struct Layer {
     in_proj: DevLinear,

@@ -4,7 +4,7 @@
 //! (`kernels/ssd_scan.cu`), the gate with the grouped RMSNorm. The LM around the layers is
 //! the engine's (`crate::engine::cuda::family`).
 
-use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
+use crate::cuda::context::{DevBuf, Gpu, Kernel};
 use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
@@ -81,11 +81,7 @@ struct M2Scan {
     ssm_off: i64,
 }
 
-impl KArg for M2Scan {
-    fn ptr(&self) -> *mut std::ffi::c_void {
-        self as *const M2Scan as *mut std::ffi::c_void
-    }
-}
+crate::cuda::context::karg!(M2Scan);
 
 struct Layer {
     in_proj: DevLinear,
