@@ -44,7 +44,8 @@ ap.add_argument("--d-state", type=int, default=128)
 ap.add_argument("--headdim", type=int, default=64)
 ap.add_argument("--expand", type=int, default=2)
 ap.add_argument("--ngroups", type=int, default=1)
-ap.add_argument("--chunk", type=int, default=64)
+ap.add_argument("--chunk", type=int, default=64, help="chunk_size (MIMO: 64/R unless given)")
+ap.add_argument("--mimo-rank", type=int, default=0, help="Mamba3 MIMO with this rank (0: SISO)")
 ap.add_argument("--vocab", type=int, default=256)
 ap.add_argument("--max-seconds", type=float, default=0, help="budget of one prefill shape (0: none)")
 ap.add_argument("--decode-batches", default="", help="decode batch sizes, e.g. 1,64 ('' for none)")
@@ -99,9 +100,15 @@ have_conv = m2.causal_conv1d_fn is not None and m2.causal_conv1d_update is not N
 have_scan = hasattr(ssi.selective_scan_cuda, "fwd")
 impl = "official"
 if a.layer == "Mamba3":
+    mimo = a.mimo_rank > 0
+    chunk = a.chunk if not mimo or "--chunk" in sys.argv else 64 // a.mimo_rank
     ssm = dict(d_state=a.d_state, headdim=a.headdim, expand=a.expand, ngroups=a.ngroups,
-               rope_fraction=0.5, chunk_size=a.chunk, is_mimo=False)
-    notes.append("prefill: Triton mamba3_siso_combined; decode step: mamba3_step_fn (CuteDSL)")
+               rope_fraction=0.5, chunk_size=chunk, is_mimo=mimo)
+    if mimo:
+        ssm["mimo_rank"] = a.mimo_rank
+        notes.append(f"MIMO rank {a.mimo_rank}, chunk {chunk}: TileLang kernels (tilelang from PYTHONPATH)")
+    else:
+        notes.append("prefill: Triton mamba3_siso_combined; decode step: mamba3_step_fn (CuteDSL)")
 elif a.layer == "Mamba2":
     ssm = dict(d_state=a.d_state, headdim=a.headdim, expand=a.expand, ngroups=a.ngroups,
                chunk_size=a.chunk, use_mem_eff_path=have_conv)
@@ -131,7 +138,7 @@ torch.manual_seed(0)
 model = MambaLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16).eval()
 gpu = torch.cuda.get_device_name(0)
 all_layers = model.backbone.layers
-base = {"impl": impl, "layer": a.layer, "device_name": gpu, "dtype": "bf16", "d_model": a.d_model,
+base = {"impl": impl, "layer": a.layer, "mimo_rank": a.mimo_rank, "device_name": gpu, "dtype": "bf16", "d_model": a.d_model,
         "layers": a.layers, "d_state": a.d_state, "torch": torch.__version__, "notes": notes}
 
 

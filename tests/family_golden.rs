@@ -291,18 +291,3 @@ fn non_finite_family_weights_are_refused() {
         assert!(Model::load(&out, Device::Cpu, DType::F32).is_err());
     }
 }
-
-/// Asked for a GPU, a mixer without CUDA kernels (MIMO) is refused naming the mixer, before
-/// any device is opened.
-#[cfg(feature = "cuda")]
-#[test]
-fn mixers_without_cuda_kernels_are_refused_on_a_gpu() {
-    let e = Model::load(&fixture("mimo-tiny"), Device::Cuda(0), DType::BF16)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        e.contains("mamba3-mimo") && e.contains("--device cpu"),
-        "{e}"
-    );
-}

@@ -1,14 +1,16 @@
-//! Mamba-1 and Mamba-2 on the GPU: the official goldens (`m1-tiny`, `m2-tiny`, official and
-//! transformers folders, f32/f16/bf16) through the engine on `cuda:0`, and the GPU against
-//! the CPU on random configs of every option (FalconMamba's norms, biases, conv widths,
-//! groups, the gated-MLP branch, per-channel D, Δ clamps, the norm's placement), with
-//! sequences long enough for several scan chunks, packed batches, windows and batched
-//! decode. Run on the GPU machine: `cargo test --release --test gpu_family --
+//! Mamba-1, Mamba-2 and Mamba-3 MIMO on the GPU: the official goldens (`m1-tiny`,
+//! `m2-tiny` from official and transformers folders, `mimo-tiny`, `mimo-mlp-norm`;
+//! f32/f16/bf16) through the engine on `cuda:0`, and the GPU against the CPU on random
+//! configs of every option (FalconMamba's norms, biases, conv widths, groups, the gated-MLP
+//! branch, per-channel D, Δ clamps, the norm's placement; MIMO ranks 1–8, groups, rope
+//! fractions, the output norm, GatedMLP blocks), with sequences long enough for several
+//! scan chunks, packed batches, windows and batched decode. Run on the GPU machine: `cargo test --release --test gpu_family --
 //! --include-ignored`.
 #![cfg(feature = "cuda")]
 mod common;
 use common::family::goldens_through_the_engine;
 use common::*;
+use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use mamba3::mixers::MixerWeights;
 use mamba3::model::family_config::{Mamba1Config, Mamba2Config};
 use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config, Gen};
@@ -28,6 +30,10 @@ fn family_goldens_on_the_gpu() {
             fixture(name).join("hf"),
         ];
         goldens_through_the_engine(name, &folders, kind, Device::Cuda(0));
+    }
+    for name in ["mimo-tiny", "mimo-mlp-norm"] {
+        let folders = [fixture(name), fixture(name).join("pytorch_model.bin")];
+        goldens_through_the_engine(name, &folders, MixerKind::Mamba3Mimo, Device::Cuda(0));
     }
 }
 
@@ -179,6 +185,61 @@ fn gpu_equals_cpu_on_random_mamba2_configs() {
             let w = MixerWeights::Mamba2(Arc::new(w.clone().mixers_with_dtype(dtype)));
             let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
             gpu_equals_cpu(w, &format!("mamba2 {i} {dtype} {c:?}"), tol);
+        }
+    }
+}
+
+/// MIMO configs: (d_model, d_state, headdim, ngroups, rank, rope_fraction, outproj norm,
+/// d_intermediate, A's activation).
+fn mimo_configs() -> Vec<String> {
+    let c = |dm: usize,
+             n: usize,
+             p: usize,
+             g: usize,
+             r: usize,
+             rope: f64,
+             norm: bool,
+             mlp: usize,
+             softplus: bool| {
+        let act = if softplus {
+            r#", "a_activation": "softplus""#
+        } else {
+            ""
+        };
+        format!(
+            r#"{{"d_model": {dm}, "n_layer": 2, "vocab_size": 90, "d_intermediate": {mlp},
+                "tie_embeddings": {tie}, "ssm_cfg": {{"layer": "Mamba3", "d_state": {n},
+                "headdim": {p}, "expand": 2, "ngroups": {g}, "rope_fraction": {rope},
+                "is_outproj_norm": {norm}, "chunk_size": 16, "is_mimo": true,
+                "mimo_rank": {r}{act}}}}}"#,
+            tie = mlp == 0
+        )
+    };
+    vec![
+        // the benchmark's state and head sizes at rank 4, half the state rotated
+        c(64, 128, 64, 1, 4, 0.5, false, 0, false),
+        // rank 1, 2 groups of 2 heads, every pair rotated, the output norm
+        c(64, 32, 16, 2, 1, 1.0, true, 0, false),
+        // rank 2 with a GatedMLP, 4 groups, state 16 (lanes of 8)
+        c(48, 16, 8, 4, 2, 0.5, true, 96, false),
+        // rank 8, state 64, A by softplus
+        c(32, 64, 16, 1, 8, 0.5, false, 0, true),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_equals_cpu_on_random_mimo_configs() {
+    for (i, json) in mimo_configs().into_iter().enumerate() {
+        let cfg = mimo_config_from_json_str(&json, "test").unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let w = MimoWeights::synthetic(cfg.clone(), dtype, 60 + i as u64).unwrap();
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            gpu_equals_cpu(
+                MixerWeights::Mimo(Arc::new(w)),
+                &format!("mimo {i} {dtype} {json}"),
+                tol,
+            );
         }
     }
 }

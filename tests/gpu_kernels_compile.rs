@@ -26,6 +26,8 @@ use mamba3::cuda::kernels::{
 use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
 use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
 use mamba3::mixers::mamba3::cuda::program::{INFERENCE, KERNEL_NAMES, TRAINING};
+use mamba3::mixers::mimo::cuda::{kernel_config as mimo_kernel_config, PROGRAM as MIMO_PROGRAM};
+use mamba3::mixers::mimo::{mimo_config_from_json_str, mimo_dims};
 use mamba3::model::family_config::{FamilyConfig, MixerConfig};
 use mamba3::model::family_synthetic::official_config;
 use mamba3::model::DType;
@@ -174,6 +176,31 @@ fn every_kernel_compiles_under_nvrtc() {
                 MixerConfig::Mamba2(m) => (M2_PROGRAM, m2_config(m, dtype).unwrap()),
             };
             jobs.push((format!("{what} {dtype:?}"), program, kc, "sm_90a"));
+        }
+    }
+    // Mamba-3 MIMO: the fixtures' and the benchmark's state sizes and ranks, every dtype
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        // (the 16-bit ones with P and N multiples of 16 include the tensor-core scan)
+        for (d_state, rank, headdim) in [
+            (128, 4, 64),
+            (32, 4, 16),
+            (64, 2, 8),
+            (16, 1, 16),
+            (64, 8, 16),
+        ] {
+            let json = format!(
+                r#"{{"d_model": 128, "n_layer": 1, "vocab_size": 100, "ssm_cfg": {{
+                    "layer": "Mamba3", "d_state": {d_state}, "headdim": {headdim},
+                    "is_mimo": true, "mimo_rank": {rank}}}}}"#
+            );
+            let cfg = mimo_config_from_json_str(&json, "test").unwrap();
+            let kc = mimo_kernel_config(&mimo_dims(&cfg), dtype).unwrap();
+            jobs.push((
+                format!("MIMO N{d_state} R{rank} {dtype:?}"),
+                MIMO_PROGRAM,
+                kc,
+                "sm_90a",
+            ));
         }
     }
     // the hardware probes of benches/gpu_floors.rs (no model constants)

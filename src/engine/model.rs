@@ -41,13 +41,12 @@ impl Model {
             let kind = MixerKind::of_path(path)?;
             match kind {
                 MixerKind::Mamba3Siso => {}
-                MixerKind::Mamba1 | MixerKind::Mamba2 => {
+                MixerKind::Mamba1 | MixerKind::Mamba2 | MixerKind::Mamba3Mimo => {
                     let weights = crate::timeline::stage("checkpoint read and converted", || {
                         MixerWeights::load(path, dtype)
                     })?;
                     return Self::from_mixer_weights(weights, device);
                 }
-                other => return Err(no_cuda_kernels(other)),
             }
             // Open the device while the checkpoint is read and converted: the two take
             // comparable times at start-up, and neither needs the other. Nor does loading
@@ -95,10 +94,9 @@ impl Model {
                 MixerWeights::Mamba3(w) => {
                     Box::new(crate::engine::cuda::CudaModel::new(w.clone(), ordinal)?)
                 }
-                w @ (MixerWeights::Mamba1(_) | MixerWeights::Mamba2(_)) => {
+                w @ (MixerWeights::Mamba1(_) | MixerWeights::Mamba2(_) | MixerWeights::Mimo(_)) => {
                     Box::new(crate::engine::cuda::family::FamilyCuda::new(w, ordinal)?)
                 }
-                other => return Err(no_cuda_kernels(other.kind())),
             },
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
@@ -424,16 +422,6 @@ impl Model {
         }
         Ok(out)
     }
-}
-
-/// Mamba-3 MIMO has no CUDA kernels yet.
-#[cfg(feature = "cuda")]
-fn no_cuda_kernels(kind: MixerKind) -> Error {
-    Error::Device(format!(
-        "{} models run on the CPU only in this version (no CUDA kernels for this mixer \
-         yet): use --device cpu",
-        kind.name()
-    ))
 }
 
 /// The CPU backend of a model's mixer.

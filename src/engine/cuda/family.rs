@@ -1,7 +1,8 @@
-//! The CUDA backend of the Mamba-1 and Mamba-2 models (`FamilyCuda`): the LM of spec §1
-//! around the mixer's layer launches (`crate::mixers::mamba1::cuda`, `mamba2::cuda`) —
-//! embedding, per layer `r ← r + Mixer(RMSNorm(r))` on an f32 residual, `norm_f` and the
-//! head on the rows asked for.
+//! The CUDA backend of the Mamba-1, Mamba-2 and Mamba-3 MIMO models (`FamilyCuda`): the LM
+//! of spec §1 around the mixer's layer launches (`crate::mixers::mamba1::cuda`,
+//! `mamba2::cuda`, `mimo::cuda`) — embedding, per layer `r ← r + Mixer(RMSNorm(r))` on an
+//! f32 residual (MIMO's GatedMLP blocks are part of its layer), `norm_f` and the head on the
+//! rows asked for.
 //!
 //! Every pass, prefill or decode, is a packed pass (`crate::cuda::packed`): the sequences'
 //! rows end to end, each from its own state on the device, cut into chunks for the scans.
@@ -20,7 +21,7 @@ use crate::engine::logits::{HostBuf, StepLogits};
 use crate::engine::state::StateData;
 use crate::engine::LogitsWant;
 use crate::error::{Error, Result};
-use crate::mixers::{mamba1, mamba2, LmDims, MixerWeights};
+use crate::mixers::{mamba1, mamba2, mimo, LmDims, MixerWeights};
 use crate::model::family_weights::LmWeights;
 use crate::model::state_layout::StateLayout;
 use cudarc::driver::CudaGraph;
@@ -30,6 +31,7 @@ use std::sync::{Arc, Mutex};
 enum GpuMixer {
     Mamba1(mamba1::cuda::GpuMamba1),
     Mamba2(mamba2::cuda::GpuMamba2),
+    Mimo(mimo::cuda::GpuMimo),
 }
 
 impl GpuMixer {
@@ -44,24 +46,28 @@ impl GpuMixer {
         match self {
             GpuMixer::Mamba1(m) => m.layer(run, l, normed, residual, scratch),
             GpuMixer::Mamba2(m) => m.layer(run, l, normed, residual, scratch),
+            GpuMixer::Mimo(m) => m.layer(run, l, normed, residual, scratch),
         }
     }
     fn scratch_bytes(&self, rows: usize, chunks: usize, act_bytes: usize) -> usize {
         match self {
             GpuMixer::Mamba1(m) => m.scratch_bytes(rows, chunks, act_bytes),
             GpuMixer::Mamba2(m) => m.scratch_bytes(rows, chunks, act_bytes),
+            GpuMixer::Mimo(m) => m.scratch_bytes(rows, chunks, act_bytes),
         }
     }
     fn state_floats(&self) -> usize {
         match self {
             GpuMixer::Mamba1(m) => m.state_floats(),
             GpuMixer::Mamba2(m) => m.state_floats(),
+            GpuMixer::Mimo(m) => m.state_floats(),
         }
     }
     fn chunk_len(&self, rows: usize) -> usize {
         match self {
             GpuMixer::Mamba1(_) => mamba1::cuda::chunk_len(rows),
             GpuMixer::Mamba2(_) => mamba2::cuda::chunk_len(rows),
+            GpuMixer::Mimo(m) => m.chunk_len(rows),
         }
     }
 }
@@ -78,24 +84,61 @@ struct LmDevice {
 
 impl LmDevice {
     fn upload<M>(gpu: &Gpu, w: &LmWeights<M>) -> Result<LmDevice> {
-        Ok(LmDevice {
-            embedding: upload_matrix(gpu, &w.embedding, w.dtype)?,
-            head: w
-                .lm_head
-                .as_ref()
-                .map(|h| upload_matrix(gpu, h, w.dtype))
-                .transpose()?,
-            norms: w
-                .layers
-                .iter()
-                .map(|b| gpu.upload(&b.norm))
-                .collect::<Result<_>>()?,
-            norm_f: gpu.upload(&w.norm_f)?,
-            eps: w.config.norm_eps as f32,
-        })
+        let norms: Vec<&[f32]> = w.layers.iter().map(|b| b.norm.as_slice()).collect();
+        let lm = LmParts {
+            embedding: &w.embedding,
+            head: w.lm_head.as_ref(),
+            norms,
+            norm_f: &w.norm_f,
+            eps: w.config.norm_eps,
+            dtype: w.dtype,
+        };
+        lm.upload(gpu)
+    }
+
+    /// Mamba-3's LM (spec §2.7 of mamba3-spec: the same blocks, ε fixed).
+    fn upload_mimo(gpu: &Gpu, w: &mimo::MimoWeights) -> Result<LmDevice> {
+        let lm = LmParts {
+            embedding: &w.embedding,
+            head: w.lm_head.as_ref(),
+            norms: w.layers.iter().map(|l| l.norm.as_slice()).collect(),
+            norm_f: &w.norm_f,
+            eps: crate::model::config::NORM_EPS,
+            dtype: w.dtype,
+        };
+        lm.upload(gpu)
     }
     fn head(&self) -> u64 {
         self.head.as_ref().unwrap_or(&self.embedding).ptr
+    }
+}
+
+/// The LM's parameters as every mixer's weights hold them.
+struct LmParts<'a> {
+    embedding: &'a crate::model::weights::Matrix,
+    head: Option<&'a crate::model::weights::Matrix>,
+    norms: Vec<&'a [f32]>,
+    norm_f: &'a [f32],
+    eps: f64,
+    dtype: crate::model::DType,
+}
+
+impl LmParts<'_> {
+    fn upload(&self, gpu: &Gpu) -> Result<LmDevice> {
+        Ok(LmDevice {
+            embedding: upload_matrix(gpu, self.embedding, self.dtype)?,
+            head: self
+                .head
+                .map(|h| upload_matrix(gpu, h, self.dtype))
+                .transpose()?,
+            norms: self
+                .norms
+                .iter()
+                .map(|n| gpu.upload(n))
+                .collect::<Result<_>>()?,
+            norm_f: gpu.upload(self.norm_f)?,
+            eps: self.eps as f32,
+        })
     }
 }
 
@@ -122,7 +165,8 @@ pub struct FamilyCuda {
 }
 
 impl FamilyCuda {
-    /// A Mamba-1 or Mamba-2 model on CUDA device `ordinal`; an error for other mixers.
+    /// A Mamba-1, Mamba-2 or Mamba-3 MIMO model on CUDA device `ordinal`; an error for
+    /// Mamba-3 SISO (`engine::cuda::CudaModel` runs it).
     pub fn new(weights: &MixerWeights, ordinal: usize) -> Result<FamilyCuda> {
         let gpu = Arc::new(Gpu::new(ordinal)?);
         let dtype = weights.dtype();
@@ -139,9 +183,15 @@ impl FamilyCuda {
                 let mixer = GpuMixer::Mamba2(mamba2::cuda::GpuMamba2::upload(&gpu, w, &module)?);
                 (LmDevice::upload(&gpu, w)?, mixer, lm_kernels(&module)?)
             }
+            MixerWeights::Mimo(w) => {
+                let cfg = mimo::cuda::kernel_config(&w.dims, dtype)?;
+                let (module, _) = Module::load(&gpu, mimo::cuda::PROGRAM, &cfg)?;
+                let mixer = GpuMixer::Mimo(mimo::cuda::GpuMimo::upload(&gpu, w, &module)?);
+                (LmDevice::upload_mimo(&gpu, w)?, mixer, lm_kernels(&module)?)
+            }
             other => {
                 return Err(Error::Device(format!(
-                    "FamilyCuda runs Mamba-1 and Mamba-2, not {}",
+                    "FamilyCuda runs Mamba-1, Mamba-2 and Mamba-3 MIMO, not {}",
                     other.kind().name()
                 )))
             }

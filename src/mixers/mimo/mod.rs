@@ -34,6 +34,8 @@
 //! `mimo-tiny` / `mimo-mlp-norm`, as the fixtures' independent float64 check reports for the
 //! uncast maths (2.5e-8 with the casts; the storage floor).
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod prefill;
 pub mod reference;
 pub mod weights;

@@ -25,39 +25,40 @@ pub const PROGRAM: Program = Program {
     parts: &[0],
 };
 
-/// The state slice a thread of the scan keeps in registers: `N / 2^k` for the least `k` that
-/// brings it to ≤ 32, so that the `Q = 2^k` threads of a channel sum by shuffles. `None`
-/// when no such slice ≤ 64 exists (an odd state size above 64).
-pub fn state_slice(d_state: usize) -> Option<usize> {
-    let mut s = d_state;
-    while s > 32 && s.is_multiple_of(2) {
-        s /= 2;
-    }
-    (s <= 64 && d_state / s <= 32).then_some(s)
+/// The lanes that hold one channel's state in the scan (`M2_Q`): the largest power of two
+/// ≤ 32 dividing `N`, each lane keeping `N / Q` entries in registers. `None` when that is
+/// over 64 (a state size with a large odd factor).
+pub fn state_lanes(d_state: usize) -> Option<usize> {
+    let q = (0..=5)
+        .rev()
+        .map(|k| 1usize << k)
+        .find(|q| d_state.is_multiple_of(*q))?;
+    (d_state / q <= 64).then_some(q)
+}
+
+/// Channels of a head per block of the scan: the largest divisor of `P` that keeps a block
+/// at ≤ 256 threads.
+fn channels_per_block(headdim: usize, lanes: usize) -> usize {
+    (1..=headdim.min(256 / lanes))
+        .rev()
+        .find(|d| headdim.is_multiple_of(*d))
+        .unwrap_or(1)
 }
 
 /// The compile-time constants of a Mamba-2 model's kernels; an error naming the size the
 /// scan cannot hold.
 pub fn kernel_config(cfg: &Mamba2Config, dtype: DType) -> Result<KernelConfig> {
-    let slice = state_slice(cfg.d_state).ok_or_else(|| {
+    let lanes = state_lanes(cfg.d_state).ok_or_else(|| {
         Error::input(format!(
-            "d_state {}: the GPU Mamba-2 scan needs d_state = s·2^k with s ≤ 64 and 2^k ≤ 32",
+            "d_state {}: the GPU Mamba-2 scan needs d_state = s·2^k with s ≤ 64 (k ≤ 5)",
             cfg.d_state
         ))
     })?;
-    let threads = cfg.headdim * cfg.d_state / slice;
-    if threads > 1024 {
-        return Err(Error::input(format!(
-            "headdim {} with d_state {}: the GPU Mamba-2 scan holds a head in one block of \
-             ≤ 1024 threads, this shape needs {threads}",
-            cfg.headdim, cfg.d_state
-        )));
-    }
     let mut k = KernelConfig { defines: vec![] };
     k.set("ACT", act_define(dtype));
     k.set("D_STATE", &cfg.d_state.to_string());
     k.set("D_CONV", &cfg.d_conv.to_string());
-    k.set("M2_SLICE", &slice.to_string());
+    k.set("M2_Q", &lanes.to_string());
     Ok(k)
 }
 
@@ -107,13 +108,15 @@ struct Kernels {
 /// A Mamba-2 model's mixers on the device.
 pub struct GpuMamba2 {
     cfg: Mamba2Config,
-    /// state entries per thread of the scan
-    slice: usize,
+    /// lanes per channel and channels per block of the scan
+    lanes: usize,
+    channels: usize,
     layers: Vec<Layer>,
     k: Kernels,
 }
 
-/// Rows per chunk of the scan (the chunk states of a long pass are `H·P·N` floats each).
+/// Rows per chunk of the scan (the chunk states of a long pass are `H·P·N` floats each);
+/// at most `M2_MAX_CHUNK` (256) of ssd_scan.cu.
 pub fn chunk_len(rows: usize) -> usize {
     if rows <= 16384 {
         128
@@ -136,7 +139,8 @@ impl GpuMamba2 {
     /// [`PROGRAM`] with [`kernel_config`]).
     pub fn upload(gpu: &Gpu, w: &Mamba2Weights, module: &Module) -> Result<GpuMamba2> {
         let cfg = w.mixer_config()?.clone();
-        let slice = state_slice(cfg.d_state).unwrap_or(cfg.d_state);
+        let lanes = state_lanes(cfg.d_state).unwrap_or(1);
+        let channels = channels_per_block(cfg.headdim, lanes);
         let dt = w.dtype;
         let layers = w
             .layers
@@ -170,7 +174,8 @@ impl GpuMamba2 {
         };
         Ok(GpuMamba2 {
             cfg,
-            slice,
+            lanes,
+            channels,
             layers,
             k,
         })
@@ -252,12 +257,13 @@ impl GpuMamba2 {
             ssm_off: (run.state_off + cfg.conv_dim() * cfg.d_conv) as i64,
         };
         let heads = cfg.nheads as u32;
-        // a head per block: P·N/slice threads
-        let block = (cfg.headdim * cfg.d_state / self.slice) as u32;
+        // `channels` channels of a head per block, `lanes` threads each; z spans the head
+        let block = (self.channels * self.lanes) as u32;
+        let z = (cfg.headdim / self.channels) as u32;
         let direct = i32::from(pass.one_chunk_each);
         if !pass.one_chunk_each {
             let (row0, len) = (pass.at(Table::ChunkRow0), pass.at(Table::ChunkLen));
-            let grid = (pass.chunks as u32, heads, 1);
+            let grid = (pass.chunks as u32, heads, z);
             gpu.launch(
                 &self.k.scan_local,
                 grid,
@@ -285,7 +291,7 @@ impl GpuMamba2 {
         }
         gpu.launch(
             &self.k.scan_out,
-            (pass.chunks as u32, heads, 1),
+            (pass.chunks as u32, heads, z),
             block,
             0,
             false,

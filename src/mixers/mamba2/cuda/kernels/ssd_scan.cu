@@ -6,11 +6,15 @@
 //
 // The same three steps as Mamba-1's scan (mamba1/cuda/kernels/selective_scan.cu): chunk
 // states from zero with Σ Δ, the carry along each sequence's chunks, the outputs from each
-// chunk's incoming state (`direct` when every sequence is one chunk). A block holds one head:
-// thread (p, q) keeps the state slice h[p, q·SLICE .. (q+1)·SLICE) in registers; the Q = N/SLICE
-// threads of a p are adjacent lanes and sum y over their slices by shuffles.
-// D_STATE (N) and M2_SLICE are compile-time; Q is a power of two dividing 32.
-#define M2_Q (D_STATE / M2_SLICE)
+// chunk's incoming state (`direct` when every sequence is one chunk). A block holds P_BLK
+// channels p of one head for one chunk (grid z spans the head's channels); the Q = M2_Q
+// adjacent lanes of a channel hold its state interleaved, lane q the entries n = q + Q·i,
+// so that a warp's loads and stores of states, B and C are contiguous, and sum y by
+// shuffles. Δ and the decay of the chunk's rows are computed once per block into shared
+// memory. D_STATE (N) and M2_Q (a power of two dividing 32 and N) are compile-time.
+#define M2_SL (D_STATE / M2_Q)
+// the longest chunk (src/mixers/mamba2/cuda/mod.rs: chunk_len)
+#define M2_MAX_CHUNK 256
 
 struct M2Scan {
     const float* xbc;      // [rows, C_d] conv output: x (H·P), B (G·N), C (G·N)
@@ -25,13 +29,8 @@ struct M2Scan {
     long long ssm_off;     // this layer's ssm tensor [H, P, N] in a state, in floats
 };
 
-__device__ __forceinline__ float m2_delta(const M2Scan& p, size_t r, int h) {
-    const float d = softplus_f(p.dt[r * p.ld_dt + h] + p.dt_bias[h]);
-    return fminf(fmaxf(d, p.dt_min), p.dt_max);
-}
-
-// Sum over the Q lanes of a p (adjacent, Q a power of two): every one of them gets it.
-__device__ __forceinline__ float m2_sum_slices(float v) {
+// Sum over the Q lanes of a channel (adjacent, Q a power of two): every one of them gets it.
+__device__ __forceinline__ float m2_sum_lanes(float v) {
     const int base = threadIdx.x & ~31;
     const int live = min(32, (int)blockDim.x - base);
     const unsigned mask = live == 32 ? 0xffffffffu : ((1u << live) - 1u);
@@ -40,32 +39,59 @@ __device__ __forceinline__ float m2_sum_slices(float v) {
     return v;
 }
 
+// This thread's place: chunk, head, channel, lane; and the chunk's Δ and exp(Δ·A) staged.
+struct M2Place {
+    int c, hd, heads, q, pp, g, ch, row0, len;
+    float a;
+};
+
+__device__ __forceinline__ M2Place m2_place(const M2Scan& p, const int* chunk_row0,
+                                            const int* chunk_len, float* s_delta,
+                                            float* s_decay) {
+    M2Place w;
+    w.c = blockIdx.x;
+    w.hd = blockIdx.y;
+    w.heads = gridDim.y;
+    w.q = threadIdx.x % M2_Q;
+    w.pp = blockIdx.z * (blockDim.x / M2_Q) + threadIdx.x / M2_Q;
+    w.g = w.hd / p.heads_per_group;
+    w.ch = w.hd * p.headdim + w.pp;
+    w.row0 = chunk_row0[w.c];
+    w.len = chunk_len[w.c];
+    w.a = p.a[w.hd];
+    for (int t = threadIdx.x; t < w.len; t += blockDim.x) {
+        const float d = softplus_f(p.dt[(size_t)(w.row0 + t) * p.ld_dt + w.hd] + p.dt_bias[w.hd]);
+        const float delta = fminf(fmaxf(d, p.dt_min), p.dt_max);
+        s_delta[t] = delta;
+        s_decay[t] = expf(delta * w.a);
+    }
+    __syncthreads();
+    return w;
+}
+
 extern "C" __global__ void m2_scan_local(M2Scan p, const int* chunk_row0, const int* chunk_len,
                                          float* h_chunk, float* dt_sum) {
-    const int c = blockIdx.x, hd = blockIdx.y, heads = gridDim.y;
-    const int pp = threadIdx.x / M2_Q, q = threadIdx.x % M2_Q;
-    const int g = hd / p.heads_per_group, ch = hd * p.headdim + pp;
-    float h[M2_SLICE];
+    __shared__ float s_delta[M2_MAX_CHUNK], s_decay[M2_MAX_CHUNK];
+    const M2Place w = m2_place(p, chunk_row0, chunk_len, s_delta, s_decay);
+    float h[M2_SL];
 #pragma unroll
-    for (int i = 0; i < M2_SLICE; ++i) h[i] = 0.f;
-    float sum = 0.f;
-    const int row0 = chunk_row0[c], len = chunk_len[c];
-    const float a = p.a[hd];
-    for (int t = 0; t < len; ++t) {
-        const size_t r = row0 + t;
-        const float delta = m2_delta(p, r, hd);
-        const float decay = expf(delta * a);
-        const float* row = p.xbc + r * p.conv_dim;
-        const float dx = delta * row[ch];
-        const float* b = row + p.d_ssm + g * D_STATE + q * M2_SLICE;
+    for (int i = 0; i < M2_SL; ++i) h[i] = 0.f;
+    for (int t = 0; t < w.len; ++t) {
+        const float* row = p.xbc + (size_t)(w.row0 + t) * p.conv_dim;
+        const float dx = s_delta[t] * row[w.ch];
+        const float decay = s_decay[t];
+        const float* b = row + p.d_ssm + w.g * D_STATE + w.q;
 #pragma unroll
-        for (int i = 0; i < M2_SLICE; ++i) h[i] = decay * h[i] + dx * b[i];
-        sum += delta;
+        for (int i = 0; i < M2_SL; ++i) h[i] = decay * h[i] + dx * b[i * M2_Q];
     }
-    float* out = h_chunk + (((size_t)c * heads + hd) * p.headdim + pp) * D_STATE + q * M2_SLICE;
+    float* out = h_chunk + (((size_t)w.c * w.heads + w.hd) * p.headdim + w.pp) * D_STATE + w.q;
 #pragma unroll
-    for (int i = 0; i < M2_SLICE; ++i) out[i] = h[i];
-    if (threadIdx.x == 0) dt_sum[(size_t)c * heads + hd] = sum;
+    for (int i = 0; i < M2_SL; ++i) out[i * M2_Q] = h[i];
+    if (threadIdx.x == 0 && blockIdx.z == 0) {
+        float sum = 0.f;
+        for (int t = 0; t < w.len; ++t) sum += s_delta[t];
+        dt_sum[(size_t)w.c * w.heads + w.hd] = sum;
+    }
 }
 
 // One thread per state element of a head; h_chunk[c] becomes chunk c's incoming state.
@@ -93,39 +119,35 @@ extern "C" __global__ void m2_scan_carry(M2Scan p, const int* seg_chunk0, const 
 extern "C" __global__ void m2_scan_out(M2Scan p, const int* chunk_row0, const int* chunk_len,
                                        const int* chunk_seg, const unsigned long long* seg_state,
                                        const float* h_chunk, int direct, float* y) {
-    const int c = blockIdx.x, hd = blockIdx.y, heads = gridDim.y;
-    const int pp = threadIdx.x / M2_Q, q = threadIdx.x % M2_Q;
-    const int g = hd / p.heads_per_group, ch = hd * p.headdim + pp;
-    const size_t slice = ((size_t)hd * p.headdim + pp) * D_STATE + q * M2_SLICE;
-    float* st = reinterpret_cast<float*>(seg_state[chunk_seg[c]]) + p.ssm_off + slice;
-    const float* h0 =
-        direct ? st : h_chunk + (size_t)c * heads * p.headdim * D_STATE + slice;
-    float h[M2_SLICE];
+    __shared__ float s_delta[M2_MAX_CHUNK], s_decay[M2_MAX_CHUNK];
+    const M2Place w = m2_place(p, chunk_row0, chunk_len, s_delta, s_decay);
+    const size_t at = ((size_t)w.hd * p.headdim + w.pp) * D_STATE + w.q;
+    float* st = reinterpret_cast<float*>(seg_state[chunk_seg[w.c]]) + p.ssm_off + at;
+    const float* h0 = direct ? st : h_chunk + (size_t)w.c * w.heads * p.headdim * D_STATE + at;
+    float h[M2_SL];
 #pragma unroll
-    for (int i = 0; i < M2_SLICE; ++i) h[i] = h0[i];
-    const int row0 = chunk_row0[c], len = chunk_len[c];
-    const float a = p.a[hd];
-    for (int t = 0; t < len; ++t) {
-        const size_t r = row0 + t;
-        const float delta = m2_delta(p, r, hd);
-        const float decay = expf(delta * a);
+    for (int i = 0; i < M2_SL; ++i) h[i] = h0[i * M2_Q];
+    const float dskip = p.d_skip[w.ch];
+    for (int t = 0; t < w.len; ++t) {
+        const size_t r = w.row0 + t;
         const float* row = p.xbc + r * p.conv_dim;
-        const float x = row[ch];
-        const float dx = delta * x;
-        const float* b = row + p.d_ssm + g * D_STATE + q * M2_SLICE;
+        const float x = row[w.ch];
+        const float dx = s_delta[t] * x;
+        const float decay = s_decay[t];
+        const float* b = row + p.d_ssm + w.g * D_STATE + w.q;
         const float* cc = b + p.groups * D_STATE;
         float acc = 0.f;
 #pragma unroll
-        for (int i = 0; i < M2_SLICE; ++i) {
-            h[i] = decay * h[i] + dx * b[i];
-            acc += h[i] * cc[i];
+        for (int i = 0; i < M2_SL; ++i) {
+            h[i] = decay * h[i] + dx * b[i * M2_Q];
+            acc += h[i] * cc[i * M2_Q];
         }
-        acc = m2_sum_slices(acc);
-        if (q == 0) y[r * p.d_ssm + ch] = acc + p.d_skip[ch] * x;
+        acc = m2_sum_lanes(acc);
+        if (w.q == 0) y[r * p.d_ssm + w.ch] = acc + dskip * x;
     }
     if (direct) {
 #pragma unroll
-        for (int i = 0; i < M2_SLICE; ++i) st[i] = h[i];
+        for (int i = 0; i < M2_SL; ++i) st[i * M2_Q] = h[i];
     }
 }
 

@@ -1,0 +1,508 @@
+//! Mamba-3 MIMO on the GPU (spec-MIMO §2, the maths in `super`'s module doc): one layer of a
+//! packed pass as launches — the in_proj, out_proj and GatedMLP products on cuBLASLt
+//! (model-dtype inputs, f32 outputs), and the mixer between them in `kernels/mimo.cu`:
+//! per-row preprocessing, the phases along each sequence, the chunk-parallel scan with the
+//! rank sums (local, carry, out), the state's last keys, the rank-combining gate. The LM
+//! around the layers is the engine's (`crate::engine::cuda::family`).
+
+use super::weights::{MimoDims, MimoWeights};
+use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
+use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
+use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
+use crate::error::{Error, Result};
+use crate::mixers::mamba1::cuda::{act_define, LM_ROWS};
+use crate::model::config::{AActivation, NORM_EPS};
+use crate::model::DType;
+
+pub const PROGRAM: Program = Program {
+    name: "Mamba-3 MIMO",
+    head: "",
+    sources: &[
+        DTYPES,
+        LM_ROWS,
+        ("mimo.cu", include_str!("kernels/mimo.cu")),
+        ("mimo_mma.cu", include_str!("kernels/mimo_mma.cu")),
+    ],
+    parts: &[0],
+};
+
+/// The lanes that hold one channel's state in the scan (`MIMO_Q`): the largest power of two
+/// ≤ 32 dividing `N/2` (so that the rotation pairs `(n, n + N/2)` meet in one lane). `None`
+/// for an odd `N`, or when a lane would hold over 64 entries.
+pub fn state_lanes(d_state: usize) -> Option<usize> {
+    if d_state < 2 || !d_state.is_multiple_of(2) {
+        return None;
+    }
+    let q = (0..=5)
+        .rev()
+        .map(|k| 1usize << k)
+        .find(|q| (d_state / 2).is_multiple_of(*q))?;
+    (d_state / q <= 64).then_some(q)
+}
+
+/// Whether a 16-bit model's prefill scan runs on tensor cores (`kernels/mimo_mma.cu`): P and
+/// N multiples of 16, and a chunk's tiles within the shared memory a block may take
+/// (227 KB on Hopper). f32 models keep the FMA scan, exact to f32 rounding.
+pub fn uses_tensor_cores(d: &MimoDims, dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+        && d.headdim.is_multiple_of(16)
+        && d.d_state.is_multiple_of(16)
+        && d.rank <= 16
+        && 64usize.is_multiple_of(d.rank)
+        && mma_smem_bytes(d) <= 227 * 1024
+}
+
+/// Rows of a tensor-core chunk: the chunk's (row, rank) pairs make the 64 rows of its tiles.
+fn mma_chunk_len(d: &MimoDims) -> usize {
+    64 / d.rank
+}
+
+/// The dynamic shared memory of a tensor-core chunk (`MimoTiles` in mimo_mma.cu).
+fn mma_smem_bytes(d: &MimoDims) -> usize {
+    let align = |b: usize| b.div_ceil(128) * 128;
+    let (n, p) = (d.d_state, d.headdim);
+    let (ldq, ldu, lds, ldm) = (n + 8, p + 8, (80 + 4).max(p + 4), 80 + 8);
+    let mut at = align(64 * ldq * 2);
+    at = align(at + 80 * ldq * 2);
+    at = align(at + 80 * ldu * 2);
+    at = align(at + 64 * lds * 4);
+    at = align(at + 64 * ldm * 2);
+    at = align(at + p * ldq * 2);
+    at + 3 * mma_chunk_len(d) * 4
+}
+
+/// The compile-time constants of a MIMO model's kernels; an error naming the size the scan
+/// cannot hold.
+pub fn kernel_config(d: &MimoDims, dtype: DType) -> Result<KernelConfig> {
+    let lanes = state_lanes(d.d_state).ok_or_else(|| {
+        Error::input(format!(
+            "d_state {}: the GPU MIMO scan needs an even d_state = s·2^k with 2s ≤ 64 (k ≤ 6)",
+            d.d_state
+        ))
+    })?;
+    if d.rank > 8 {
+        return Err(Error::input(format!(
+            "mimo_rank {}: the GPU MIMO scan holds at most 8 ranks per thread",
+            d.rank
+        )));
+    }
+    let mut k = KernelConfig { defines: vec![] };
+    k.set("ACT", act_define(dtype));
+    k.set("D_STATE", &d.d_state.to_string());
+    k.set("MIMO_R", &d.rank.to_string());
+    k.set("MIMO_Q", &lanes.to_string());
+    let mma = uses_tensor_cores(d, dtype);
+    k.set("MIMO_MMA", if mma { "1" } else { "0" });
+    k.set("MIMO_P", &d.headdim.to_string());
+    Ok(k)
+}
+
+/// Channels of a head per block of the scan: the largest divisor of `P` that keeps a block
+/// at ≤ 256 threads.
+fn channels_per_block(headdim: usize, lanes: usize) -> usize {
+    (1..=headdim.min(256 / lanes))
+        .rev()
+        .find(|c| headdim.is_multiple_of(*c))
+        .unwrap_or(1)
+}
+
+/// Rows per chunk of the FMA scan (the chunk states of a long pass are `H·P·N` floats each).
+fn fma_chunk_len(rows: usize) -> usize {
+    if rows <= 16384 {
+        64
+    } else {
+        256
+    }
+}
+
+/// The kernels' arguments (`MimoScan` in mimo.cu: the same fields in the same order).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MimoScan {
+    proj: u64,
+    ld: i32,
+    heads: i32,
+    headdim: i32,
+    groups: i32,
+    angles: i32,
+    x_off: i32,
+    b_off: i32,
+    dt_off: i32,
+    a_off: i32,
+    trap_off: i32,
+    ang_off: i32,
+    dt_bias: u64,
+    b_bias: u64,
+    c_bias: u64,
+    b_norm: u64,
+    c_norm: u64,
+    mimo_x: u64,
+    mimo_z: u64,
+    mimo_o: u64,
+    d_skip: u64,
+    out_norm: u64,
+    a_floor: f32,
+    a_softplus: i32,
+    eps: f32,
+    bcn: u64,
+    coef: u64,
+    cs: u64,
+    angle_off: i64,
+    ssm_off: i64,
+    k_off: i64,
+    v_off: i64,
+}
+
+crate::cuda::context::karg!(MimoScan);
+
+struct Mlp {
+    norm: DevBuf,
+    fc1: DevLinear,
+    fc2: DevLinear,
+}
+
+struct Layer {
+    in_proj: DevLinear,
+    dt_bias: DevBuf,
+    b_bias: DevBuf,
+    c_bias: DevBuf,
+    b_norm: DevBuf,
+    c_norm: DevBuf,
+    mimo_x: DevBuf,
+    mimo_z: DevBuf,
+    mimo_o: DevBuf,
+    d: DevBuf,
+    out_norm: Option<DevBuf>,
+    out_proj: DevLinear,
+    mlp: Option<Mlp>,
+}
+
+/// The tensor-core scan's two kernels and their shared memory.
+struct MmaKernels {
+    local: Kernel,
+    out: Kernel,
+    smem: u32,
+}
+
+struct Kernels {
+    mma: Option<MmaKernels>,
+    pre: Kernel,
+    phase: Kernel,
+    scan_local: Kernel,
+    scan_carry: Kernel,
+    scan_out: Kernel,
+    tail: Kernel,
+    gate: Kernel,
+    glu: Kernel,
+    rms_norm: Kernel,
+}
+
+/// A MIMO model's mixers (and GatedMLPs) on the device.
+pub struct GpuMimo {
+    d: MimoDims,
+    a_floor: f32,
+    a_softplus: bool,
+    lanes: usize,
+    channels: usize,
+    layers: Vec<Layer>,
+    k: Kernels,
+}
+
+struct Bufs {
+    proj: u64,
+    bcn: u64,
+    coef: u64,
+    cs: u64,
+    y: u64,
+    gated: u64,
+    h_chunk: u64,
+    a_sum: u64,
+    mlp_normed: u64,
+    mlp_vg: u64,
+    mlp_act: u64,
+}
+
+impl GpuMimo {
+    /// Upload the mixers of `w` and take their kernels from `module` (compiled from
+    /// [`PROGRAM`] with [`kernel_config`]).
+    pub fn upload(gpu: &Gpu, w: &MimoWeights, module: &Module) -> Result<GpuMimo> {
+        let d = w.dims;
+        let lanes = state_lanes(d.d_state).unwrap_or(1);
+        let dt = w.dtype;
+        let layers = w
+            .layers
+            .iter()
+            .map(|l| {
+                let mlp = l
+                    .mlp
+                    .as_ref()
+                    .map(|m| -> Result<Mlp> {
+                        Ok(Mlp {
+                            norm: gpu.upload(&m.norm)?,
+                            fc1: DevLinear::upload(gpu, &m.fc1, None, dt)?,
+                            fc2: DevLinear::upload(gpu, &m.fc2, None, dt)?,
+                        })
+                    })
+                    .transpose()?;
+                Ok(Layer {
+                    in_proj: DevLinear::upload(gpu, &l.in_proj, None, dt)?,
+                    dt_bias: gpu.upload(&l.dt_bias)?,
+                    b_bias: gpu.upload(&l.b_bias)?,
+                    c_bias: gpu.upload(&l.c_bias)?,
+                    b_norm: gpu.upload(&l.b_norm)?,
+                    c_norm: gpu.upload(&l.c_norm)?,
+                    mimo_x: gpu.upload(&l.mimo_x)?,
+                    mimo_z: gpu.upload(&l.mimo_z)?,
+                    mimo_o: gpu.upload(&l.mimo_o)?,
+                    d: gpu.upload(&l.d)?,
+                    out_norm: upload_opt(gpu, l.out_norm.as_deref())?,
+                    out_proj: DevLinear::upload(gpu, &l.out_proj, None, dt)?,
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mma = if uses_tensor_cores(&d, dt) {
+            let smem = mma_smem_bytes(&d);
+            let (local, out) = (
+                module.kernel("mimo_mma_local")?,
+                module.kernel("mimo_mma_out")?,
+            );
+            local.allow_smem(smem)?;
+            out.allow_smem(smem)?;
+            Some(MmaKernels {
+                local,
+                out,
+                smem: smem as u32,
+            })
+        } else {
+            None
+        };
+        let k = Kernels {
+            mma,
+            pre: module.kernel("mimo_pre")?,
+            phase: module.kernel("mimo_phase")?,
+            scan_local: module.kernel("mimo_scan_local")?,
+            scan_carry: module.kernel("mimo_scan_carry")?,
+            scan_out: module.kernel("mimo_scan_out")?,
+            tail: module.kernel("mimo_tail")?,
+            gate: module.kernel("mimo_gate")?,
+            glu: module.kernel("mimo_glu")?,
+            rms_norm: module.kernel("fam_rms_norm")?,
+        };
+        Ok(GpuMimo {
+            d,
+            a_floor: w.config.ssm_cfg.a_floor as f32,
+            a_softplus: w.config.ssm_cfg.a_activation == AActivation::Softplus,
+            lanes,
+            channels: channels_per_block(d.headdim, lanes),
+            layers,
+            k,
+        })
+    }
+
+    fn carve(&self, c: &mut Carve, rows: usize, chunks: usize, act_bytes: usize) -> Bufs {
+        let d = &self.d;
+        let state = d.nheads * d.headdim * d.d_state;
+        Bufs {
+            proj: c.take(rows * d.d_in_proj, 4),
+            bcn: c.take(rows * 2 * d.bc_width(), 4),
+            coef: c.take(rows * d.nheads, 16),
+            cs: c.take((rows * d.nheads * d.num_rope_angles).max(1), 8),
+            y: c.take(rows * d.nheads * d.rank * d.headdim, 4),
+            gated: c.take(rows * d.d_inner, act_bytes),
+            h_chunk: c.take(chunks * state, 4),
+            a_sum: c.take(chunks * d.nheads, 4),
+            mlp_normed: c.take(rows * d.d_model * usize::from(d.mlp_hidden > 0), act_bytes),
+            mlp_vg: c.take(rows * 2 * d.mlp_hidden, 4),
+            mlp_act: c.take(rows * d.mlp_hidden, act_bytes),
+        }
+    }
+
+    pub fn scratch_bytes(&self, rows: usize, chunks: usize, act_bytes: usize) -> usize {
+        let mut c = Carve::new(0);
+        self.carve(&mut c, rows, chunks, act_bytes);
+        c.used()
+    }
+
+    /// Rows per chunk of a pass of `rows` rows: the tensor-core chunk of 64/R rows for
+    /// 16-bit models, else the FMA scan's.
+    pub fn chunk_len(&self, rows: usize) -> usize {
+        match self.k.mma {
+            Some(_) => mma_chunk_len(&self.d),
+            None => fma_chunk_len(rows),
+        }
+    }
+
+    /// Floats of one layer's state (`angle [H,S]`, `ssm [H,P,N]`, `k [R,H,N]`, `v [H,P]`).
+    pub fn state_floats(&self) -> usize {
+        self.d.state_elems_per_layer()
+    }
+
+    fn args(&self, w: &Layer, run: &LayerRun, b: &Bufs) -> MimoScan {
+        let d = &self.d;
+        let (h, p, n, r, s) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
+        let angle_off = run.state_off;
+        let ssm_off = angle_off + h * s;
+        let k_off = ssm_off + h * p * n;
+        let v_off = k_off + r * h * n;
+        MimoScan {
+            proj: b.proj,
+            ld: d.d_in_proj as i32,
+            heads: h as i32,
+            headdim: p as i32,
+            groups: d.ngroups as i32,
+            angles: s as i32,
+            x_off: d.x_off() as i32,
+            b_off: d.b_off() as i32,
+            dt_off: d.dt_off() as i32,
+            a_off: d.a_off() as i32,
+            trap_off: d.trap_off() as i32,
+            ang_off: d.angle_off() as i32,
+            dt_bias: w.dt_bias.ptr,
+            b_bias: w.b_bias.ptr,
+            c_bias: w.c_bias.ptr,
+            b_norm: w.b_norm.ptr,
+            c_norm: w.c_norm.ptr,
+            mimo_x: w.mimo_x.ptr,
+            mimo_z: w.mimo_z.ptr,
+            mimo_o: w.mimo_o.ptr,
+            d_skip: w.d.ptr,
+            out_norm: ptr_or_null(&w.out_norm),
+            a_floor: self.a_floor,
+            a_softplus: i32::from(self.a_softplus),
+            eps: NORM_EPS as f32,
+            bcn: b.bcn,
+            coef: b.coef,
+            cs: b.cs,
+            angle_off: angle_off as i64,
+            ssm_off: ssm_off as i64,
+            k_off: k_off as i64,
+            v_off: v_off as i64,
+        }
+    }
+
+    /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, the mixer's
+    /// output (and the GatedMLP's, when the block has one) added to `residual` (f32);
+    /// `scratch` holds [`Self::scratch_bytes`].
+    pub fn layer(
+        &self,
+        run: &LayerRun,
+        l: usize,
+        normed: u64,
+        residual: u64,
+        scratch: u64,
+    ) -> Result<()> {
+        let (gpu, pass, d) = (run.gpu, run.pass, &self.d);
+        let rows = pass.rows;
+        let w = &self.layers[l];
+        let b = self.carve(&mut Carve::new(scratch), rows, pass.chunks, run.act.size());
+        let grid_rows = (rows as u32, 1, 1);
+        let p = self.args(w, run, &b);
+        let (seq_row0, seq_len, seq_state) = (
+            pass.at(Table::SeqRow0),
+            pass.at(Table::SeqLen),
+            pass.at(Table::SeqState),
+        );
+        let (chunk_row0, chunk_len, chunk_seq) = (
+            pass.at(Table::ChunkRow0),
+            pass.at(Table::ChunkLen),
+            pass.at(Table::ChunkSeq),
+        );
+
+        w.in_proj.apply(run, normed, b.proj, false)?;
+        gpu.launch(&self.k.pre, grid_rows, 256, 0, false, &[&p])?;
+        let phases = d.nheads * d.num_rope_angles;
+        if phases > 0 {
+            let grid = (pass.seqs as u32, phases.div_ceil(128) as u32, 1);
+            let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
+            gpu.launch(&self.k.phase, grid, 128, 0, false, &args)?;
+        }
+        // `channels` channels of a head per block, `lanes` threads each; z spans the head
+        let block = (self.channels * self.lanes) as u32;
+        let z = (d.headdim / self.channels) as u32;
+        let heads = d.nheads as u32;
+        let direct = i32::from(pass.one_chunk_each);
+        if !pass.one_chunk_each {
+            let args: [&dyn KArg; 8] = [
+                &p,
+                &chunk_row0,
+                &chunk_len,
+                &chunk_seq,
+                &seq_row0,
+                &seq_state,
+                &b.h_chunk,
+                &b.a_sum,
+            ];
+            match &self.k.mma {
+                Some(m) => {
+                    let grid = (pass.chunks as u32, heads, 1);
+                    gpu.launch(&m.local, grid, 128, m.smem, false, &args)?;
+                }
+                None => {
+                    let grid = (pass.chunks as u32, heads, z);
+                    gpu.launch(&self.k.scan_local, grid, block, 0, false, &args)?;
+                }
+            }
+            let per_head = d.headdim * d.d_state;
+            let grid = (pass.seqs as u32 * heads, per_head.div_ceil(256) as u32, 1);
+            let (c0, nc) = (pass.at(Table::SeqChunk0), pass.seq_nchunks());
+            let args: [&dyn KArg; 6] = [&p, &c0, &nc, &seq_state, &b.h_chunk, &b.a_sum];
+            gpu.launch(&self.k.scan_carry, grid, 256, 0, false, &args)?;
+        }
+        match &self.k.mma {
+            // a pass of single-chunk sequences (decode) runs the FMA scan in place
+            Some(m) if !pass.one_chunk_each => {
+                let args: [&dyn KArg; 8] = [
+                    &p,
+                    &chunk_row0,
+                    &chunk_len,
+                    &chunk_seq,
+                    &seq_row0,
+                    &seq_state,
+                    &b.h_chunk,
+                    &b.y,
+                ];
+                let grid = (pass.chunks as u32, heads, 1);
+                gpu.launch(&m.out, grid, 128, m.smem, false, &args)?;
+            }
+            _ => {
+                let args: [&dyn KArg; 9] = [
+                    &p,
+                    &chunk_row0,
+                    &chunk_len,
+                    &chunk_seq,
+                    &seq_row0,
+                    &seq_state,
+                    &b.h_chunk,
+                    &direct,
+                    &b.y,
+                ];
+                let grid = (pass.chunks as u32, heads, z);
+                gpu.launch(&self.k.scan_out, grid, block, 0, false, &args)?;
+            }
+        }
+        let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
+        gpu.launch(&self.k.tail, (pass.seqs as u32, 1, 1), 256, 0, false, &args)?;
+        gpu.launch(
+            &self.k.gate,
+            grid_rows,
+            256,
+            0,
+            false,
+            &[&p, &b.y, &b.gated],
+        )?;
+        w.out_proj.apply(run, b.gated, residual, true)?;
+
+        if let Some(m) = &w.mlp {
+            let (no_rows, dm, eps) = (0u64, d.d_model as i32, NORM_EPS as f32);
+            let args: [&dyn KArg; 6] = [&residual, &no_rows, &m.norm.ptr, &b.mlp_normed, &dm, &eps];
+            gpu.launch(&self.k.rms_norm, grid_rows, 256, 0, false, &args)?;
+            m.fc1.apply(run, b.mlp_normed, b.mlp_vg, false)?;
+            let width = d.mlp_hidden as i32;
+            let args: [&dyn KArg; 3] = [&b.mlp_vg, &width, &b.mlp_act];
+            gpu.launch(&self.k.glu, grid_rows, 256, 0, false, &args)?;
+            m.fc2.apply(run, b.mlp_act, residual, true)?;
+        }
+        Ok(())
+    }
+}
