@@ -36,6 +36,7 @@
 
 pub mod prefill;
 pub mod reference;
+pub mod train;
 pub mod weights;
 
 #[cfg(test)]
