@@ -195,9 +195,12 @@ fn head_backward<F: Real>(
                         &s_t[p * n_n..(p + 1) * n_n],
                         &mut ds[p * n_n..(p + 1) * n_n],
                     );
-                    for n in 0..n_n {
-                        dsrow[n] = dsrow[n] + dyp * qr[n];
-                        dqr[n] = dqr[n] + srow[n] * dyp;
+                    // Zipped slices: no bounds checks, so the loops vectorise.
+                    for (((ds, dq), &q), &s) in
+                        dsrow.iter_mut().zip(dqr.iter_mut()).zip(qr).zip(srow)
+                    {
+                        *ds = *ds + dyp * q;
+                        *dq = *dq + s * dyp;
                     }
                     g.dd = g.dd + dyp * u[t * rp + r * p_n + p];
                     du[t * rp + r * p_n + p] = du[t * rp + r * p_n + p] + dh * dyp;
@@ -219,8 +222,8 @@ fn head_backward<F: Real>(
                         let dsrow = &ds[p * n_n..(p + 1) * n_n];
                         v[p] = dsrow.iter().zip(kr).map(|(&a, &b)| a * b).sum();
                         let wu = w * ur[p];
-                        for n in 0..n_n {
-                            dkr[n] = dkr[n] + wu * dsrow[n];
+                        for (dk, &ds) in dkr.iter_mut().zip(dsrow) {
+                            *dk = *dk + wu * ds;
                         }
                         acc = acc + ur[p] * v[p];
                         du[tk * rp + r * p_n + p] = du[tk * rp + r * p_n + p] + w * v[p];

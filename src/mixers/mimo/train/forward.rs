@@ -176,17 +176,18 @@ pub(super) fn advance<F: Real>(
         for p in 0..p_n {
             let wg = gamma * x[p] * ps[p];
             let row = &mut s[p * n_n..(p + 1) * n_n];
+            // Zipped slices: no bounds checks, so the loops vectorise.
             match prev {
                 Some((xprev, kprev)) => {
                     let wb = beta * xprev[p] * ps[p];
                     let kp = &kprev[r * n_n..(r + 1) * n_n];
-                    for n in 0..n_n {
-                        row[n] = row[n] + wb * kp[n] + wg * kr[n];
+                    for ((v, &a), &b) in row.iter_mut().zip(kp).zip(kr) {
+                        *v = *v + wb * a + wg * b;
                     }
                 }
                 None => {
-                    for n in 0..n_n {
-                        row[n] = row[n] + wg * kr[n];
+                    for (v, &b) in row.iter_mut().zip(kr) {
+                        *v = *v + wg * b;
                     }
                 }
             }
