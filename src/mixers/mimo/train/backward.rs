@@ -110,8 +110,7 @@ fn head_backward<F: Real>(
     rs: &RowSaved<F>,
     hs: &HeadSaved<F>,
     d_o: &[F],
-    b: usize,
-    h: usize,
+    (b, h): (usize, usize),
 ) -> HeadGrad<F> {
     let d = &sh.d;
     let (h_n, p_n, n_n, r_n, s_n, t_n) = (
@@ -352,7 +351,7 @@ pub fn mimo_mixer_backward<F: Real>(
         .heads
         .par_iter()
         .enumerate()
-        .map(|(j, hs)| head_backward(sh, lp, proj, rs, hs, d_o, j / h_n, j % h_n))
+        .map(|(j, hs)| head_backward(sh, lp, proj, rs, hs, d_o, (j / h_n, j % h_n)))
         .collect();
     dproj.iter_mut().for_each(|v| *v = F::zero());
     let a_floor = F::from_f(sh.a_floor);

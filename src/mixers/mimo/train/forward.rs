@@ -128,9 +128,7 @@ pub(super) fn biased_kq<F: Real>(
     sh: &MimoShape,
     lp: &LayerParams<F>,
     rs: &RowSaved<F>,
-    row: usize,
-    h: usize,
-    r: usize,
+    (row, h, r): (usize, usize, usize),
     k: &mut [F],
     q: &mut [F],
 ) {
@@ -156,7 +154,6 @@ pub(super) fn abg<F: Real>(rs: &RowSaved<F>, i: usize) -> (F, F, F) {
 /// One token's state update of head `h` (spec-MIMO §2.6), in place on `s` (`[P, N]`):
 /// `s ← α·s + Σ_r [β·outer(x⁻ ⊙ ψ_r, k̃⁻_r) + γ·outer(x ⊙ ψ_r, k̃_r)]`; `prev` is `None`
 /// at the first token of a window (no previous-token term).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn advance<F: Real>(
     sh: &MimoShape,
     psi: &[F],
@@ -285,7 +282,7 @@ fn head_forward<F: Real>(
         for r in 0..r_n {
             let kr = &mut hs.k[t * rk + r * n_n..][..n_n];
             let qr = &mut hs.q[t * rk + r * n_n..][..n_n];
-            biased_kq(sh, lp, rs, row, h, r, kr, qr);
+            biased_kq(sh, lp, rs, (row, h, r), kr, qr);
             rotate_half(kr, cos, sin);
             rotate_half(qr, cos, sin);
         }
