@@ -26,6 +26,7 @@
 use super::forward::{abg, advance, head_of, rank_params, HeadSaved, MimoSaved, RowSaved};
 use super::MimoShape;
 use crate::cpu::math::{heavy_tail, sigmoid, silu, softplus};
+use crate::cpu::matmul::dot;
 use crate::cpu::ops::{rms_bwd, rms_fwd, silu_grad};
 use crate::cpu::Real;
 use crate::mixers::mamba3::params::LayerParams;
@@ -219,7 +220,7 @@ fn head_backward<F: Real>(
                     let dkr = &mut dkt[tk * rk + r * n_n..][..n_n];
                     for p in 0..p_n {
                         let dsrow = &ds[p * n_n..(p + 1) * n_n];
-                        v[p] = dsrow.iter().zip(kr).map(|(&a, &b)| a * b).sum();
+                        v[p] = dot::<F, F, false>(dsrow, kr);
                         let wu = w * ur[p];
                         for (dk, &ds) in dkr.iter_mut().zip(dsrow) {
                             *dk = *dk + wu * ds;
@@ -234,7 +235,7 @@ fn head_backward<F: Real>(
                     dbeta = acc;
                 }
             }
-            let dalpha: F = ds.iter().zip(s_prev).map(|(&a, &b)| a * b).sum();
+            let dalpha = dot::<F, F, false>(&ds, s_prev);
             ds.iter_mut().for_each(|x| *x = *x * alpha);
             let (delta, lambda, aval) = (rs.delta[i], rs.lambda[i], rs.aval[i]);
             // α = e^{AΔ}, β = αΔ(1 − λ), γ = λΔ.

@@ -14,6 +14,7 @@
 
 use super::MimoShape;
 use crate::cpu::math::{a_value, sigmoid, silu, softplus, wrap_angle};
+use crate::cpu::matmul::dot;
 use crate::cpu::ops::rms_fwd;
 use crate::cpu::Real;
 use crate::mixers::mamba3::params::{LayerParams, MimoRankParams};
@@ -296,11 +297,7 @@ fn head_forward<F: Real>(
         for r in 0..r_n {
             let qr = &hs.q[t * rk + r * n_n..][..n_n];
             for p in 0..p_n {
-                let acc: F = s[p * n_n..(p + 1) * n_n]
-                    .iter()
-                    .zip(qr)
-                    .map(|(&a, &b)| a * b)
-                    .sum();
+                let acc = dot::<F, F, false>(&s[p * n_n..(p + 1) * n_n], qr);
                 hs.y[t * rp + r * p_n + p] = acc + dh * x[p] * psi[r * p_n + p];
             }
         }
