@@ -113,7 +113,6 @@ impl LayerMixer {
 
     /// Gradient of `proj` into `dproj` (overwritten) from that of the mixer's output
     /// `d_o`; the mixer's parameter gradients added into `grad`.
-    #[allow(clippy::too_many_arguments)]
     fn backward<F: Real>(
         &self,
         lp: &LayerParams<F>,

@@ -204,13 +204,21 @@ pub(super) fn combine<F: Real>(
 ) {
     let p_n = z.len();
     o.iter_mut().for_each(|v| *v = F::zero());
-    let mut normed = vec![F::zero(); p_n];
+    // Called per (token, head): no allocation for usual head sizes.
+    let mut stack = [F::zero(); 256];
+    let mut heap;
+    let normed: &mut [F] = if p_n <= stack.len() {
+        &mut stack[..p_n]
+    } else {
+        heap = vec![F::zero(); p_n];
+        &mut heap
+    };
     for r in 0..y.len() / p_n {
         let yr = &y[r * p_n..(r + 1) * p_n];
         let g: &[F] = match w_norm {
             Some(w) => {
-                rms_fwd(yr, w, &mut normed);
-                &normed
+                rms_fwd(yr, w, normed);
+                normed
             }
             None => yr,
         };
