@@ -117,3 +117,85 @@ fn mimo_resume_equals_the_unbroken_run() {
     assert_eq!(second.opt.m, full.opt.m);
     assert_eq!(second.opt.v, full.opt.v);
 }
+
+/// The command line end to end: `mamba3 train --mimo-rank 2`, `--resume`, then
+/// `mamba3 logits` on the checkpoint.
+#[test]
+fn mimo_train_resume_and_logits_commands() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d.txt");
+    std::fs::write(&data, text()).unwrap();
+    let out = tmp.path().join("run");
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_mamba3"))
+            .env_remove("MAMBA3_TIMELINE")
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "mamba3 {args:?}: {err}");
+        err
+    };
+    let (d, o) = (data.to_str().unwrap(), out.to_str().unwrap());
+    let log = run(&[
+        "train",
+        "--data",
+        d,
+        "--out",
+        o,
+        "--mimo-rank",
+        "2",
+        "--d-model",
+        "32",
+        "--n-layer",
+        "1",
+        "--d-state",
+        "16",
+        "--headdim",
+        "16",
+        "--chunk-size",
+        "8",
+        "--batch",
+        "2",
+        "--seq-len",
+        "20",
+        "--steps",
+        "2",
+        "--eval-windows",
+        "2",
+        "--threads",
+        "1",
+    ]);
+    assert!(log.contains("MIMO rank 2"), "{log}");
+    let log = run(&[
+        "train",
+        "--resume",
+        "--out",
+        o,
+        "--steps",
+        "3",
+        "--threads",
+        "1",
+    ]);
+    assert!(log.contains("from step 2"), "{log}");
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["ssm_cfg"]["is_mimo"], true);
+    assert_eq!(cfg["ssm_cfg"]["mimo_rank"], 2);
+    let t: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("trainer.json")).unwrap()).unwrap();
+    assert_eq!(t["progress"]["step"], 3);
+    let logits = tmp.path().join("l.safetensors");
+    run(&[
+        "logits",
+        "--model",
+        o,
+        "--input-ids",
+        "[72, 101, 108, 108, 111]",
+        "--out",
+        logits.to_str().unwrap(),
+    ]);
+    let f = mamba3::model::tensor_file::TensorFile::open(&logits).unwrap();
+    let l = f.get("logits").expect("a logits tensor");
+    assert_eq!(l.shape[0], 5, "one row per input token");
+}
