@@ -1,9 +1,12 @@
 //! `mamba3 bench-train`: the wall time of one optimiser step (forward, backward, global-norm
 //! clipping, AdamW) on a synthetic model of a given shape, with random byte tokens, on the
-//! CPU or a GPU. Median over the timed steps, warm-up excluded.
+//! CPU or a GPU (a MIMO model, `--mimo-rank R`, on the CPU only). Median over the timed
+//! steps, warm-up excluded.
 
+use crate::cli::train::MAX_MIMO_RANK;
 use crate::engine::{Device, DeviceChoice};
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::params::validate_trainable;
 use crate::model::rng::Rng;
 use crate::model::{Config, DType};
 use crate::train::optim::{AdamW, AdamWConfig};
@@ -26,6 +29,9 @@ pub struct Args {
     pub vocab: usize,
     #[arg(long, default_value_t = 64)]
     pub chunk: usize,
+    /// Time a Mamba-3 MIMO model of this rank instead of SISO (CPU only).
+    #[arg(long)]
+    pub mimo_rank: Option<usize>,
     /// Sequences per step.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
@@ -62,8 +68,24 @@ pub fn run(a: Args) -> Result<()> {
         a.d_model, a.layers, a.d_state, a.headdim, a.expand, 1, a.vocab,
     );
     cfg.ssm_cfg.chunk_size = a.chunk;
-    cfg.validate()?;
-    match a.device.resolve() {
+    if let Some(r) = a.mimo_rank {
+        if !(1..=MAX_MIMO_RANK).contains(&r) {
+            return Err(Error::input(format!(
+                "--mimo-rank {r}: expected a rank from 1 to {MAX_MIMO_RANK}"
+            )));
+        }
+        cfg.ssm_cfg.is_mimo = true;
+        cfg.ssm_cfg.mimo_rank = r;
+    }
+    validate_trainable(&cfg)?;
+    let device = a.device.resolve();
+    if a.mimo_rank.is_some() && device != Device::Cpu {
+        return Err(Error::input(
+            "--mimo-rank: MIMO training runs on the CPU only (no GPU MIMO backward yet); use \
+             --device cpu",
+        ));
+    }
+    match device {
         Device::Cpu => {
             if a.dtype != DType::F32 {
                 return Err(Error::input("the CPU trains in f32 only"));
@@ -117,6 +139,7 @@ fn bench<B: Backend>(a: &Args, cfg: &Config, mut backend: B, device: String) -> 
             serde_json::json!({
                 "device": device, "dtype": a.dtype.to_string(), "d_model": a.d_model,
                 "layers": a.layers, "d_state": a.d_state, "headdim": a.headdim,
+                "mimo_rank": a.mimo_rank,
                 "vocab": a.vocab, "batch": a.batch, "seq_len": a.seq_len,
                 "params": params.numel(), "steps": times.len(),
                 "step_ms": med * 1e3, "step_ms_min": times[0] * 1e3,
@@ -125,9 +148,13 @@ fn bench<B: Backend>(a: &Args, cfg: &Config, mut backend: B, device: String) -> 
             })
         );
     } else {
+        let mixer = a
+            .mimo_rank
+            .map_or("SISO".into(), |r| format!("MIMO rank {r}"));
         println!(
-            "train step on {device} ({}), d_model {} · {} layers · d_state {} · headdim {} · \
-             {} × {} tokens: median {:.2} ms (min {:.2}, max {:.2}) over {} steps, {:.0} tokens/s",
+            "train step on {device} ({}), {mixer} · d_model {} · {} layers · d_state {} · \
+             headdim {} · {} × {} tokens: median {:.2} ms (min {:.2}, max {:.2}) over {} steps, \
+             {:.0} tokens/s",
             a.dtype,
             a.d_model,
             a.layers,

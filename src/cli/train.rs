@@ -1,9 +1,11 @@
-//! `mamba3 train`: train a Mamba-3 SISO language model on text files (bytes, a BPE
-//! trained on the text, or a given tokenizer.json), with a progress bar, validation loss,
-//! checkpoints (resumable) and a loss plot.
+//! `mamba3 train`: train a Mamba-3 language model — SISO, or MIMO with `--mimo-rank R`
+//! (CPU only) — on text files (bytes, a BPE trained on the text, or a given
+//! tokenizer.json), with a progress bar, validation loss, checkpoints (resumable) and a
+//! loss plot.
 
 use crate::engine::{Device, DeviceChoice};
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::params::validate_trainable;
 use crate::model::config::Config;
 use crate::model::DType;
 use crate::train::data::{read_text, Dataset};
@@ -59,6 +61,10 @@ pub struct Args {
     /// Gated RMSNorm before out_proj.
     #[arg(long)]
     pub outproj_norm: bool,
+    /// Train a Mamba-3 MIMO model of this rank (1..=64; the official kernels use 1, 2, 4
+    /// or 8) instead of SISO. CPU only.
+    #[arg(long)]
+    pub mimo_rank: Option<usize>,
     /// Separate lm_head instead of the tied embedding.
     #[arg(long)]
     pub untied: bool,
@@ -130,7 +136,11 @@ fn model_config(a: &Args, vocab_size: usize) -> Result<Config> {
     c.ssm_cfg.chunk_size = a.chunk_size;
     c.ssm_cfg.rope_fraction = a.rope_fraction;
     c.ssm_cfg.is_outproj_norm = a.outproj_norm;
-    c.validate()?;
+    if let Some(r) = a.mimo_rank {
+        c.ssm_cfg.is_mimo = true;
+        c.ssm_cfg.mimo_rank = r;
+    }
+    validate_trainable(&c)?;
     Ok(c)
 }
 
@@ -228,6 +238,10 @@ fn fresh_run(a: &Args) -> Result<(RunConfig, Dataset)> {
     Ok((run, data))
 }
 
+/// The largest `--mimo-rank` taken: far past any published model, small enough that a
+/// typo cannot ask for a model R times too large to hold.
+pub const MAX_MIMO_RANK: usize = 64;
+
 /// Numbers that would make a run fail late, loop forever or diverge at once, refused
 /// before any work.
 fn check_numbers(a: &Args) -> Result<()> {
@@ -258,6 +272,17 @@ fn check_numbers(a: &Args) -> Result<()> {
     for (flag, v) in [("--weight-decay", a.weight_decay), ("--clip", a.clip)] {
         if !(v.is_finite() && v >= 0.0) {
             return bad(flag, v.to_string(), "a finite number, 0 or more");
+        }
+    }
+    if let Some(r) = a.mimo_rank {
+        if !(1..=MAX_MIMO_RANK).contains(&r) {
+            return bad(
+                "--mimo-rank",
+                r.to_string(),
+                &format!(
+                    "a rank from 1 to {MAX_MIMO_RANK} (the official kernels use 1, 2, 4 or 8)"
+                ),
+            );
         }
     }
     if let Some(s) = a.max_seconds {
@@ -296,6 +321,30 @@ pub fn run(a: Args) -> Result<()> {
             "--out {}: that is a file, expected a folder",
             a.out.display()
         )));
+    }
+    // A resumed run keeps its mixer; --mimo-rank may only repeat it.
+    let mimo = if a.resume {
+        let saved = &crate::train::trainer::saved_run(&a.out)?.model.ssm_cfg;
+        let saved_rank = saved.is_mimo.then_some(saved.mimo_rank);
+        if a.mimo_rank.is_some() && a.mimo_rank != saved_rank {
+            return Err(Error::input(format!(
+                "--mimo-rank {}: the run in {} trains {}; a resumed run keeps its model",
+                a.mimo_rank.unwrap_or(0),
+                a.out.display(),
+                saved_rank.map_or("a SISO model".into(), |r| format!(
+                    "a MIMO model of rank {r}"
+                ))
+            )));
+        }
+        saved.is_mimo
+    } else {
+        a.mimo_rank.is_some()
+    };
+    if mimo && device != Device::Cpu {
+        return Err(Error::input(
+            "training a MIMO model (--mimo-rank) runs on the CPU only: the GPU has no MIMO \
+             backward yet; use --device cpu",
+        ));
     }
     let fresh = if a.resume {
         if a.tokenizer != "byte" || a.vocab_size.is_some() {
@@ -342,8 +391,13 @@ fn train_with<B: Backend>(a: Args, fresh: Option<(RunConfig, Dataset)>, backend:
         }
     };
     let r = &trainer.run;
+    let mixer = if r.model.ssm_cfg.is_mimo {
+        format!("MIMO rank {}", r.model.ssm_cfg.mimo_rank)
+    } else {
+        "SISO".into()
+    };
     eprintln!(
-        "training {} parameters ({} layers, d_model {}, d_state {}, headdim {}) on {}: \
+        "training {} parameters ({mixer}, {} layers, d_model {}, d_state {}, headdim {}) on {}: \
          {} steps × {} × {} × {} tokens ({} tokenizer, vocabulary {}), from step {}",
         trainer.params.numel(),
         r.model.n_layer,

@@ -1,8 +1,9 @@
 //! Training: the Mamba-3 language model's backward on the CPU, AdamW, checkpoints with the
 //! optimiser state, and the `mamba3 train` loop.
 //!
-//! The trainable tensors (`crate::mixers::mamba3::params`) and the mixer's chunked
-//! training forward and exact backward (`crate::mixers::mamba3::train`) live with the mixer.
+//! The trainable tensors (`crate::mixers::mamba3::params`, SISO or MIMO) and the mixer's
+//! training forward and exact backward live with the mixer: `crate::mixers::mamba3::train`
+//! (SISO, chunked) and `crate::mixers::mimo::train` (MIMO, CPU only).
 //! - [`model`]: the LM forward that keeps activations, the cross-entropy loss and the
 //!   backward through every layer.
 //! - [`backend`]: the [`backend::Backend`] trait the trainer calls; the CPU implements it,

@@ -11,15 +11,20 @@
 //! ```
 //!
 //! which is the official fused add-norm of spec §2.7 written without the `(hs, res)` pair.
-//! The backward walks the same list in reverse; the mixer's part is in [`crate::mixers::mamba3::train::forward`].
+//! The backward walks the same list in reverse; the mixer's part is in
+//! [`crate::mixers::mamba3::train::forward`] (SISO) or [`crate::mixers::mimo::train`]
+//! (MIMO, `ssm_cfg.is_mimo`) — [`LayerMixer`] is the one place that chooses.
 
 use crate::cpu::math::silu;
 use crate::cpu::ops::{linear, linear_dw, linear_dx, rms_bwd, rms_fwd, silu_grad};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
-use crate::mixers::mamba3::params::{LayerParams, Params};
+use crate::mixers::mamba3::params::{param_dims, LayerParams, Params};
 use crate::mixers::mamba3::train::backward::mixer_backward;
 use crate::mixers::mamba3::train::forward::{mixer_forward, MixerSaved, MixerShape};
+use crate::mixers::mimo::train::{mimo_mixer_backward, mimo_mixer_forward, MimoSaved, MimoShape};
+use crate::mixers::mimo::weights::mimo_dims;
+use crate::model::config::Config;
 use crate::model::dtype::Element;
 use crate::model::Dims;
 use rayon::prelude::*;
@@ -55,12 +60,86 @@ impl Batch {
     }
 }
 
+/// The mixer of every layer of a model, SISO or MIMO: the one place the LM chooses.
+enum LayerMixer {
+    Siso(MixerShape),
+    Mimo(MimoShape),
+}
+
+/// What a layer's mixer kept for its backward.
+enum MixerRun<F> {
+    Siso(MixerSaved<F>),
+    Mimo(MimoSaved<F>),
+}
+
+impl<F> MixerRun<F> {
+    /// The mixer's output `[rows, D_i]`, the input of `out_proj`.
+    fn o(&self) -> &[F] {
+        match self {
+            MixerRun::Siso(s) => &s.o,
+            MixerRun::Mimo(s) => &s.o,
+        }
+    }
+}
+
+impl LayerMixer {
+    fn of(cfg: &Config, batch: &Batch) -> LayerMixer {
+        let s = &cfg.ssm_cfg;
+        if s.is_mimo {
+            LayerMixer::Mimo(MimoShape {
+                d: mimo_dims(cfg),
+                a_floor: s.a_floor,
+                a_act: s.a_activation,
+                batch: batch.batch,
+                seq_len: batch.seq_len,
+            })
+        } else {
+            LayerMixer::Siso(MixerShape {
+                d: cfg.dims(),
+                a_floor: s.a_floor,
+                a_act: s.a_activation,
+                batch: batch.batch,
+                seq_len: batch.seq_len,
+            })
+        }
+    }
+
+    fn forward<F: Real>(&self, lp: &LayerParams<F>, proj: &[F]) -> MixerRun<F> {
+        match self {
+            LayerMixer::Siso(sh) => MixerRun::Siso(mixer_forward(sh, lp, proj)),
+            LayerMixer::Mimo(sh) => MixerRun::Mimo(mimo_mixer_forward(sh, lp, proj)),
+        }
+    }
+
+    /// Gradient of `proj` into `dproj` (overwritten) from that of the mixer's output
+    /// `d_o`; the mixer's parameter gradients added into `grad`.
+    fn backward<F: Real>(
+        &self,
+        lp: &LayerParams<F>,
+        proj: &[F],
+        saved: &MixerRun<F>,
+        d_o: &[F],
+        dproj: &mut [F],
+        grad: &mut LayerParams<F>,
+    ) {
+        match (self, saved) {
+            (LayerMixer::Siso(sh), MixerRun::Siso(sv)) => {
+                mixer_backward(sh, lp, proj, sv, d_o, dproj, grad)
+            }
+            (LayerMixer::Mimo(sh), MixerRun::Mimo(sv)) => {
+                mimo_mixer_backward(sh, lp, proj, sv, d_o, dproj, grad)
+            }
+            _ => unreachable!("a layer's saved activations come from its own mixer"),
+        }
+    }
+}
+
 struct LayerSaved<F> {
     r_in: Vec<F>,
     n: Vec<F>,
     rn: Vec<F>,
     proj: Vec<F>,
-    mixer: MixerSaved<F>,
+    mixer: MixerRun<F>,
     mlp: Option<MlpSaved<F>>,
 }
 
@@ -128,26 +207,19 @@ pub fn check_batch(d: &Dims, b: &Batch) -> Result<()> {
     Ok(())
 }
 
-/// Mean cross-entropy (nats per token) of `batch` under `p`; with `grad`, also adds the
-/// gradient of that mean loss to `grad`.
-pub fn loss_and_grad<F: Real>(
-    p: &Params<F>,
-    batch: &Batch,
-    grad: Option<&mut Params<F>>,
-) -> Result<f64> {
-    check_batch(&p.config.dims(), batch)?;
-    let cfg = &p.config;
-    let d = cfg.dims();
-    let th = rayon::current_num_threads();
+/// The forward with its saved activations: per layer, the final residual `r`, its norm
+/// `nf` with RMS factors `rf`, and the logits `[rows, vocab_padded]`.
+struct Forward<F> {
+    saved: Vec<LayerSaved<F>>,
+    r: Vec<F>,
+    nf: Vec<F>,
+    rf: Vec<F>,
+    logits: Vec<F>,
+}
+
+fn forward<F: Real>(p: &Params<F>, batch: &Batch, mixer: &LayerMixer, th: usize) -> Forward<F> {
+    let d = param_dims(&p.config);
     let (dm, rows, vp) = (d.d_model, batch.tokens(), d.vocab_padded);
-    let sh = MixerShape {
-        d,
-        a_floor: cfg.ssm_cfg.a_floor,
-        a_act: cfg.ssm_cfg.a_activation,
-        batch: batch.batch,
-        seq_len: batch.seq_len,
-    };
-    // Forward.
     let mut r = vec![F::zero(); rows * dm];
     for (row, &t) in r.chunks_mut(dm).zip(&batch.inputs) {
         row.copy_from_slice(&p.embedding[t as usize * dm..(t as usize + 1) * dm]);
@@ -158,9 +230,9 @@ pub fn loss_and_grad<F: Real>(
         let (n, rn) = norm_rows(&r, &lp.norm, dm);
         let mut proj = vec![F::zero(); rows * d.d_in_proj];
         linear(&n, rows, &lp.in_proj, d.d_in_proj, dm, &mut proj, th);
-        let mixer = mixer_forward(&sh, lp, &proj);
+        let mixer = mixer.forward(lp, &proj);
         let mut out = vec![F::zero(); rows * dm];
-        linear(&mixer.o, rows, &lp.out_proj, dm, d.d_inner, &mut out, th);
+        linear(mixer.o(), rows, &lp.out_proj, dm, d.d_inner, &mut out, th);
         r.iter_mut().zip(&out).for_each(|(a, &b)| *a = *a + b);
         let mlp = lp.mlp.as_ref().map(|mp| {
             let hid = d.mlp_hidden;
@@ -196,6 +268,42 @@ pub fn loss_and_grad<F: Real>(
     let (nf, rf) = norm_rows(&r, &p.norm_f, dm);
     let mut logits = vec![F::zero(); rows * vp];
     linear(&nf, rows, p.head(), vp, dm, &mut logits, th);
+    Forward {
+        saved,
+        r,
+        nf,
+        rf,
+        logits,
+    }
+}
+
+/// The training forward's logits of `batch` (`[tokens, vocab_padded]`, windows from a
+/// zero state), for checks against the inference paths.
+pub fn logits<F: Real>(p: &Params<F>, batch: &Batch) -> Result<Vec<F>> {
+    check_batch(&param_dims(&p.config), batch)?;
+    let mixer = LayerMixer::of(&p.config, batch);
+    Ok(forward(p, batch, &mixer, rayon::current_num_threads()).logits)
+}
+
+/// Mean cross-entropy (nats per token) of `batch` under `p`; with `grad`, also adds the
+/// gradient of that mean loss to `grad`.
+pub fn loss_and_grad<F: Real>(
+    p: &Params<F>,
+    batch: &Batch,
+    grad: Option<&mut Params<F>>,
+) -> Result<f64> {
+    let d = param_dims(&p.config);
+    check_batch(&d, batch)?;
+    let th = rayon::current_num_threads();
+    let (dm, rows, vp) = (d.d_model, batch.tokens(), d.vocab_padded);
+    let mixer = LayerMixer::of(&p.config, batch);
+    let Forward {
+        saved,
+        r,
+        nf,
+        rf,
+        mut logits,
+    } = forward(p, batch, &mixer, th);
     // Softmax cross-entropy; logits become dlogits in place.
     let inv = F::one() / F::from_f(rows as f64);
     let losses: Vec<f64> = logits
@@ -256,7 +364,9 @@ pub fn loss_and_grad<F: Real>(
             linear_dx(&dvg, &mp.fc1, rows, 2 * hid, dm, &mut dn, false, th);
             norm_rows_bwd(&ms.r_mid, &mp.norm, &ms.rn2, &dn, &mut dr, &mut gm.norm);
         }
-        mixer_layer_bwd(&sh, lp, gl, &s, &dr, &mut d_o, &mut dproj, th);
+        linear_dw(&dr, s.mixer.o(), rows, dm, d.d_inner, &mut gl.out_proj, th);
+        linear_dx(&dr, &lp.out_proj, rows, dm, d.d_inner, &mut d_o, false, th);
+        mixer.backward(lp, &s.proj, &s.mixer, &d_o, &mut dproj, gl);
         linear_dw(&dproj, &s.n, rows, d.d_in_proj, dm, &mut gl.in_proj, th);
         linear_dx(
             &dproj,
@@ -275,30 +385,4 @@ pub fn loss_and_grad<F: Real>(
         e.iter_mut().zip(row).for_each(|(a, &b)| *a = *a + b);
     }
     Ok(loss)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn mixer_layer_bwd<F: Real>(
-    sh: &MixerShape,
-    lp: &LayerParams<F>,
-    gl: &mut LayerParams<F>,
-    s: &LayerSaved<F>,
-    dr: &[F],
-    d_o: &mut [F],
-    dproj: &mut [F],
-    th: usize,
-) {
-    let d = &sh.d;
-    let rows = sh.batch * sh.seq_len;
-    linear_dw(
-        dr,
-        &s.mixer.o,
-        rows,
-        d.d_model,
-        d.d_inner,
-        &mut gl.out_proj,
-        th,
-    );
-    linear_dx(dr, &lp.out_proj, rows, d.d_model, d.d_inner, d_o, false, th);
-    mixer_backward(sh, lp, &s.proj, &s.mixer, d_o, dproj, gl);
 }

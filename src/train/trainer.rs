@@ -2,7 +2,7 @@
 //! checkpoints with the optimiser state, and resume.
 //!
 //! A checkpoint directory holds `config.json` + `model.safetensors` (the official layout,
-//! f32), `tokenizer.json` (the run's tokenizer, whichever it is), `optimizer.safetensors`
+//! f32, SISO or MIMO as the model is), `tokenizer.json` (the run's tokenizer, whichever it is), `optimizer.safetensors`
 //! (AdamW moments `m.<name>`, `v.<name>`), `trainer.json` (the run's settings, its step
 //! and loss history) and `loss.csv`. A run resumed from it re-tokenizes its text with that
 //! `tokenizer.json` (a BPE is never trained again) and takes the same batches and the
@@ -20,7 +20,6 @@ use crate::mixers::mamba3::params::Params;
 use crate::model::config::Config;
 use crate::model::dtype::DType;
 use crate::model::tensor_file::{write_safetensors, RawTensor, TensorFile};
-use crate::model::weights::Weights;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -191,8 +190,7 @@ impl<B: Backend> Trainer<B> {
             }
         };
         check_tokenizer(&file.run, &data.tokenizer)?;
-        let w = Weights::load(dir, DType::F32)?;
-        let params = Params::<f32>::from_weights(&w);
+        let params = Params::<f32>::load(dir)?;
         let mut opt = AdamW::new(file.run.adamw, &params);
         let op = dir.join("optimizer.safetensors");
         let f = TensorFile::open(&op)?;
@@ -240,7 +238,7 @@ impl<B: Backend> Trainer<B> {
     /// any moment resumes from a step whose files are all complete.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         self.sync()?;
-        self.params.to_weights(DType::F32).save(dir)?;
+        self.params.save(dir)?;
         let tp = dir.join("tokenizer.json");
         crate::atomic::write(&tp, self.data.tokenizer.json().as_bytes())?;
         let mut tensors = Vec::new();

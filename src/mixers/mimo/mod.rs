@@ -27,7 +27,8 @@
 //! Entry points: [`MimoWeights::load`] (config + either checkpoint format), the oracle
 //! [`MimoReference`] (`new_state`, `step`, `forward` from a fresh or carried state, f32/f64),
 //! and the chunked prefill [`mimo_prefill`] (the LM over a window) on
-//! [`mimo_mixer_prefill`] (one mixer layer).
+//! [`mimo_mixer_prefill`] (one mixer layer). Training (the mixer's forward with saves and
+//! its backward) is in [`train`].
 //!
 //! The module's float32 casts of the raw angles and `dd_A` (§5) are not emulated: in f64
 //! the reference is 2.8e-8 / 2.6e-8 (relative L2) from the float32-stored golden logits of
@@ -38,6 +39,7 @@
 pub mod cuda;
 pub mod prefill;
 pub mod reference;
+pub mod train;
 pub mod weights;
 
 #[cfg(test)]

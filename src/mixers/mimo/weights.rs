@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::model::config::Config;
 use crate::model::dtype::{DType, TensorData};
 use crate::model::rng::Rng;
-use crate::model::tensor_file::TensorFile;
+use crate::model::tensor_file::{write_safetensors, RawTensor, TensorFile};
 use crate::model::weights::{layer_name, locate, read_expected, Fnv, Matrix, MlpWeights};
 use std::collections::HashMap;
 use std::path::Path;
@@ -400,6 +400,56 @@ impl MimoWeights {
     pub fn head(&self) -> &Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
     }
+
+    /// Every tensor under its official name (a tied head once), in the held dtypes.
+    pub fn to_tensors(&self) -> Vec<(String, RawTensor<'static>)> {
+        let d = &self.dims;
+        let m = |x: &Matrix| RawTensor::from_data(vec![x.rows, x.cols], &x.data);
+        let (h, r, n, p) = (d.nheads, d.rank, d.d_state, d.headdim);
+        let mut out = vec![("backbone.embedding.weight".to_string(), m(&self.embedding))];
+        for (i, lw) in self.layers.iter().enumerate() {
+            let l = |s: &str| layer_name(i, s);
+            let v = |shape: Vec<usize>, x: &[f32]| RawTensor::from_f32(shape, x);
+            out.push((l("norm.weight"), v(vec![d.d_model], &lw.norm)));
+            out.push((l("mixer.dt_bias"), v(vec![h], &lw.dt_bias)));
+            out.push((l("mixer.B_bias"), v(vec![h, r, n], &lw.b_bias)));
+            out.push((l("mixer.C_bias"), v(vec![h, r, n], &lw.c_bias)));
+            out.push((l("mixer.mimo_x"), v(vec![h, r, p], &lw.mimo_x)));
+            out.push((l("mixer.mimo_z"), v(vec![h, r, p], &lw.mimo_z)));
+            out.push((l("mixer.mimo_o"), v(vec![h, r, p], &lw.mimo_o)));
+            out.push((l("mixer.D"), v(vec![h], &lw.d)));
+            out.push((l("mixer.in_proj.weight"), m(&lw.in_proj)));
+            out.push((l("mixer.B_norm.weight"), v(vec![n], &lw.b_norm)));
+            out.push((l("mixer.C_norm.weight"), v(vec![n], &lw.c_norm)));
+            if let Some(x) = &lw.out_norm {
+                out.push((l("mixer.norm.weight"), v(vec![d.d_inner], x)));
+            }
+            out.push((l("mixer.out_proj.weight"), m(&lw.out_proj)));
+            if let Some(mlp) = &lw.mlp {
+                out.push((l("norm2.weight"), v(vec![d.d_model], &mlp.norm)));
+                out.push((l("mlp.fc1.weight"), m(&mlp.fc1)));
+                out.push((l("mlp.fc2.weight"), m(&mlp.fc2)));
+            }
+        }
+        out.push((
+            "backbone.norm_f.weight".into(),
+            RawTensor::from_f32(vec![d.d_model], &self.norm_f),
+        ));
+        if let Some(x) = &self.lm_head {
+            out.push(("lm_head.weight".into(), m(x)));
+        }
+        out
+    }
+
+    /// Save as `config.json` + `model.safetensors` in `dir`, the official MIMO layout that
+    /// [`MimoWeights::load`] (and so `mamba3 logits`/`generate`) reads.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        crate::atomic::write(&dir.join("config.json"), self.config.to_json().as_bytes())?;
+        let mut tensors = self.to_tensors();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        write_safetensors(&dir.join("model.safetensors"), &tensors, None)
+    }
 }
 
 #[cfg(test)]
@@ -482,7 +532,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("mimo-bad-ckpt-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let write = |edit: &dyn Fn(&mut Named)| {
-            let mut t = to_tensors(&w);
+            let mut t = w.to_tensors();
             edit(&mut t);
             t.sort_by(|a, b| a.0.cmp(&b.0));
             let p = dir.join("model.safetensors");
@@ -533,48 +583,6 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
-    use crate::model::tensor_file::RawTensor;
-
     /// Tensors under their names, as a checkpoint file holds them.
     type Named = Vec<(String, RawTensor<'static>)>;
-
-    /// Every tensor under its official name (a tied head once), f32.
-    fn to_tensors(w: &MimoWeights) -> Named {
-        let d = &w.dims;
-        let m = |x: &Matrix| RawTensor::from_data(vec![x.rows, x.cols], &x.data);
-        let (h, r, n, p) = (d.nheads, d.rank, d.d_state, d.headdim);
-        let mut out = vec![("backbone.embedding.weight".to_string(), m(&w.embedding))];
-        for (i, lw) in w.layers.iter().enumerate() {
-            let l = |s: &str| layer_name(i, s);
-            let v = |shape: Vec<usize>, x: &[f32]| RawTensor::from_f32(shape, x);
-            out.push((l("norm.weight"), v(vec![d.d_model], &lw.norm)));
-            out.push((l("mixer.dt_bias"), v(vec![h], &lw.dt_bias)));
-            out.push((l("mixer.B_bias"), v(vec![h, r, n], &lw.b_bias)));
-            out.push((l("mixer.C_bias"), v(vec![h, r, n], &lw.c_bias)));
-            out.push((l("mixer.mimo_x"), v(vec![h, r, p], &lw.mimo_x)));
-            out.push((l("mixer.mimo_z"), v(vec![h, r, p], &lw.mimo_z)));
-            out.push((l("mixer.mimo_o"), v(vec![h, r, p], &lw.mimo_o)));
-            out.push((l("mixer.D"), v(vec![h], &lw.d)));
-            out.push((l("mixer.in_proj.weight"), m(&lw.in_proj)));
-            out.push((l("mixer.B_norm.weight"), v(vec![n], &lw.b_norm)));
-            out.push((l("mixer.C_norm.weight"), v(vec![n], &lw.c_norm)));
-            if let Some(x) = &lw.out_norm {
-                out.push((l("mixer.norm.weight"), v(vec![d.d_inner], x)));
-            }
-            out.push((l("mixer.out_proj.weight"), m(&lw.out_proj)));
-            if let Some(mlp) = &lw.mlp {
-                out.push((l("norm2.weight"), v(vec![d.d_model], &mlp.norm)));
-                out.push((l("mlp.fc1.weight"), m(&mlp.fc1)));
-                out.push((l("mlp.fc2.weight"), m(&mlp.fc2)));
-            }
-        }
-        out.push((
-            "backbone.norm_f.weight".into(),
-            RawTensor::from_f32(vec![d.d_model], &w.norm_f),
-        ));
-        if let Some(x) = &w.lm_head {
-            out.push(("lm_head.weight".into(), m(x)));
-        }
-        out
-    }
 }
