@@ -29,16 +29,6 @@ struct M2Scan {
     long long ssm_off;     // this layer's ssm tensor [H, P, N] in a state, in floats
 };
 
-// Sum over the Q lanes of a channel (adjacent, Q a power of two): every one of them gets it.
-__device__ __forceinline__ float m2_sum_lanes(float v) {
-    const int base = threadIdx.x & ~31;
-    const int live = min(32, (int)blockDim.x - base);
-    const unsigned mask = live == 32 ? 0xffffffffu : ((1u << live) - 1u);
-#pragma unroll
-    for (int o = M2_Q / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
-    return v;
-}
-
 // This thread's place: chunk, head, channel, lane; and the chunk's Δ and exp(Δ·A) staged.
 struct M2Place {
     int c, hd, heads, q, pp, g, ch, row0, len;
@@ -142,7 +132,7 @@ extern "C" __global__ void m2_scan_out(M2Scan p, const int* chunk_row0, const in
             h[i] = decay * h[i] + dx * b[i * M2_Q];
             acc += h[i] * cc[i * M2_Q];
         }
-        acc = m2_sum_lanes(acc);
+        acc = sum_adjacent_lanes<M2_Q>(acc);
         if (w.q == 0) y[r * p.d_ssm + w.ch] = acc + dskip * x;
     }
     if (direct) {

@@ -55,22 +55,6 @@ __device__ __forceinline__ float mimo_wrap(float phi) {
     return w >= two_pi ? w - two_pi : w;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum over the Q lanes of a channel (adjacent, Q a power of two dividing 32); every one of
-// them gets it. A block may be narrower than a warp.
-__device__ __forceinline__ float mimo_sum_lanes(float v) {
-    const int base = threadIdx.x & ~31;
-    const int live = min(32, (int)blockDim.x - base);
-    const unsigned mask = live == 32 ? 0xffffffffu : ((1u << live) - 1u);
-#pragma unroll
-    for (int o = MIMO_Q / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
-    return v;
-}
-
 // One block per row; a warp per RMSNorm of an N-row of B or C; the first threads do the heads.
 extern "C" __global__ void mimo_pre(MimoScan p) {
     const size_t row = blockIdx.x;
@@ -93,7 +77,7 @@ extern "C" __global__ void mimo_pre(MimoScan p) {
         const float* w = which ? p.c_norm : p.b_norm;
         float ss = 0.f;
         for (int n = lane; n < D_STATE; n += 32) ss += src[n] * src[n];
-        const float r = 1.f / sqrtf(warp_sum(ss) / (float)D_STATE + p.eps);
+        const float r = 1.f / sqrtf(fam_warp_sum(ss) / (float)D_STATE + p.eps);
         float* dst = p.bcn + row * 2 * bcw + which * bcw + rg * D_STATE;
         for (int n = lane; n < D_STATE; n += 32) dst[n] = src[n] * r * w[n];
     }
@@ -277,7 +261,7 @@ extern "C" __global__ void mimo_scan_out(MimoScan p, const int* chunk_row0, cons
             float acc = 0.f;
 #pragma unroll
             for (int i = 0; i < MIMO_SL; ++i) acc += h[i] * qr[i];
-            acc = mimo_sum_lanes(acc);
+            acc = sum_adjacent_lanes<MIMO_Q>(acc);
             if (w.q == 0) yr[r * p.headdim] = acc + dskip * x * w.psi[r];
         }
     }
@@ -330,7 +314,7 @@ extern "C" __global__ void mimo_gate(MimoScan p, const float* y, act_t* out) {
             if (p.out_norm) {
                 float ss = 0.f;
                 for (int i = lane; i < pn; i += 32) ss += yh[r * pn + i] * yh[r * pn + i];
-                rr[r] = 1.f / sqrtf(warp_sum(ss) / (float)pn + p.eps);
+                rr[r] = 1.f / sqrtf(fam_warp_sum(ss) / (float)pn + p.eps);
             }
         }
         const float* z = p.proj + row * p.ld + h * pn;

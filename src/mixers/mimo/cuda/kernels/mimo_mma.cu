@@ -76,6 +76,14 @@ __device__ __forceinline__ float2 mimo_pair(const MimoScan& p, size_t row, int h
     return make_float2(a, b);
 }
 
+// c(t, s): the weight of w_s in h_t (s ≤ t; s = −1 the row before the chunk).
+__device__ __forceinline__ float mimo_weight(const MimoTiles& sm, int t, int s) {
+    float w = 0.f;
+    if (s >= 0) w += sm.gamma[s] * expf(sm.lam[t] - sm.lam[s]);
+    if (s < t) w += sm.beta[s + 1] * expf(sm.lam[t] - sm.lam[s + 1]);
+    return w;
+}
+
 // The chunk's coefficients, keys and values in shared memory: Λ, β, γ per row; key and value
 // rows j = (s + 1)·R + r' for s = −1 … len−1 (the look-back row from the state at a
 // sequence's start, else from the row before), zero beyond. `c_end` ≥ 0: the values are
@@ -124,13 +132,7 @@ __device__ void mimo_load_kv(const MimoScan& p, const MimoTiles& sm, int c, int 
             else
                 x = p.proj[(size_t)(row0 - 1) * p.ld + p.x_off + hd * MIMO_P + pp];
             v = x * p.mimo_x[(hd * MIMO_R + r) * MIMO_P + pp];
-            if (c_end >= 0) {
-                const int t = c_end;
-                float w = 0.f;
-                if (s >= 0 && s <= t) w += sm.gamma[s] * expf(sm.lam[t] - sm.lam[s]);
-                if (s < t) w += sm.beta[s + 1] * expf(sm.lam[t] - sm.lam[s + 1]);
-                v *= w;
-            }
+            if (c_end >= 0) v *= mimo_weight(sm, c_end, s);
         }
         sm.u[j * LDU + pp] = from_f<act_t>(v);
     }
@@ -217,11 +219,7 @@ extern "C" __global__ void mimo_mma_out(MimoScan p, const int* chunk_row0, const
     // masked and weighted: M = S ⊙ c(t, s); the queries scaled by e^{Λ_t} for h_in
     for (int e = threadIdx.x; e < MMA_M * MMA_K; e += blockDim.x) {
         const int m = e / MMA_K, j = e % MMA_K, t = m / MIMO_R, s = j / MIMO_R - 1;
-        float w = 0.f;
-        if (t < len && s < len && s <= t) {
-            if (s >= 0) w += sm.gamma[s] * expf(sm.lam[t] - sm.lam[s]);
-            if (s < t) w += sm.beta[s + 1] * expf(sm.lam[t] - sm.lam[s + 1]);
-        }
+        const float w = t < len && s <= t ? mimo_weight(sm, t, s) : 0.f;
         sm.m[m * LDM + j] = from_f<act_t>(sm.s[m * LDS + j] * w);
     }
     for (int e = threadIdx.x; e < MMA_M * D_STATE; e += blockDim.x) {
