@@ -62,6 +62,7 @@ fn mma_smem_bytes(d: &MimoDims) -> usize {
     let align = |b: usize| b.div_ceil(128) * 128;
     let (n, p) = (d.d_state, d.headdim);
     let (ldq, ldu, lds, ldm) = (n + 8, p + 8, (80 + 4).max(p + 4), 80 + 8);
+    // f16 tiles (2 bytes), f32 scores
     let mut at = align(64 * ldq * 2);
     at = align(at + 80 * ldq * 2);
     at = align(at + 80 * ldu * 2);
@@ -436,7 +437,7 @@ impl GpuMimo {
             match &self.k.mma {
                 Some(m) => {
                     let grid = (pass.chunks as u32, heads, 1);
-                    gpu.launch(&m.local, grid, 128, m.smem, false, &args)?;
+                    gpu.launch(&m.local, grid, 256, m.smem, false, &args)?;
                 }
                 None => {
                     let grid = (pass.chunks as u32, heads, z);
@@ -463,7 +464,7 @@ impl GpuMimo {
                     &b.y,
                 ];
                 let grid = (pass.chunks as u32, heads, 1);
-                gpu.launch(&m.out, grid, 128, m.smem, false, &args)?;
+                gpu.launch(&m.out, grid, 256, m.smem, false, &args)?;
             }
             _ => {
                 let args: [&dyn KArg; 9] = [

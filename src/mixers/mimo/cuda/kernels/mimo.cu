@@ -94,13 +94,27 @@ extern "C" __global__ void mimo_phase(MimoScan p, const int* seq_row0, const int
     float phi = *st;
     const int row0 = seq_row0[s], len = seq_len[s];
     const float pi = 3.14159265358979f;
-    for (int t = 0; t < len; ++t) {
-        const size_t row = row0 + t;
-        const float theta = pi * tanhf(p.proj[row * p.ld + p.ang_off + i]);
-        phi = mimo_wrap(phi + theta * p.coef[row * p.heads + h].w);
-        float sn, c;
-        sincosf(phi, &sn, &c);
-        p.cs[(row * p.heads + h) * p.angles + i] = make_float2(c, sn);
+    // Eight rows' increments are read before the chain through φ uses them: the loop is
+    // bound by the loads' latency otherwise (one dependent step a row).
+    constexpr int AHEAD = 8;
+    for (int t0 = 0; t0 < len; t0 += AHEAD) {
+        float step[AHEAD];
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const size_t row = row0 + min(t0 + k, len - 1);
+            step[k] = pi * tanhf(__ldg(p.proj + row * p.ld + p.ang_off + i)) *
+                      __ldg(&p.coef[row * p.heads + h].w);
+        }
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            if (t0 + k < len) {
+                const size_t row = row0 + t0 + k;
+                phi = mimo_wrap(phi + step[k]);
+                float sn, c;
+                sincosf(phi, &sn, &c);
+                p.cs[(row * p.heads + h) * p.angles + i] = make_float2(c, sn);
+            }
+        }
     }
     *st = phi;
 }
@@ -113,13 +127,13 @@ __device__ __forceinline__ void mimo_kq(const MimoScan& p, size_t row, int h, in
     const float* src = p.bcn + row * 2 * bcw + which * bcw + (r * p.groups + g) * D_STATE + q;
     const float* bias = (which ? p.c_bias : p.b_bias) + (h * MIMO_R + r) * D_STATE + q;
 #pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) out[i] = src[i * MIMO_Q] + bias[i * MIMO_Q];
+    for (int i = 0; i < MIMO_SL; ++i) out[i] = __ldg(src + i * MIMO_Q) + __ldg(bias + i * MIMO_Q);
     const float2* cs = p.cs + (row * p.heads + h) * p.angles;
 #pragma unroll
     for (int i = 0; i < MIMO_HALF; ++i) {
         const int n = q + i * MIMO_Q;
         if (n < p.angles) {
-            const float2 c = cs[n];
+            const float2 c = __ldg(cs + n);
             const float a = out[i], b = out[i + MIMO_HALF];
             out[i] = a * c.x - b * c.y;
             out[i + MIMO_HALF] = a * c.y + b * c.x;
@@ -223,12 +237,16 @@ extern "C" __global__ void mimo_scan_carry(MimoScan p, const int* seq_chunk0,
     if (e >= per_head) return;
     float* st = reinterpret_cast<float*>(seq_state[s]) + p.ssm_off + (size_t)hd * per_head + e;
     float h = *st;
-    for (int k = 0; k < seq_nchunks[s]; ++k) {
-        const int c = seq_chunk0[s] + k;
+    const int c0 = seq_chunk0[s], nc = seq_nchunks[s];
+    // the next chunk's local state is read before this one's incoming state is written
+    float local_next = h_chunk[((size_t)c0 * p.heads + hd) * per_head + e];
+    for (int k = 0; k < nc; ++k) {
+        const int c = c0 + k;
         float* hc = h_chunk + ((size_t)c * p.heads + hd) * per_head + e;
-        const float local = *hc;
+        const float local = local_next;
+        if (k + 1 < nc) local_next = hc[(size_t)p.heads * per_head];
         *hc = h;
-        h = expf(a_sum[(size_t)c * p.heads + hd]) * h + local;
+        h = expf(__ldg(a_sum + (size_t)c * p.heads + hd)) * h + local;
     }
     *st = h;
 }

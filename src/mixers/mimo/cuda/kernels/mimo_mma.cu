@@ -11,26 +11,31 @@
 // so that per chunk and head:
 //   local state  H = Σ_j c(L−1, s_j)·u_j k_jᵀ                     [P × 80]·[80 × N]
 //   outputs      Y = (Q Kᵀ ⊙ C)·U + diag(e^{Λ_t})·Q·h_inᵀ + D·u   [64 × N]·[N × 80] …
-// the products on wmma 16×16×16 tiles (16-bit operands, f32 accumulators).
+// the products on wmma 16×16×16 tiles, f16 operands and f32 accumulators whatever the
+// model's 16-bit dtype: bf16 operands (8 bits of mantissa) left the states of a bf16 model
+// 3e-2 from the CPU's (H100), over the 1e-2 asked; f16 keeps 11 bits, and the operands
+// (normed keys and queries, x·ψ, decayed states) stay far inside its range.
 #if MIMO_MMA
 #include <mma.h>
+typedef __half mma_t;
+__device__ __forceinline__ mma_t to_mma(float x) { return __float2half_rn(x); }
 
 #define MMA_M 64
 #define MMA_K 80
-#define LDQ (D_STATE + 8)  // rows of Q, K, h_in in act_t
+#define LDQ (D_STATE + 8)  // rows of Q, K, h_in
 #define LDU (MIMO_P + 8)
 #define LDS (MMA_K + 4)    // f32 scores
-#define LDM (MMA_K + 8)    // act_t masked scores
+#define LDM (MMA_K + 8)    // masked scores, f16
 #define MMA_L (MMA_M / MIMO_R)
 
 // The shared memory of a chunk (the host's `mma_smem_bytes` computes the same size).
 struct MimoTiles {
-    act_t* q;       // [64][LDQ]
-    act_t* k;       // [80][LDQ]
-    act_t* u;       // [80][LDU]
+    mma_t* q;       // [64][LDQ]
+    mma_t* k;       // [80][LDQ]
+    mma_t* u;       // [80][LDU]
     float* s;       // [64][max(LDS, P + 4)]
-    act_t* m;       // [64][LDM]
-    act_t* h;       // [P][LDQ]
+    mma_t* m;       // [64][LDM]
+    mma_t* h;       // [P][LDQ]
     float* lam;     // [L]: Λ_t
     float* beta;    // [L]
     float* gamma;   // [L]
@@ -41,19 +46,19 @@ __device__ __forceinline__ size_t mma_align(size_t b) { return (b + 127) & ~(siz
 __device__ MimoTiles mimo_tiles(char* smem) {
     MimoTiles t;
     size_t at = 0;
-    t.q = reinterpret_cast<act_t*>(smem + at);
-    at = mma_align(at + MMA_M * LDQ * sizeof(act_t));
-    t.k = reinterpret_cast<act_t*>(smem + at);
-    at = mma_align(at + MMA_K * LDQ * sizeof(act_t));
-    t.u = reinterpret_cast<act_t*>(smem + at);
-    at = mma_align(at + MMA_K * LDU * sizeof(act_t));
+    t.q = reinterpret_cast<mma_t*>(smem + at);
+    at = mma_align(at + MMA_M * LDQ * sizeof(mma_t));
+    t.k = reinterpret_cast<mma_t*>(smem + at);
+    at = mma_align(at + MMA_K * LDQ * sizeof(mma_t));
+    t.u = reinterpret_cast<mma_t*>(smem + at);
+    at = mma_align(at + MMA_K * LDU * sizeof(mma_t));
     t.s = reinterpret_cast<float*>(smem + at);
     const int lds = LDS > MIMO_P + 4 ? LDS : MIMO_P + 4;
     at = mma_align(at + MMA_M * lds * sizeof(float));
-    t.m = reinterpret_cast<act_t*>(smem + at);
-    at = mma_align(at + MMA_M * LDM * sizeof(act_t));
-    t.h = reinterpret_cast<act_t*>(smem + at);
-    at = mma_align(at + MIMO_P * LDQ * sizeof(act_t));
+    t.m = reinterpret_cast<mma_t*>(smem + at);
+    at = mma_align(at + MMA_M * LDM * sizeof(mma_t));
+    t.h = reinterpret_cast<mma_t*>(smem + at);
+    at = mma_align(at + MIMO_P * LDQ * sizeof(mma_t));
     t.lam = reinterpret_cast<float*>(smem + at);
     t.beta = t.lam + MMA_L;
     t.gamma = t.beta + MMA_L;
@@ -66,9 +71,9 @@ __device__ __forceinline__ float2 mimo_pair(const MimoScan& p, size_t row, int h
     const int bcw = MIMO_R * p.groups * D_STATE, half = D_STATE / 2;
     const float* src = p.bcn + row * 2 * bcw + which * bcw + (r * p.groups + g) * D_STATE;
     const float* bias = (which ? p.c_bias : p.b_bias) + (h * MIMO_R + r) * D_STATE;
-    float a = src[n] + bias[n], b = src[n + half] + bias[n + half];
+    float a = __ldg(src + n) + __ldg(bias + n), b = __ldg(src + n + half) + __ldg(bias + n + half);
     if (n < p.angles) {
-        const float2 c = p.cs[(row * p.heads + h) * p.angles + n];
+        const float2 c = __ldg(p.cs + (row * p.heads + h) * p.angles + n);
         const float a0 = a;
         a = a0 * c.x - b * c.y;
         b = a0 * c.y + b * c.x;
@@ -91,16 +96,15 @@ __device__ __forceinline__ float mimo_weight(const MimoTiles& sm, int t, int s) 
 __device__ void mimo_load_kv(const MimoScan& p, const MimoTiles& sm, int c, int hd, int row0,
                              int len, bool seq_start, const float* st, int c_end) {
     const int g = hd / (p.heads / p.groups), half = D_STATE / 2;
-    if (threadIdx.x == 0) {
-        float lam = 0.f;
-        for (int t = 0; t < len; ++t) {
-            const float4 cf = p.coef[(size_t)(row0 + t) * p.heads + hd];
-            lam += cf.x;
-            sm.lam[t] = lam;
-            sm.beta[t] = cf.y;
-            sm.gamma[t] = cf.z;
-        }
+    for (int t = threadIdx.x; t < len; t += blockDim.x) {
+        const float4 cf = __ldg(p.coef + (size_t)(row0 + t) * p.heads + hd);
+        sm.lam[t] = cf.x;
+        sm.beta[t] = cf.y;
+        sm.gamma[t] = cf.z;
     }
+    __syncthreads();
+    if (threadIdx.x == 0)  // Λ: the prefix sums of a (at most 64)
+        for (int t = 1; t < len; ++t) sm.lam[t] += sm.lam[t - 1];
     // keys
     for (int e = threadIdx.x; e < MMA_K * half; e += blockDim.x) {
         const int j = e / half, n = e % half, s = j / MIMO_R - 1, r = j % MIMO_R;
@@ -115,8 +119,8 @@ __device__ void mimo_load_kv(const MimoScan& p, const MimoTiles& sm, int c, int 
                 v = mimo_pair(p, row0 - 1, hd, g, r, 0, n);
             }
         }
-        sm.k[j * LDQ + n] = from_f<act_t>(v.x);
-        sm.k[j * LDQ + n + half] = from_f<act_t>(v.y);
+        sm.k[j * LDQ + n] = to_mma(v.x);
+        sm.k[j * LDQ + n + half] = to_mma(v.y);
     }
     __syncthreads();  // Λ, β, γ
     // values u = x ⊙ ψ_r, scaled by c(c_end, s) for the local state
@@ -126,15 +130,15 @@ __device__ void mimo_load_kv(const MimoScan& p, const MimoTiles& sm, int c, int 
         if (s < len) {
             float x;
             if (s >= 0)
-                x = p.proj[(size_t)(row0 + s) * p.ld + p.x_off + hd * MIMO_P + pp];
+                x = __ldg(p.proj + (size_t)(row0 + s) * p.ld + p.x_off + hd * MIMO_P + pp);
             else if (seq_start)
                 x = st[p.v_off + hd * MIMO_P + pp];
             else
-                x = p.proj[(size_t)(row0 - 1) * p.ld + p.x_off + hd * MIMO_P + pp];
-            v = x * p.mimo_x[(hd * MIMO_R + r) * MIMO_P + pp];
+                x = __ldg(p.proj + (size_t)(row0 - 1) * p.ld + p.x_off + hd * MIMO_P + pp);
+            v = x * __ldg(p.mimo_x + (hd * MIMO_R + r) * MIMO_P + pp);
             if (c_end >= 0) v *= mimo_weight(sm, c_end, s);
         }
-        sm.u[j * LDU + pp] = from_f<act_t>(v);
+        sm.u[j * LDU + pp] = to_mma(v);
     }
 }
 
@@ -142,7 +146,7 @@ using namespace nvcuda;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> mimo_acc;
 
 // Per (chunk, head): the chunk's state from zero, Σ_j c(len−1, s_j)·u_j k_jᵀ, into h_chunk
-// (f32 [P, N]), and Λ_{len−1} into a_sum. Block 128 threads, dynamic shared memory.
+// (f32 [P, N]), and Λ_{len−1} into a_sum. Block 256 threads, dynamic shared memory.
 extern "C" __global__ void mimo_mma_local(MimoScan p, const int* chunk_row0, const int* chunk_len,
                                           const int* chunk_seq, const int* seq_row0,
                                           const unsigned long long* seq_state, float* h_chunk,
@@ -162,8 +166,8 @@ extern "C" __global__ void mimo_mma_local(MimoScan p, const int* chunk_row0, con
         mimo_acc acc;
         wmma::fill_fragment(acc, 0.f);
         for (int kk = 0; kk < MMA_K; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, act_t, wmma::col_major> a;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, act_t, wmma::row_major> b;
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::col_major> a;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::row_major> b;
             wmma::load_matrix_sync(a, sm.u + kk * LDU + ti * 16, LDU);
             wmma::load_matrix_sync(b, sm.k + kk * LDQ + tj * 16, LDQ);
             wmma::mma_sync(acc, a, b, acc);
@@ -175,7 +179,7 @@ extern "C" __global__ void mimo_mma_local(MimoScan p, const int* chunk_row0, con
 }
 
 // Per (chunk, head): y_r before the gate, f32 [rows, H, R, P], from the chunk's incoming
-// state h_chunk[c] (the carry's). Block 128 threads, dynamic shared memory.
+// state h_chunk[c] (the carry's). Block 256 threads, dynamic shared memory.
 extern "C" __global__ void mimo_mma_out(MimoScan p, const int* chunk_row0, const int* chunk_len,
                                         const int* chunk_seq, const int* seq_row0,
                                         const unsigned long long* seq_state,
@@ -192,13 +196,13 @@ extern "C" __global__ void mimo_mma_out(MimoScan p, const int* chunk_row0, const
         const int m = e / half, n = e % half, t = m / MIMO_R, r = m % MIMO_R;
         float2 v = make_float2(0.f, 0.f);
         if (t < len) v = mimo_pair(p, row0 + t, hd, g, r, 1, n);
-        sm.q[m * LDQ + n] = from_f<act_t>(v.x);
-        sm.q[m * LDQ + n + half] = from_f<act_t>(v.y);
+        sm.q[m * LDQ + n] = to_mma(v.x);
+        sm.q[m * LDQ + n + half] = to_mma(v.y);
     }
     // the incoming state
     const float* h_in = h_chunk + ((size_t)c * p.heads + hd) * MIMO_P * D_STATE;
     for (int e = threadIdx.x; e < MIMO_P * D_STATE; e += blockDim.x)
-        sm.h[(e / D_STATE) * LDQ + e % D_STATE] = from_f<act_t>(h_in[e]);
+        sm.h[(e / D_STATE) * LDQ + e % D_STATE] = to_mma(__ldg(h_in + e));
     __syncthreads();
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     // scores Q·Kᵀ [64 × 80]
@@ -207,8 +211,8 @@ extern "C" __global__ void mimo_mma_out(MimoScan p, const int* chunk_row0, const
         mimo_acc acc;
         wmma::fill_fragment(acc, 0.f);
         for (int kk = 0; kk < D_STATE; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, act_t, wmma::row_major> a;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, act_t, wmma::col_major> b;
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::col_major> b;
             wmma::load_matrix_sync(a, sm.q + ti * 16 * LDQ + kk, LDQ);
             wmma::load_matrix_sync(b, sm.k + tj * 16 * LDQ + kk, LDQ);
             wmma::mma_sync(acc, a, b, acc);
@@ -220,12 +224,12 @@ extern "C" __global__ void mimo_mma_out(MimoScan p, const int* chunk_row0, const
     for (int e = threadIdx.x; e < MMA_M * MMA_K; e += blockDim.x) {
         const int m = e / MMA_K, j = e % MMA_K, t = m / MIMO_R, s = j / MIMO_R - 1;
         const float w = t < len && s <= t ? mimo_weight(sm, t, s) : 0.f;
-        sm.m[m * LDM + j] = from_f<act_t>(sm.s[m * LDS + j] * w);
+        sm.m[m * LDM + j] = to_mma(sm.s[m * LDS + j] * w);
     }
     for (int e = threadIdx.x; e < MMA_M * D_STATE; e += blockDim.x) {
         const int m = e / D_STATE, n = e % D_STATE, t = m / MIMO_R;
         const float scale = t < len ? expf(sm.lam[t]) : 0.f;
-        sm.q[m * LDQ + n] = from_f<act_t>(to_f(sm.q[m * LDQ + n]) * scale);
+        sm.q[m * LDQ + n] = to_mma(__half2float(sm.q[m * LDQ + n]) * scale);
     }
     __syncthreads();
     // Y = M·U + (e^Λ Q)·h_inᵀ [64 × P], into the score buffer (free again)
@@ -236,15 +240,15 @@ extern "C" __global__ void mimo_mma_out(MimoScan p, const int* chunk_row0, const
         mimo_acc acc;
         wmma::fill_fragment(acc, 0.f);
         for (int kk = 0; kk < MMA_K; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, act_t, wmma::row_major> a;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, act_t, wmma::row_major> b;
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::row_major> b;
             wmma::load_matrix_sync(a, sm.m + ti * 16 * LDM + kk, LDM);
             wmma::load_matrix_sync(b, sm.u + kk * LDU + tj * 16, LDU);
             wmma::mma_sync(acc, a, b, acc);
         }
         for (int kk = 0; kk < D_STATE; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, act_t, wmma::row_major> a;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, act_t, wmma::col_major> b;
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, mma_t, wmma::row_major> a;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, mma_t, wmma::col_major> b;
             wmma::load_matrix_sync(a, sm.q + ti * 16 * LDQ + kk, LDQ);
             wmma::load_matrix_sync(b, sm.h + tj * 16 * LDQ + kk, LDQ);
             wmma::mma_sync(acc, a, b, acc);
