@@ -34,14 +34,22 @@ pub struct CpuModel<F> {
     work: Mutex<StepWork<F>>,
 }
 
-/// Decode batches up to this many sequences take [`CpuModel::small_step`].
+/// Decode batches of up to this many sequences, of a model whose step reads at most
+/// [`SMALL_STEP_MAX_BYTES`] of weights, take [`CpuModel::small_step`].
 const SMALL_STEP_ROWS: usize = 8;
+
+/// Above this, a step's phases last long enough (milliseconds) that the pool's wake-ups
+/// cost little, and the pool's work stealing rides out a core taken by other work, where
+/// the team's fixed shares wait for it (d_model 768 · 24 layers, bf16, on the 2-core
+/// machine under load: 40 ms/token on the team against 28–35 on the pool).
+const SMALL_STEP_MAX_BYTES: usize = 32 << 20;
 
 /// Weight bytes per member of a small decode step's thread team: a step that reads less
 /// than twice this runs on the calling thread alone, a larger one on up to the pool's
 /// thread count. (On the 2-core machine, one thread streams a step's weights at ~25 GB/s
-/// and two at ~55 GB/s: 7.3 MB take ~250 µs against ~130 µs; the team's dozen barriers
-/// per step and its wake-up cost a few µs, worth paying from about a megabyte.)
+/// and two at ~55 GB/s: 7.3 MB take ~250 µs against ~130 µs; the team's barriers, a few
+/// per layer, and its wake-up cost a few µs, worth paying from about a megabyte: a
+/// choice from these rates, not a measured crossover.)
 const TEAM_BYTES_PER_MEMBER: usize = 512 << 10;
 
 /// How many threads a decode step that reads `step_bytes` of weights runs on: the one
@@ -52,7 +60,7 @@ fn step_members(step_bytes: usize) -> usize {
 
 /// Buffers of the small decode step: shared ones that members write in parts, and each
 /// member's own. Fresh buffers every step cost page faults (decisions.md, "CPU decode of
-/// small models on a pool of one thread").
+/// small models: one team job per step").
 #[derive(Default)]
 struct StepWork<F> {
     /// `[rows, d_model]`: each layer's output (out_proj, or the MLP's fc2)
@@ -275,6 +283,7 @@ impl<F: Real> CpuModel<F> {
             || want != LogitsWant::Last
             || seqs.is_empty()
             || seqs.len() > SMALL_STEP_ROWS
+            || self.step_bytes > SMALL_STEP_MAX_BYTES
             || seqs.iter().any(|s| s.len() != 1)
         {
             return None;
