@@ -292,12 +292,13 @@ fn stream_rows_f32<W: Widen>(x: &[f32], rows: usize, w: &[W], n: usize, k: usize
 }
 
 /// `t[j·rows + r] = ⟨x_r, w_j⟩` for the weight rows `w` (`[t.len() / rows, k]`): one
-/// task's share of a streamed product. A single input row takes the weight rows four at a
-/// time ([`dot_wrows`], the same bits as one at a time).
+/// task's share of a streamed product. A single input row takes f32 weight rows four at a
+/// time ([`dot_wrows`], the same bits as one at a time: d_model 768 · 24 layers decode
+/// 28 → 21 ms/token); 16-bit rows stay one at a time (four at a time: 14.7 → 17 ms).
 fn dots_f32<W: Widen>(x: &[f32], rows: usize, w: &[W], k: usize, t: &mut [f32]) {
     let n = t.len() / rows;
     let mut j = 0;
-    if rows == 1 {
+    if rows == 1 && std::any::TypeId::of::<W>() == std::any::TypeId::of::<f32>() {
         while j + 4 <= n {
             let mut o = [0f32; 4];
             dot_wrows::<W, 4>(x, k, &w[j * k..(j + 4) * k], &mut o);
