@@ -331,13 +331,18 @@ mod tests {
         let mut rng = Rng::new(5);
         for k in [1, 15, 16, 31, 32, 33, 100, 768] {
             let x: Vec<f32> = (0..k).map(|_| rng.normal() as f32).collect();
-            let w: Vec<W> = (0..4 * k).map(|_| conv(rng.normal() as f32)).collect();
-            let mut out = [0f32; 4];
-            dot_wrows::<W, 4>(&x, k, &w, &mut out);
-            for j in 0..4 {
+            let w: Vec<W> = (0..8 * k).map(|_| conv(rng.normal() as f32)).collect();
+            let mut four = [0f32; 4];
+            dot_wrows::<W, 4>(&x, k, &w, &mut four);
+            let mut eight = [0f32; 8];
+            dot_wrows::<W, 8>(&x, k, &w, &mut eight);
+            for j in 0..8 {
                 let mut one = [0f32; 1];
                 dot_rows::<W, 1>(&x, k, &w[j * k..(j + 1) * k], &mut one);
-                assert_eq!(out[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
+                assert_eq!(eight[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
+                if j < 4 {
+                    assert_eq!(four[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
+                }
             }
         }
     }
