@@ -39,9 +39,9 @@ pub struct CpuModel<F> {
 const SMALL_STEP_ROWS: usize = 8;
 
 /// Above this, a step's phases last long enough (milliseconds) that the pool's wake-ups
-/// cost little, and the pool's work stealing rides out a core taken by other work, where
-/// the team's fixed shares wait for it (d_model 768 · 24 layers, bf16, on the 2-core
-/// machine under load: 40 ms/token on the team against 28–35 on the pool).
+/// cost little (under 2 %), and the pool's work stealing rides out members drifting
+/// apart, where the team's fixed shares wait (d_model 768 · 24 layers on the idle 2-core
+/// machine: 34–35 ms/token f32 and 23 bf16 on the team against 20 and 14 on the pool).
 const SMALL_STEP_MAX_BYTES: usize = 32 << 20;
 
 /// Weight bytes per member of a small decode step's thread team: a step that reads less
