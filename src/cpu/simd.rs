@@ -193,6 +193,97 @@ unsafe fn dot_rows_avx2<W: Widen, const R: usize>(
     }
 }
 
+/// `out[j] = Σ_i x[i]·w[j·k + i]` for `j < J`: one activation row against `J` consecutive
+/// weight rows. Each output is computed with exactly the operations of
+/// `dot_rows::<W, 1>` on its weight row (the same bits); interleaving `J` independent
+/// rows keeps more loads in flight, which is what a single-row product is bound by.
+#[inline]
+pub fn dot_wrows<W: Widen, const J: usize>(x: &[f32], k: usize, w: &[W], out: &mut [f32; J]) {
+    assert!(x.len() >= k && w.len() >= J * k);
+    #[cfg(target_arch = "x86_64")]
+    match isa() {
+        // SAFETY: the ISA was detected on this CPU; every load is within `k` of its row
+        // start, checked by the assert above and the loop bounds below.
+        Isa::Avx512 => return unsafe { dot_wrows_avx512::<W, J>(x, k, w, out) },
+        Isa::Avx2 => return unsafe { dot_wrows_avx2::<W, J>(x, k, w, out) },
+        Isa::Scalar => {}
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        let mut one = [0f32; 1];
+        dot_rows::<W, 1>(x, k, &w[j * k..(j + 1) * k], &mut one);
+        *o = one[0];
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn dot_wrows_avx512<W: Widen, const J: usize>(
+    x: &[f32],
+    k: usize,
+    w: &[W],
+    out: &mut [f32; J],
+) {
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let mut a0 = [_mm512_setzero_ps(); J];
+    let mut a1 = [_mm512_setzero_ps(); J];
+    let mut i = 0;
+    while i + 32 <= k {
+        let (x0, x1) = (_mm512_loadu_ps(xp.add(i)), _mm512_loadu_ps(xp.add(i + 16)));
+        for j in 0..J {
+            a0[j] = _mm512_fmadd_ps(x0, W::load16(wp.add(j * k + i)), a0[j]);
+            a1[j] = _mm512_fmadd_ps(x1, W::load16(wp.add(j * k + i + 16)), a1[j]);
+        }
+        i += 32;
+    }
+    while i + 16 <= k {
+        let x0 = _mm512_loadu_ps(xp.add(i));
+        for j in 0..J {
+            a0[j] = _mm512_fmadd_ps(x0, W::load16(wp.add(j * k + i)), a0[j]);
+        }
+        i += 16;
+    }
+    for j in 0..J {
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        for t in i..k {
+            s += *xp.add(t) * (*wp.add(j * k + t)).to_f32();
+        }
+        out[j] = s;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_wrows_avx2<W: Widen, const J: usize>(
+    x: &[f32],
+    k: usize,
+    w: &[W],
+    out: &mut [f32; J],
+) {
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let mut a0 = [_mm256_setzero_ps(); J];
+    let mut a1 = [_mm256_setzero_ps(); J];
+    let mut i = 0;
+    while i + 16 <= k {
+        let (x0, x1) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(xp.add(i + 8)));
+        for j in 0..J {
+            a0[j] = _mm256_fmadd_ps(x0, W::load8(wp.add(j * k + i)), a0[j]);
+            a1[j] = _mm256_fmadd_ps(x1, W::load8(wp.add(j * k + i + 8)), a1[j]);
+        }
+        i += 16;
+    }
+    for j in 0..J {
+        let v = _mm256_add_ps(a0[j], a1[j]);
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_add_ss(h, _mm_shuffle_ps::<1>(h, h));
+        let mut s = _mm_cvtss_f32(h);
+        for t in i..k {
+            s += *xp.add(t) * (*wp.add(j * k + t)).to_f32();
+        }
+        out[j] = s;
+    }
+}
+
 /// `t[r] = ⟨x_r, w⟩` for every one of `rows` activation rows (`x` is `[rows, k]`),
 /// in groups of 8, 4, 2 and 1 rows.
 pub fn dots_for_row<W: Widen>(x: &[f32], rows: usize, k: usize, w: &[W], t: &mut [f32]) {
@@ -233,6 +324,34 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The interleaved kernel gives each weight row the bits of the one-row kernel.
+    fn check_wrows<W: Widen>(conv: fn(f32) -> W) {
+        let mut rng = Rng::new(5);
+        for k in [1, 15, 16, 31, 32, 33, 100, 768] {
+            let x: Vec<f32> = (0..k).map(|_| rng.normal() as f32).collect();
+            let w: Vec<W> = (0..8 * k).map(|_| conv(rng.normal() as f32)).collect();
+            let mut four = [0f32; 4];
+            dot_wrows::<W, 4>(&x, k, &w, &mut four);
+            let mut eight = [0f32; 8];
+            dot_wrows::<W, 8>(&x, k, &w, &mut eight);
+            for j in 0..8 {
+                let mut one = [0f32; 1];
+                dot_rows::<W, 1>(&x, k, &w[j * k..(j + 1) * k], &mut one);
+                assert_eq!(eight[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
+                if j < 4 {
+                    assert_eq!(four[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dot_wrows_gives_the_bits_of_dot_rows() {
+        check_wrows::<f32>(|v| v);
+        check_wrows::<bf16>(bf16::from_f32);
+        check_wrows::<f16>(f16::from_f32);
     }
 
     #[test]

@@ -8,17 +8,18 @@
 //! would only cost accuracy: they are never stored in bulk).
 
 use crate::cpu::math::{rms_norm, silu};
-use crate::cpu::matmul::matmul_t;
+use crate::cpu::matmul::{matmul_t, stream_part};
 use crate::cpu::real::Real;
+use crate::cpu::team::{self, Member, SharedBuf};
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::prefill::{mixer_prefill, Span};
 use crate::mixers::mamba3::state::{layer, layout, zero_state, LayerState, SeqState};
-use crate::mixers::mamba3::step::mixer_step;
-use crate::mixers::mamba3::token::MixerCtx;
+use crate::mixers::mamba3::step::{head_step, mixer_step};
+use crate::mixers::mamba3::token::{MixerCtx, TokenPre};
 use crate::model::config::NORM_EPS;
-use crate::model::weights::Weights;
+use crate::model::weights::{Matrix, Weights};
 use rayon::prelude::*;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::backend::Backend;
 pub use super::logits::LogitsWant;
@@ -27,7 +28,110 @@ use super::state::StateData;
 
 pub struct CpuModel<F> {
     pub weights: Arc<Weights>,
-    _f: std::marker::PhantomData<F>,
+    /// Bytes of the matrices one decode step reads (every layer's and the head's).
+    step_bytes: usize,
+    /// The small decode step's buffers, kept across steps.
+    work: Mutex<StepWork<F>>,
+}
+
+/// Decode batches of up to this many sequences, of a model whose step reads at most
+/// [`SMALL_STEP_MAX_BYTES`] of weights, take [`CpuModel::small_step`].
+const SMALL_STEP_ROWS: usize = 8;
+
+/// Above this, a step's phases last long enough (milliseconds) that the pool's wake-ups
+/// cost little (under 2 %), and the pool's work stealing rides out members drifting
+/// apart, where the team's fixed shares wait (d_model 768 · 24 layers on the idle 2-core
+/// machine: 34–35 ms/token f32 and 23 bf16 on the team against 20 and 14 on the pool).
+const SMALL_STEP_MAX_BYTES: usize = 32 << 20;
+
+/// Weight bytes per member of a small decode step's thread team: a step that reads less
+/// than twice this runs on the calling thread alone, a larger one on up to the pool's
+/// thread count. (On the 2-core machine, one thread streams a step's weights at ~25 GB/s
+/// and two at ~55 GB/s: 7.3 MB take ~250 µs against ~130 µs; the team's barriers, a few
+/// per layer, and its wake-up cost a few µs, worth paying from about a megabyte: a
+/// choice from these rates, not a measured crossover.)
+const TEAM_BYTES_PER_MEMBER: usize = 512 << 10;
+
+/// How many threads a decode step that reads `step_bytes` of weights runs on: the one
+/// place that decides between the calling thread alone and the team.
+fn step_members(step_bytes: usize) -> usize {
+    (step_bytes / TEAM_BYTES_PER_MEMBER).clamp(1, team::max_members())
+}
+
+/// Buffers of the small decode step: shared ones that members write in parts, and each
+/// member's own. Fresh buffers every step cost page faults (decisions.md, "CPU decode of
+/// small models: one team job per step").
+#[derive(Default)]
+struct StepWork<F> {
+    /// `[rows, d_model]`: each layer's output (out_proj, or the MLP's fc2)
+    hs: Vec<F>,
+    /// `[rows, d_in_proj]`
+    proj: Vec<F>,
+    /// `[rows, d_inner]`: the mixer's gated output
+    y: Vec<F>,
+    /// `[rows, 2·mlp_hidden]`
+    vg: Vec<F>,
+    /// `[n, rows]` of the widest product, for the transposes of batches
+    tmp: Vec<F>,
+    members: Vec<Mutex<MemberWork<F>>>,
+}
+
+/// What each member computes for itself (the same values in every member).
+#[derive(Default)]
+struct MemberWork<F> {
+    /// `[rows, d_model]`: the residual stream
+    res: Vec<F>,
+    /// `[rows, d_model]`: its norm
+    normed: Vec<F>,
+    /// `[rows, mlp_hidden]`
+    act: Vec<F>,
+    pre: TokenPre<F>,
+}
+
+/// Bytes of one decode step's matrices.
+fn step_bytes(w: &Weights) -> usize {
+    let bytes = |m: &Matrix| m.data.len() * m.data.dtype().size();
+    w.layers
+        .iter()
+        .map(|l| {
+            bytes(&l.in_proj)
+                + bytes(&l.out_proj)
+                + l.mlp.as_ref().map_or(0, |m| bytes(&m.fc1) + bytes(&m.fc2))
+        })
+        .sum::<usize>()
+        + bytes(w.head())
+}
+
+/// This member's share of `out[rows, W.rows] = x·Wᵀ` (weight rows cut among the members),
+/// on the weight-streaming kernel: the bits of [`matmul_t`].
+///
+/// # Safety
+/// Every member of the job calls it for the same product, and nobody reads `out` or
+/// `tmp` until the next barrier.
+unsafe fn product_share<F: Real>(
+    m: &Member,
+    x: &[F],
+    rows: usize,
+    w: &Matrix,
+    out: &SharedBuf<F>,
+    tmp: &SharedBuf<F>,
+) {
+    let n = w.rows;
+    let r = m.share(n, 16);
+    if r.is_empty() {
+        return;
+    }
+    if rows == 1 {
+        return stream_part(x, 1, w, r.start, out.part(r));
+    }
+    let t = tmp.part(r.start * rows..r.end * rows);
+    stream_part(x, rows, w, r.start, t);
+    for b in 0..rows {
+        let o = out.part(b * n + r.start..b * n + r.end);
+        for (jj, o) in o.iter_mut().enumerate() {
+            *o = t[jj * rows + b];
+        }
+    }
 }
 
 /// Check a batch before anything is touched, so that bad input leaves states unchanged.
@@ -95,8 +199,9 @@ fn add_assign<F: Real>(acc: &mut [F], x: &[F]) {
 impl<F: Real> CpuModel<F> {
     pub fn new(weights: Arc<Weights>) -> Self {
         CpuModel {
+            step_bytes: step_bytes(&weights),
             weights,
-            _f: std::marker::PhantomData,
+            work: Mutex::new(StepWork::default()),
         }
     }
 
@@ -136,6 +241,9 @@ impl<F: Real> CpuModel<F> {
         states: &mut [&mut SeqState<F>],
         want: LogitsWant,
     ) -> Result<Vec<F>> {
+        if let Some(logits) = self.small_step(seqs, states, want, true) {
+            return logits;
+        }
         Ok(rayon::scope(|_| self.run_in_pool(seqs, states, want, true))?.0)
     }
 
@@ -147,10 +255,230 @@ impl<F: Real> CpuModel<F> {
         want: LogitsWant,
         head: bool,
     ) -> Result<Vec<Vec<F>>> {
+        if let Some(logits) = self.small_step(seqs, states, want, head) {
+            return Ok(logits?
+                .chunks(self.weights.dims.vocab_padded)
+                .map(|c| c.to_vec())
+                .collect());
+        }
         // One trip into the thread pool per call: the parallel loops below then split
         // their work locally instead of handing it across threads each time.
         let (rows, spans, width) = rayon::scope(|_| self.run_in_pool(seqs, states, want, head))?;
         Ok(split_rows(rows, &spans, want, width))
+    }
+
+    /// A decode step of up to [`SMALL_STEP_ROWS`] sequences (one token each, the last
+    /// position's logits wanted) on the thread team ([`crate::cpu::team`]) or the calling
+    /// thread alone ([`step_members`]), in buffers kept across steps: the same arithmetic
+    /// as [`CpuModel::run_in_pool`], so the same bits, on any number of members. `None`
+    /// for any other call.
+    fn small_step(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        want: LogitsWant,
+        head: bool,
+    ) -> Option<Result<Vec<F>>> {
+        if !head
+            || want != LogitsWant::Last
+            || seqs.is_empty()
+            || seqs.len() > SMALL_STEP_ROWS
+            || self.step_bytes > SMALL_STEP_MAX_BYTES
+            || seqs.iter().any(|s| s.len() != 1)
+        {
+            return None;
+        }
+        Some(
+            self.small_step_on(seqs, states, step_members(self.step_bytes), false)
+                .map(|(logits, _)| logits),
+        )
+    }
+
+    /// [`CpuModel::small_step`] on up to `members` threads (exactly that many, capped at
+    /// the pool's, if `exact`); also returns how many ran it.
+    fn small_step_on(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut SeqState<F>],
+        members: usize,
+        exact: bool,
+    ) -> Result<(Vec<F>, usize)> {
+        let w = &*self.weights;
+        check_batch(w.dims.vocab_size, seqs, states.len())?;
+        let d = w.dims;
+        let state_layout = layout(&d);
+        for (b, st) in states.iter().enumerate() {
+            if !st.fits(&state_layout) {
+                return Err(Error::State(format!(
+                    "state {b} does not have this model's shape ({})",
+                    state_layout.describe()
+                )));
+            }
+        }
+        let rows = seqs.len();
+        let (dm, vp) = (d.d_model, d.vocab_padded);
+        let mut fresh = StepWork::default();
+        let mut guard = self.work.try_lock();
+        let work: &mut StepWork<F> = match guard.as_mut() {
+            Ok(g) => g,
+            Err(_) => &mut fresh,
+        };
+        let widest = [d.d_in_proj, dm, 2 * d.mlp_hidden, vp]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        work.hs.resize(rows * dm, F::zero());
+        work.proj.resize(rows * d.d_in_proj, F::zero());
+        work.y.resize(rows * d.d_inner, F::zero());
+        work.vg.resize(rows * 2 * d.mlp_hidden, F::zero());
+        work.tmp.resize(rows * widest, F::zero());
+        if work.members.len() < members {
+            work.members.resize_with(members, Default::default);
+        }
+        let mut logits = vec![F::zero(); rows * vp];
+        let tokens: Vec<u32> = seqs.iter().map(|s| s[0]).collect();
+        let StepWork {
+            hs,
+            proj,
+            y,
+            vg,
+            tmp,
+            members: own,
+        } = work;
+        let (hs, proj, y, vg, tmp) = (
+            SharedBuf::new(hs),
+            SharedBuf::new(proj),
+            SharedBuf::new(y),
+            SharedBuf::new(vg),
+            SharedBuf::new(tmp),
+        );
+        let out = SharedBuf::new(&mut logits);
+        let st: Vec<SharedBuf<F>> = states
+            .iter_mut()
+            .map(|s| SharedBuf::new(&mut s.data))
+            .collect();
+        let own = &*own;
+        let run = if exact { team::run_exact } else { team::run };
+        let ran = run(members, &|m: &Member| {
+            let mut mine = own[m.id].lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: every shared buffer below is written in disjoint shares (the
+            // products' weight rows, the mixer's (row, head) slots) and read only after the
+            // barrier that ends the phase writing it; each state slot belongs to one member.
+            unsafe {
+                self.step_member(
+                    m,
+                    &tokens,
+                    &mut mine,
+                    [&hs, &proj, &y, &vg, &tmp],
+                    &st,
+                    &out,
+                )
+            }
+        });
+        drop(guard);
+        Ok((logits, ran))
+    }
+
+    /// One member's part of [`CpuModel::small_step`].
+    ///
+    /// # Safety
+    /// Called by every member of one job, with shared buffers sized for the batch.
+    unsafe fn step_member(
+        &self,
+        m: &Member,
+        tokens: &[u32],
+        mine: &mut MemberWork<F>,
+        [hs, proj, y, vg, tmp]: [&SharedBuf<F>; 5],
+        states: &[SharedBuf<F>],
+        out: &SharedBuf<F>,
+    ) {
+        let w = &*self.weights;
+        let d = w.dims;
+        let rows = tokens.len();
+        let dm = d.d_model;
+        let cfg = &w.config;
+        let MemberWork {
+            res,
+            normed,
+            act,
+            pre,
+        } = mine;
+        res.clear();
+        res.resize(rows * dm, F::zero());
+        normed.resize(rows * dm, F::zero());
+        act.resize(rows * d.mlp_hidden, F::zero());
+        // The embedding rows, added to the zero residual (as the packed pass does).
+        crate::with_data!(&w.embedding.data, e => {
+            for (row, &t) in res.chunks_mut(dm).zip(tokens) {
+                let src = &e[t as usize * dm..(t as usize + 1) * dm];
+                row.iter_mut().zip(src).for_each(|(o, &v)| *o = *o + F::from_elem(v));
+            }
+        });
+        let norm = |res: &[F], wn: &[f32], normed: &mut [F]| {
+            for (o, r) in normed.chunks_mut(dm).zip(res.chunks(dm)) {
+                rms_norm(r, wn, F::from_f(NORM_EPS), o);
+            }
+        };
+        let add = |res: &mut [F], hs: &[F]| res.iter_mut().zip(hs).for_each(|(a, &b)| *a = *a + b);
+        let (h_n, p_n, n_n, s_n) = (d.nheads, d.headdim, d.d_state, d.num_rope_angles);
+        let (o_ssm, o_k, o_v) = (
+            h_n * s_n,
+            h_n * s_n + h_n * p_n * n_n,
+            h_n * s_n + h_n * p_n * n_n + h_n * n_n,
+        );
+        for (l, lw) in w.layers.iter().enumerate() {
+            if l > 0 {
+                add(res, hs.get());
+            }
+            norm(res, &lw.norm, normed);
+            product_share(m, normed, rows, &lw.in_proj, proj, tmp);
+            m.barrier();
+            let ctx = MixerCtx {
+                d,
+                lw,
+                a_floor: cfg.ssm_cfg.a_floor,
+                a_act: cfg.ssm_cfg.a_activation,
+            };
+            let proj_all = proj.get();
+            ctx.token_pre_into(proj_all, rows, pre);
+            for slot in m.share(rows * h_n, 1) {
+                let (b, h) = (slot / h_n, slot % h_n);
+                let base = l * (o_v + h_n * p_n);
+                let st = &states[b];
+                head_step(
+                    &ctx,
+                    pre,
+                    proj_all,
+                    b,
+                    h,
+                    st.part(base + h * s_n..base + (h + 1) * s_n),
+                    st.part(base + o_ssm + h * p_n * n_n..base + o_ssm + (h + 1) * p_n * n_n),
+                    st.part(base + o_k + h * n_n..base + o_k + (h + 1) * n_n),
+                    st.part(base + o_v + h * p_n..base + o_v + (h + 1) * p_n),
+                    y.part(b * d.d_inner + h * p_n..b * d.d_inner + (h + 1) * p_n),
+                );
+            }
+            m.barrier();
+            product_share(m, y.get(), rows, &lw.out_proj, hs, tmp);
+            m.barrier();
+            if let Some(mlp) = &lw.mlp {
+                add(res, hs.get());
+                norm(res, &mlp.norm, normed);
+                product_share(m, normed, rows, &mlp.fc1, vg, tmp);
+                m.barrier();
+                let hidden = d.mlp_hidden;
+                for (a, vg) in act.chunks_mut(hidden).zip(vg.get().chunks(2 * hidden)) {
+                    for i in 0..hidden {
+                        a[i] = vg[i] * silu(vg[hidden + i]);
+                    }
+                }
+                product_share(m, act, rows, &mlp.fc2, hs, tmp);
+                m.barrier();
+            }
+        }
+        add(res, hs.get());
+        norm(res, &w.norm_f, normed);
+        product_share(m, normed, rows, w.head(), out, tmp);
     }
 
     fn run_in_pool(
@@ -284,5 +612,68 @@ impl Backend for CpuModel<f32> {
 
     fn hidden(&self, tokens: &[u32], state: &mut StateData, want: LogitsWant) -> Result<Vec<f32>> {
         Ok(CpuModel::hidden(self, &[tokens], &mut [state.host_mut()?], want)?.remove(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Config, DType};
+
+    /// The small decode step gives the bits of the pooled pass, on one, two and three
+    /// members, for batches of 1 to 8, f32 and bf16 weights, f32 and f64 arithmetic, with
+    /// and without the MLP and the output norm, over several steps.
+    fn same_bits<F: Real>(dtype: DType) {
+        for (i, (mlp, norm, groups)) in [(false, false, 1), (true, true, 2)].into_iter().enumerate()
+        {
+            let mut c = Config::synthetic(64, 2, 16, 8, 2, groups, 50);
+            c.d_intermediate = if mlp { 40 } else { 0 };
+            c.ssm_cfg.is_outproj_norm = norm;
+            let w = Arc::new(Weights::synthetic(c, dtype, 7 + i as u64).unwrap());
+            let m = CpuModel::<F>::new(w.clone());
+            for rows in [1, 3, 8] {
+                for members in [1, 2, 3] {
+                    let mut pooled: Vec<SeqState<F>> = (0..rows).map(|_| m.zero_state()).collect();
+                    let mut small = pooled.clone();
+                    for step in 0..4u32 {
+                        let toks: Vec<u32> =
+                            (0..rows as u32).map(|b| (b * 7 + step * 3) % 50).collect();
+                        let seqs: Vec<&[u32]> = toks.chunks(1).collect();
+                        let mut sp: Vec<&mut SeqState<F>> = pooled.iter_mut().collect();
+                        let want =
+                            rayon::scope(|_| m.run_in_pool(&seqs, &mut sp, LogitsWant::Last, true))
+                                .unwrap()
+                                .0;
+                        let mut ss: Vec<&mut SeqState<F>> = small.iter_mut().collect();
+                        let (got, ran) = m.small_step_on(&seqs, &mut ss, members, true).unwrap();
+                        assert_eq!(ran, members.min(team::max_members()));
+                        let bits = |v: &[F]| {
+                            v.iter()
+                                .map(|&x| <F as crate::model::dtype::Element>::to_f64(x).to_bits())
+                                .collect::<Vec<_>>()
+                        };
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "logits: {dtype} rows {rows} members {members} step {step}"
+                        );
+                        for (a, b) in small.iter().zip(&pooled) {
+                            assert_eq!(
+                                bits(&a.data),
+                                bits(&b.data),
+                                "state: rows {rows} members {members}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn small_decode_step_gives_the_bits_of_the_pooled_pass() {
+        same_bits::<f32>(DType::F32);
+        same_bits::<f32>(DType::BF16);
+        same_bits::<f64>(DType::F64);
     }
 }

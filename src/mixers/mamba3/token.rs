@@ -15,6 +15,7 @@ pub struct MixerCtx<'a> {
 }
 
 /// Per-token values every head needs, computed once per token.
+#[derive(Default)]
 pub struct TokenPre<F> {
     /// `B̄` then `C̄`, each `[G, N]`, normed.
     pub bc: Vec<F>,
@@ -39,9 +40,6 @@ impl MixerCtx<'_> {
             lambda: vec![F::zero(); rows * h_n],
             theta: vec![F::zero(); rows * s_n],
         };
-        let eps = F::from_f(NORM_EPS);
-        let a_floor = F::from_f(self.a_floor);
-        let lw = self.lw;
         pre.bc
             .par_chunks_mut(2 * g_n * n_n)
             .zip(pre.delta.par_chunks_mut(h_n))
@@ -52,23 +50,64 @@ impl MixerCtx<'_> {
             .with_min_len(16)
             .for_each(|(t, ((((bc, delta), a), lambda), theta))| {
                 let row = &proj[t * d.d_in_proj..(t + 1) * d.d_in_proj];
-                let (bn, cn) = bc.split_at_mut(g_n * n_n);
-                for g in 0..g_n {
-                    let b = &row[d.b_off() + g * n_n..d.b_off() + (g + 1) * n_n];
-                    let c = &row[d.c_off() + g * n_n..d.c_off() + (g + 1) * n_n];
-                    rms_norm(b, &lw.b_norm, eps, &mut bn[g * n_n..(g + 1) * n_n]);
-                    rms_norm(c, &lw.c_norm, eps, &mut cn[g * n_n..(g + 1) * n_n]);
-                }
-                for h in 0..h_n {
-                    delta[h] = softplus(row[d.dt_off() + h] + F::from_f(lw.dt_bias[h] as f64));
-                    a[h] = a_value(row[d.a_off() + h], a_floor, self.a_act) * delta[h];
-                    lambda[h] = sigmoid(row[d.trap_off() + h]);
-                }
-                for i in 0..s_n {
-                    theta[i] = F::PI() * row[d.angle_off() + i].tanh();
-                }
+                self.token_row(row, bc, delta, a, lambda, theta);
             });
         pre
+    }
+
+    /// [`MixerCtx::token_pre`] into `pre`'s buffers (resized, reused across calls), on the
+    /// calling thread: the same values.
+    pub fn token_pre_into<F: Real>(&self, proj: &[F], rows: usize, pre: &mut TokenPre<F>) {
+        let d = &self.d;
+        let (h_n, n_n, g_n, s_n) = (d.nheads, d.d_state, d.ngroups, d.num_rope_angles);
+        let bcw = 2 * g_n * n_n;
+        pre.bc.resize(rows * bcw, F::zero());
+        pre.delta.resize(rows * h_n, F::zero());
+        pre.a.resize(rows * h_n, F::zero());
+        pre.lambda.resize(rows * h_n, F::zero());
+        pre.theta.resize(rows * s_n, F::zero());
+        for t in 0..rows {
+            self.token_row(
+                &proj[t * d.d_in_proj..(t + 1) * d.d_in_proj],
+                &mut pre.bc[t * bcw..(t + 1) * bcw],
+                &mut pre.delta[t * h_n..(t + 1) * h_n],
+                &mut pre.a[t * h_n..(t + 1) * h_n],
+                &mut pre.lambda[t * h_n..(t + 1) * h_n],
+                &mut pre.theta[t * s_n..(t + 1) * s_n],
+            );
+        }
+    }
+
+    /// One token's values from its in_proj `row`.
+    fn token_row<F: Real>(
+        &self,
+        row: &[F],
+        bc: &mut [F],
+        delta: &mut [F],
+        a: &mut [F],
+        lambda: &mut [F],
+        theta: &mut [F],
+    ) {
+        let d = &self.d;
+        let (h_n, n_n, g_n, s_n) = (d.nheads, d.d_state, d.ngroups, d.num_rope_angles);
+        let eps = F::from_f(NORM_EPS);
+        let a_floor = F::from_f(self.a_floor);
+        let lw = self.lw;
+        let (bn, cn) = bc.split_at_mut(g_n * n_n);
+        for g in 0..g_n {
+            let b = &row[d.b_off() + g * n_n..d.b_off() + (g + 1) * n_n];
+            let c = &row[d.c_off() + g * n_n..d.c_off() + (g + 1) * n_n];
+            rms_norm(b, &lw.b_norm, eps, &mut bn[g * n_n..(g + 1) * n_n]);
+            rms_norm(c, &lw.c_norm, eps, &mut cn[g * n_n..(g + 1) * n_n]);
+        }
+        for h in 0..h_n {
+            delta[h] = softplus(row[d.dt_off() + h] + F::from_f(lw.dt_bias[h] as f64));
+            a[h] = a_value(row[d.a_off() + h], a_floor, self.a_act) * delta[h];
+            lambda[h] = sigmoid(row[d.trap_off() + h]);
+        }
+        for i in 0..s_n {
+            theta[i] = F::PI() * row[d.angle_off() + i].tanh();
+        }
     }
 
     /// Biased key and query of head `h` for one token: `k = B̄[g(h)] + B_bias[h]`,
