@@ -180,7 +180,6 @@ fn every_kernel_compiles_under_nvrtc() {
     }
     // Mamba-3 MIMO: the fixtures' and the benchmark's state sizes and ranks, every dtype
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        // (the 16-bit ones with P and N multiples of 16 include the tensor-core scan)
         for (d_state, rank, headdim) in [
             (128, 4, 64),
             (32, 4, 16),

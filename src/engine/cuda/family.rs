@@ -67,7 +67,7 @@ impl GpuMixer {
         match self {
             GpuMixer::Mamba1(_) => mamba1::cuda::chunk_len(rows),
             GpuMixer::Mamba2(_) => mamba2::cuda::chunk_len(rows),
-            GpuMixer::Mimo(m) => m.chunk_len(rows),
+            GpuMixer::Mimo(_) => mimo::cuda::chunk_len(rows),
         }
     }
 }

@@ -21,7 +21,6 @@ pub const PROGRAM: Program = Program {
         DTYPES,
         LM_ROWS,
         ("mimo.cu", include_str!("kernels/mimo.cu")),
-        ("mimo_mma.cu", include_str!("kernels/mimo_mma.cu")),
     ],
     parts: &[0],
 };
@@ -38,38 +37,6 @@ pub fn state_lanes(d_state: usize) -> Option<usize> {
         .map(|k| 1usize << k)
         .find(|q| (d_state / 2).is_multiple_of(*q))?;
     (d_state / q <= 64).then_some(q)
-}
-
-/// Whether a 16-bit model's prefill scan runs on tensor cores (`kernels/mimo_mma.cu`): P and
-/// N multiples of 16, and a chunk's tiles within the shared memory a block may take
-/// (227 KB on Hopper). f32 models keep the FMA scan, exact to f32 rounding.
-pub fn uses_tensor_cores(d: &MimoDims, dtype: DType) -> bool {
-    matches!(dtype, DType::BF16 | DType::F16)
-        && d.headdim.is_multiple_of(16)
-        && d.d_state.is_multiple_of(16)
-        && d.rank <= 16
-        && 64usize.is_multiple_of(d.rank)
-        && mma_smem_bytes(d) <= 227 * 1024
-}
-
-/// Rows of a tensor-core chunk: the chunk's (row, rank) pairs make the 64 rows of its tiles.
-fn mma_chunk_len(d: &MimoDims) -> usize {
-    64 / d.rank
-}
-
-/// The dynamic shared memory of a tensor-core chunk (`MimoTiles` in mimo_mma.cu).
-fn mma_smem_bytes(d: &MimoDims) -> usize {
-    let align = |b: usize| b.div_ceil(128) * 128;
-    let (n, p) = (d.d_state, d.headdim);
-    let (ldq, ldu, lds, ldm) = (n + 8, p + 8, (80 + 4).max(p + 4), 80 + 8);
-    // f16 tiles (2 bytes), f32 scores
-    let mut at = align(64 * ldq * 2);
-    at = align(at + 80 * ldq * 2);
-    at = align(at + 80 * ldu * 2);
-    at = align(at + 64 * lds * 4);
-    at = align(at + 64 * ldm * 2);
-    at = align(at + p * ldq * 2);
-    at + 3 * mma_chunk_len(d) * 4
 }
 
 /// The compile-time constants of a MIMO model's kernels; an error naming the size the scan
@@ -92,9 +59,6 @@ pub fn kernel_config(d: &MimoDims, dtype: DType) -> Result<KernelConfig> {
     k.set("D_STATE", &d.d_state.to_string());
     k.set("MIMO_R", &d.rank.to_string());
     k.set("MIMO_Q", &lanes.to_string());
-    let mma = uses_tensor_cores(d, dtype);
-    k.set("MIMO_MMA", if mma { "1" } else { "0" });
-    k.set("MIMO_P", &d.headdim.to_string());
     Ok(k)
 }
 
@@ -107,8 +71,8 @@ fn channels_per_block(headdim: usize, lanes: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// Rows per chunk of the FMA scan (the chunk states of a long pass are `H·P·N` floats each).
-fn fma_chunk_len(rows: usize) -> usize {
+/// Rows per chunk of the scan (the chunk states of a long pass are `H·P·N` floats each).
+pub fn chunk_len(rows: usize) -> usize {
     if rows <= 16384 {
         64
     } else {
@@ -178,15 +142,7 @@ struct Layer {
     mlp: Option<Mlp>,
 }
 
-/// The tensor-core scan's two kernels and their shared memory.
-struct MmaKernels {
-    local: Kernel,
-    out: Kernel,
-    smem: u32,
-}
-
 struct Kernels {
-    mma: Option<MmaKernels>,
     pre: Kernel,
     phase: Kernel,
     scan_local: Kernel,
@@ -262,24 +218,7 @@ impl GpuMimo {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let mma = if uses_tensor_cores(&d, dt) {
-            let smem = mma_smem_bytes(&d);
-            let (local, out) = (
-                module.kernel("mimo_mma_local")?,
-                module.kernel("mimo_mma_out")?,
-            );
-            local.allow_smem(smem)?;
-            out.allow_smem(smem)?;
-            Some(MmaKernels {
-                local,
-                out,
-                smem: smem as u32,
-            })
-        } else {
-            None
-        };
         let k = Kernels {
-            mma,
             pre: module.kernel("mimo_pre")?,
             phase: module.kernel("mimo_phase")?,
             scan_local: module.kernel("mimo_scan_local")?,
@@ -323,15 +262,6 @@ impl GpuMimo {
         let mut c = Carve::new(0);
         self.carve(&mut c, rows, chunks, act_bytes);
         c.used()
-    }
-
-    /// Rows per chunk of a pass of `rows` rows: the tensor-core chunk of 64/R rows for
-    /// 16-bit models, else the FMA scan's.
-    pub fn chunk_len(&self, rows: usize) -> usize {
-        match self.k.mma {
-            Some(_) => mma_chunk_len(&self.d),
-            None => fma_chunk_len(rows),
-        }
     }
 
     /// Floats of one layer's state (`angle [H,S]`, `ssm [H,P,N]`, `k [R,H,N]`, `v [H,P]`).
@@ -434,54 +364,27 @@ impl GpuMimo {
                 &b.h_chunk,
                 &b.a_sum,
             ];
-            match &self.k.mma {
-                Some(m) => {
-                    let grid = (pass.chunks as u32, heads, 1);
-                    gpu.launch(&m.local, grid, 256, m.smem, false, &args)?;
-                }
-                None => {
-                    let grid = (pass.chunks as u32, heads, z);
-                    gpu.launch(&self.k.scan_local, grid, block, 0, false, &args)?;
-                }
-            }
+            let grid = (pass.chunks as u32, heads, z);
+            gpu.launch(&self.k.scan_local, grid, block, 0, false, &args)?;
             let per_head = d.headdim * d.d_state;
             let grid = (pass.seqs as u32 * heads, per_head.div_ceil(256) as u32, 1);
             let (c0, nc) = (pass.at(Table::SeqChunk0), pass.seq_nchunks());
             let args: [&dyn KArg; 6] = [&p, &c0, &nc, &seq_state, &b.h_chunk, &b.a_sum];
             gpu.launch(&self.k.scan_carry, grid, 256, 0, false, &args)?;
         }
-        match &self.k.mma {
-            // a pass of single-chunk sequences (decode) runs the FMA scan in place
-            Some(m) if !pass.one_chunk_each => {
-                let args: [&dyn KArg; 8] = [
-                    &p,
-                    &chunk_row0,
-                    &chunk_len,
-                    &chunk_seq,
-                    &seq_row0,
-                    &seq_state,
-                    &b.h_chunk,
-                    &b.y,
-                ];
-                let grid = (pass.chunks as u32, heads, 1);
-                gpu.launch(&m.out, grid, 256, m.smem, false, &args)?;
-            }
-            _ => {
-                let args: [&dyn KArg; 9] = [
-                    &p,
-                    &chunk_row0,
-                    &chunk_len,
-                    &chunk_seq,
-                    &seq_row0,
-                    &seq_state,
-                    &b.h_chunk,
-                    &direct,
-                    &b.y,
-                ];
-                let grid = (pass.chunks as u32, heads, z);
-                gpu.launch(&self.k.scan_out, grid, block, 0, false, &args)?;
-            }
-        }
+        let args: [&dyn KArg; 9] = [
+            &p,
+            &chunk_row0,
+            &chunk_len,
+            &chunk_seq,
+            &seq_row0,
+            &seq_state,
+            &b.h_chunk,
+            &direct,
+            &b.y,
+        ];
+        let grid = (pass.chunks as u32, heads, z);
+        gpu.launch(&self.k.scan_out, grid, block, 0, false, &args)?;
         let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
         gpu.launch(&self.k.tail, (pass.seqs as u32, 1, 1), 256, 0, false, &args)?;
         gpu.launch(
