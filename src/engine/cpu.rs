@@ -294,6 +294,22 @@ impl<F: Real> CpuModel<F> {
         )
     }
 
+    /// Tokens in the vocabulary, one state per sequence, each of this model's shape.
+    fn check_inputs(&self, seqs: &[&[u32]], states: &[&mut SeqState<F>]) -> Result<()> {
+        let d = self.weights.dims;
+        check_batch(d.vocab_size, seqs, states.len())?;
+        let state_layout = layout(&d);
+        for (b, st) in states.iter().enumerate() {
+            if !st.fits(&state_layout) {
+                return Err(Error::State(format!(
+                    "state {b} does not have this model's shape ({})",
+                    state_layout.describe()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// [`CpuModel::small_step`] on up to `members` threads (exactly that many, capped at
     /// the pool's, if `exact`); also returns how many ran it.
     fn small_step_on(
@@ -304,17 +320,8 @@ impl<F: Real> CpuModel<F> {
         exact: bool,
     ) -> Result<(Vec<F>, usize)> {
         let w = &*self.weights;
-        check_batch(w.dims.vocab_size, seqs, states.len())?;
+        self.check_inputs(seqs, states)?;
         let d = w.dims;
-        let state_layout = layout(&d);
-        for (b, st) in states.iter().enumerate() {
-            if !st.fits(&state_layout) {
-                return Err(Error::State(format!(
-                    "state {b} does not have this model's shape ({})",
-                    state_layout.describe()
-                )));
-            }
-        }
         let rows = seqs.len();
         let (dm, vp) = (d.d_model, d.vocab_padded);
         let mut fresh = StepWork::default();
@@ -489,17 +496,8 @@ impl<F: Real> CpuModel<F> {
         head: bool,
     ) -> Result<(Vec<F>, Vec<Span>, usize)> {
         let w = &*self.weights;
-        check_batch(w.dims.vocab_size, seqs, states.len())?;
+        self.check_inputs(seqs, states)?;
         let d = w.dims;
-        let state_layout = layout(&d);
-        for (b, st) in states.iter().enumerate() {
-            if !st.fits(&state_layout) {
-                return Err(Error::State(format!(
-                    "state {b} does not have this model's shape ({})",
-                    state_layout.describe()
-                )));
-            }
-        }
         let dm = d.d_model;
         let mut spans = Vec::with_capacity(seqs.len());
         let mut rows = 0;
