@@ -1,6 +1,7 @@
 //! Every option the engine reads from the environment, read here and nowhere else, and
 //! [`VARIABLES`], the table of them that the README lists. Options a user sets per run are
-//! command-line flags (`--device`, `--dtype`, `--threads`, `--tf32`, `--fast`); what is
+//! command-line flags (`--device`, `--dtype`, `--threads`, `--tf32`, `--fast`,
+//! `--batch-invariant`); what is
 //! here is for diagnostics, measurements and machine-wide settings.
 
 use std::path::PathBuf;
@@ -42,13 +43,20 @@ fn flag(name: &str, default: bool) -> bool {
     }
 }
 
-/// `--tf32` and `--fast` of the command line, set once by the command before it loads a
-/// model; every GPU model of the process starts with them (`GpuOptions::from_env`).
-static COMMAND_LINE: OnceLock<(bool, bool)> = OnceLock::new();
+/// The GPU flags of the command line, set once by the command before it loads a model;
+/// every GPU model of the process starts with them (`GpuOptions::from_env`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GpuFlags {
+    pub tf32: bool,
+    pub fast: bool,
+    pub batch_invariant: bool,
+}
 
-/// Record the command line's `--tf32` and `--fast` (the first call wins).
-pub fn set_command_line(tf32: bool, fast: bool) {
-    let _ = COMMAND_LINE.set((tf32, fast));
+static COMMAND_LINE: OnceLock<GpuFlags> = OnceLock::new();
+
+/// Record the command line's GPU flags (the first call wins).
+pub fn set_command_line(flags: GpuFlags) {
+    let _ = COMMAND_LINE.set(flags);
 }
 
 /// The options read once per process.
@@ -105,6 +113,12 @@ pub struct GpuOptions {
     /// launch (kernels/decode_layers.cu) instead of three or five launches per layer.
     /// Bit-identical either way; it only changes the speed.
     pub fused_decode: bool,
+    /// A sequence's logits and state, bit for bit, do not depend on the other sequences of
+    /// its batch (as on the CPU): every GEMM runs one algorithm per shape whatever its row
+    /// count (no split-K), Mamba-3's decode projections take the GEMV at every batch size,
+    /// the prefill scan's segments are planned per sequence and prompts are read in windows
+    /// of fixed length. Slower; docs/performance.md says by how much.
+    pub batch_invariant: bool,
     /// Decode batches that run one launch per kernel (larger than the fused step takes):
     /// the rows are cut into this many lanes (1 … 4; 0 chooses by the batch size), each
     /// running every layer on a stream of its own, so that one lane's latency-bound
@@ -121,16 +135,22 @@ impl Default for GpuOptions {
             pdl: true,
             fused_decode: true,
             decode_lanes: 0,
+            batch_invariant: false,
         }
     }
 }
 
 impl GpuOptions {
-    /// The defaults, overridden by `MAMBA3_GPU_TF32=1`, `MAMBA3_GPU_FAST=1`,
-    /// `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`, `MAMBA3_GPU_DECODE_LANES=N`.
+    /// The defaults, overridden by the command line's flags and by `MAMBA3_GPU_TF32=1`,
+    /// `MAMBA3_GPU_FAST=1`, `MAMBA3_GPU_PDL=0`, `MAMBA3_GPU_FUSED_DECODE=0`,
+    /// `MAMBA3_GPU_DECODE_LANES=N`.
     pub fn from_env() -> GpuOptions {
         let d = GpuOptions::default();
-        let (tf32, fast) = COMMAND_LINE.get().copied().unwrap_or_default();
+        let GpuFlags {
+            tf32,
+            fast,
+            batch_invariant,
+        } = COMMAND_LINE.get().copied().unwrap_or_default();
         GpuOptions {
             tf32: tf32 || flag("MAMBA3_GPU_TF32", d.tf32),
             fast: fast || flag("MAMBA3_GPU_FAST", d.fast),
@@ -139,6 +159,7 @@ impl GpuOptions {
             decode_lanes: var("MAMBA3_GPU_DECODE_LANES")
                 .and_then(|v| v.parse::<usize>().ok())
                 .map_or(d.decode_lanes, |n| n.min(4)),
+            batch_invariant,
         }
     }
 }

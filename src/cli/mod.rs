@@ -72,11 +72,19 @@ pub struct RunOpts {
     /// a little less accurate).
     #[arg(long)]
     pub fast: bool,
+    /// On a GPU: a sequence's output does not depend on the other sequences of its batch,
+    /// bit for bit, as on the CPU (slower; see docs/performance.md).
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 impl RunOpts {
     pub fn init_threads(&self) {
-        crate::options::set_command_line(self.tf32, self.fast);
+        crate::options::set_command_line(crate::options::GpuFlags {
+            tf32: self.tf32,
+            fast: self.fast,
+            batch_invariant: self.batch_invariant,
+        });
         init_threads(self.threads);
     }
 }

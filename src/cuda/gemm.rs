@@ -17,7 +17,10 @@
 //! graph captures replay the very same kernel; split-K reductions that use atomics are
 //! excluded, so results are bit-reproducible. The algorithm is the heuristic's first guess,
 //! or for a large product the fastest of its guesses that gives the same bits
-//! (`gemm_tune`).
+//! (`gemm_tune`). A batch-invariant product ([`GemmSpec::batch_invariant`]) takes the
+//! algorithm the heuristic proposes for the same shape at [`INVARIANT_ROWS`] rows without
+//! split-K, whatever its own row count, and is never tuned: every row is then computed
+//! by the same kernel in the same order, however many rows share the launch.
 
 use super::context::{dev_err, DevBuf, Gpu};
 pub use super::gemm_spec::{ElemType, GemmOp, GemmSpec};
@@ -31,6 +34,8 @@ use std::sync::Mutex;
 const WORKSPACE_BYTES: usize = 32 << 20;
 /// The most algorithms asked of cuBLASLt's heuristic for one shape.
 const MAX_CANDIDATES: usize = 16;
+/// The row count whose algorithm every batch-invariant product of a shape runs.
+pub const INVARIANT_ROWS: usize = 1024;
 
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
@@ -153,8 +158,9 @@ impl Lt {
         let pref = lt::create_matmul_pref().map_err(|e| blas_err("preference", e))?;
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
         let ws = WORKSPACE_BYTES as u64;
-        // No in-place (atomic) split-K reduction: keep results reproducible.
-        let mask: u32 = 2 | 4;
+        // No in-place (atomic) split-K reduction: keep results reproducible; no split-K
+        // at all for a batch-invariant product (its splits would follow the row count).
+        let mask: u32 = if s.batch_invariant { 0 } else { 2 | 4 };
         let mut found = [std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit();
             MAX_CANDIDATES];
         let mut count = 0i32;
@@ -228,6 +234,9 @@ impl Lt {
         s: &GemmSpec,
         (a, w, d): (u64, u64, u64),
     ) -> Result<Plan> {
+        if s.batch_invariant {
+            return self.invariant_plan(s);
+        }
         let (mut plan, algos) = self.candidates(s)?;
         plan.algo = algos[0];
         let on = self.tuning.load(std::sync::atomic::Ordering::Relaxed);
@@ -321,6 +330,32 @@ impl Lt {
             )
         });
         Ok(plan)
+    }
+
+    /// The plan of a batch-invariant `s`: the first algorithm the heuristic proposes for
+    /// the shape at [`INVARIANT_ROWS`] rows (no split-K) that also runs `s`'s row count.
+    fn invariant_plan(&self, s: &GemmSpec) -> Result<Plan> {
+        let canonical = GemmSpec {
+            rows: INVARIANT_ROWS,
+            ..*s
+        };
+        let (_, algos) = self.candidates(&canonical)?;
+        let (mut plan, _) = self.candidates(s)?;
+        match algos.iter().find(|a| self.accepts(&plan, a)) {
+            Some(a) => {
+                plan.algo = *a;
+                Ok(plan)
+            }
+            None => Err(Error::Device(format!(
+                "cuBLASLt: none of the {} algorithms of a {}×{}×{} GEMM runs {} rows \
+                 (batch-invariant mode)",
+                algos.len(),
+                INVARIANT_ROWS,
+                s.n,
+                s.k,
+                s.rows
+            ))),
+        }
     }
 
     /// Whether cuBLASLt runs `algo` for `plan`'s shape within our workspace.

@@ -63,6 +63,9 @@ pub struct GemmSpec {
     pub d: ElemType,
     pub accumulate: bool,
     pub tf32: bool,
+    /// One algorithm for the shape whatever `rows`, without split-K: a row's result does
+    /// not depend on how many rows share the product (`GpuOptions::batch_invariant`).
+    pub batch_invariant: bool,
 }
 
 impl GemmSpec {
@@ -92,6 +95,15 @@ impl GemmSpec {
             d,
             accumulate,
             tf32,
+            batch_invariant: false,
+        }
+    }
+
+    /// The same product, batch-invariant or not (`batch_invariant`).
+    pub fn invariant(self, on: bool) -> GemmSpec {
+        GemmSpec {
+            batch_invariant: on,
+            ..self
         }
     }
 

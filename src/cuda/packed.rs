@@ -168,6 +168,8 @@ pub struct LayerRun<'a> {
     pub act: ElemType,
     /// `fam_add_bias` of lm_rows.cu
     pub add_bias: &'a Kernel,
+    /// GEMMs whose rows do not depend on the pass's row count (`GemmSpec::invariant`)
+    pub batch_invariant: bool,
 }
 
 impl LayerRun<'_> {
@@ -209,7 +211,8 @@ impl DevLinear {
             self.n,
             acc,
             false,
-        );
+        )
+        .invariant(run.batch_invariant);
         run.lt.gemm(run.gpu, &spec, a, self.w.ptr, d)?;
         if let Some(b) = &self.bias {
             let (cols, ld) = (self.n as i32, self.n as i32);

@@ -20,6 +20,13 @@ pub const MAX_TOKENS_PER_PASS: usize = 8192;
 /// The same bound on a GPU, where memory is plentiful and larger passes run faster.
 pub const MAX_TOKENS_PER_PASS_GPU: usize = 65536;
 
+/// Batch-invariant prefill (`GpuOptions::batch_invariant`): each sequence is read in
+/// windows of this many tokens, whatever else is in the batch…
+pub const INVARIANT_WINDOW: usize = 4096;
+/// …and a pass takes at most this many rows (the scans' chunk length, chosen by a pass's
+/// rows, is then the same in every pass).
+pub const INVARIANT_PASS: usize = 16384;
+
 pub(crate) fn needs_gpu(what: &str) -> Error {
     Error::Device(format!(
         "{what} need a CUDA device; this model runs on the CPU"

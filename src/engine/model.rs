@@ -1,7 +1,7 @@
 //! `Model`: weights resident on one device, and the calls every user of the engine makes —
 //! `new_state`, `prefill`, `decode` — whatever the device.
 
-use super::backend::Backend;
+use super::backend::{Backend, INVARIANT_PASS, INVARIANT_WINDOW};
 pub use super::backend::{MAX_TOKENS_PER_PASS, MAX_TOKENS_PER_PASS_GPU};
 use super::cpu::CpuModel;
 use super::cpu_family::FamilyCpu;
@@ -220,13 +220,21 @@ impl Model {
         let vocab = self.dims.vocab_padded;
         let mut out: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
         // Cut into passes of at most MAX_TOKENS_PER_PASS tokens, shared among the
-        // sequences that still have tokens left.
+        // sequences that still have tokens left; batch-invariant: every sequence in
+        // windows of INVARIANT_WINDOW tokens (where it is cut must not depend on the
+        // others), as many per pass as fit in INVARIANT_PASS rows.
+        let invariant = self.gpu_options()?.is_some_and(|o| o.batch_invariant);
         let mut done = vec![0usize; seqs.len()];
         while done.iter().zip(seqs).any(|(&d, s)| d < s.len()) {
-            let live: Vec<usize> = (0..seqs.len())
+            let mut live: Vec<usize> = (0..seqs.len())
                 .filter(|&b| done[b] < seqs[b].len())
                 .collect();
-            let share = (self.max_tokens_per_pass() / live.len()).max(1);
+            let share = if invariant {
+                live.truncate(INVARIANT_PASS / INVARIANT_WINDOW);
+                INVARIANT_WINDOW
+            } else {
+                (self.max_tokens_per_pass() / live.len()).max(1)
+            };
             let pieces: Vec<&[u32]> = live
                 .iter()
                 .map(|&b| &seqs[b][done[b]..(done[b] + share).min(seqs[b].len())])
@@ -234,7 +242,7 @@ impl Model {
             let mut live_states: Vec<&mut State> = states
                 .iter_mut()
                 .enumerate()
-                .filter(|(b, _)| done[*b] < seqs[*b].len())
+                .filter(|(b, _)| live.contains(b))
                 .map(|(_, s)| &mut **s)
                 .collect();
             let logits = self.forward(&pieces, &mut live_states, want)?;

@@ -33,7 +33,7 @@ impl Pipe<'_> {
         // One lane runs on the main stream, several on side streams 1 … lanes.
         let lanes = decode_lanes(self.opts.decode_lanes, nb, self.probe || self.timed);
         if lanes == 1 {
-            self.decode_layers(work, 0, nb)?;
+            self.decode_rows(work, 0, nb)?;
         } else {
             self.gpu.fork_lanes(lanes)?;
             for lane in 0..lanes {
@@ -42,11 +42,23 @@ impl Pipe<'_> {
                     lane: lane + 1,
                     ..*self
                 }
-                .decode_layers(work, r0, r1 - r0)?;
+                .decode_rows(work, r0, r1 - r0)?;
             }
             self.gpu.join_lanes(lanes)?;
         }
         self.decode_head(work, nb)
+    }
+
+    /// Every layer for rows `r0 … r0 + nb`: at once, or batch-invariant in groups the GEMV
+    /// takes (a row's products then never depend on the batch: `GpuOptions::batch_invariant`).
+    fn decode_rows(&self, work: &Work, r0: usize, nb: usize) -> Result<()> {
+        if !self.opts.batch_invariant {
+            return self.decode_layers(work, r0, nb);
+        }
+        for g in (0..nb).step_by(GEMV_MAX_ROWS) {
+            self.decode_layers(work, r0 + g, GEMV_MAX_ROWS.min(nb - g))?;
+        }
+        Ok(())
     }
 
     /// Every layer, one launch per kernel, for rows `r0 … r0 + nb` of the batch.
@@ -198,18 +210,20 @@ impl Pipe<'_> {
     fn decode_head(&self, work: &Work, nb: usize) -> Result<()> {
         let d = &self.d;
         let vp = d.vocab_padded;
-        if nb <= GEMV_MAX_ROWS {
-            self.gemv(
-                work.res.ptr,
-                self.w.norm_f.ptr,
-                self.w.head().ptr,
-                (work.logits.ptr, vp),
-                nb,
-                vp,
-                d.d_model,
-                1,
-                false,
-            )?;
+        if nb <= GEMV_MAX_ROWS || self.opts.batch_invariant {
+            for g in (0..nb).step_by(GEMV_MAX_ROWS) {
+                self.gemv(
+                    work.res.at::<f32>(g * d.d_model),
+                    self.w.norm_f.ptr,
+                    self.w.head().ptr,
+                    (work.logits.at::<f32>(g * vp), vp),
+                    GEMV_MAX_ROWS.min(nb - g),
+                    vp,
+                    d.d_model,
+                    1,
+                    false,
+                )?;
+            }
         } else {
             self.head_gemm(work, nb, 0)?;
         }

@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::mixers::{mamba1, mamba2, mimo, LmDims, MixerWeights};
 use crate::model::family_weights::LmWeights;
 use crate::model::state_layout::StateLayout;
+use crate::options::GpuOptions;
 use cudarc::driver::CudaGraph;
 use std::sync::{Arc, Mutex};
 
@@ -162,6 +163,9 @@ pub struct FamilyCuda {
     add_bias: Kernel,
     layout: StateLayout,
     work: Mutex<Work>,
+    /// Of the GPU options, these models use `batch_invariant`; the others (TF32, the fast
+    /// scan, fused decode, lanes) are Mamba-3 SISO's and are kept only to be reported.
+    options: Mutex<GpuOptions>,
 }
 
 impl FamilyCuda {
@@ -210,6 +214,7 @@ impl FamilyCuda {
             add_bias,
             layout: weights.state_layout(),
             work: Mutex::new(Work::default()),
+            options: Mutex::new(GpuOptions::from_env()),
         })
     }
 
@@ -298,6 +303,7 @@ impl FamilyCuda {
                 state_off: l * layer_floats,
                 act: self.act,
                 add_bias: &self.add_bias,
+                batch_invariant: self.batch_invariant(),
             };
             self.mixer.layer(&run, l, b.normed, b.residual, b.mixer)?;
         }
@@ -329,7 +335,8 @@ impl FamilyCuda {
             vp,
             false,
             false,
-        );
+        )
+        .invariant(self.batch_invariant());
         self.lt.gemm(gpu, &spec, b.normed, self.lm.head(), b.logits)
     }
 
@@ -400,6 +407,10 @@ impl FamilyCuda {
             at += n;
         }
         out
+    }
+
+    fn batch_invariant(&self) -> bool {
+        self.options.lock().is_ok_and(|o| o.batch_invariant)
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Work>> {
@@ -597,6 +608,21 @@ impl Backend for FamilyCuda {
     }
     fn clear_graphs(&self) -> Result<()> {
         self.lock()?.graphs.clear();
+        Ok(())
+    }
+    fn gpu_options(&self) -> Result<Option<GpuOptions>> {
+        Ok(self.options.lock().ok().map(|o| *o))
+    }
+    /// Graphs captured under other options are dropped (their GEMMs may differ).
+    fn set_gpu_options(&self, o: GpuOptions) -> Result<()> {
+        let mut cur = self
+            .options
+            .lock()
+            .map_err(|_| Error::Device("a GPU pass panicked earlier".into()))?;
+        if *cur != o {
+            self.lock()?.graphs.clear();
+            *cur = o;
+        }
         Ok(())
     }
 }

@@ -61,11 +61,14 @@ pub fn prefill_gemm_specs(
     let act = ElemType::of(dtype);
     let f32 = ElemType::F32;
     let (ab, k, _) = in_proj_operands(in_proj, opts.fast, act, d.d_model);
-    let spec =
-        |rows, n, k, ab, ldd, acc| GemmSpec::linear(rows, n, k, ab, f32, ldd, acc, opts.tf32);
+    let inv = opts.batch_invariant;
+    let spec = |rows, n, k, ab, ldd, acc| {
+        GemmSpec::linear(rows, n, k, ab, f32, ldd, acc, opts.tf32).invariant(inv)
+    };
     let proj = if proj_f16 { ElemType::F16 } else { f32 };
     let mut specs = vec![
-        GemmSpec::linear(rows, d.d_in_proj, k, ab, proj, proj_ld(d), false, opts.tf32),
+        GemmSpec::linear(rows, d.d_in_proj, k, ab, proj, proj_ld(d), false, opts.tf32)
+            .invariant(inv),
         spec(rows, d.d_model, d.d_inner, act, d.d_model, true),
     ];
     let hid = d.mlp_hidden;
@@ -212,7 +215,8 @@ impl Pipe<'_> {
         acc: bool,
     ) -> Result<()> {
         let d_type = if d_f32 { ElemType::F32 } else { self.act() };
-        let spec = GemmSpec::linear(rows, n, k, self.act(), d_type, n, acc, self.opts.tf32);
+        let spec = GemmSpec::linear(rows, n, k, self.act(), d_type, n, acc, self.opts.tf32)
+            .invariant(self.opts.batch_invariant);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 
@@ -229,7 +233,8 @@ impl Pipe<'_> {
         w: u64,
         (d, dt, ldd): (u64, ElemType, usize),
     ) -> Result<()> {
-        let spec = GemmSpec::linear(rows, n, k, ab, dt, ldd, false, self.opts.tf32);
+        let spec = GemmSpec::linear(rows, n, k, ab, dt, ldd, false, self.opts.tf32)
+            .invariant(self.opts.batch_invariant);
         self.lt.gemm_on(self.gpu, self.lane, &spec, a, w, d)
     }
 

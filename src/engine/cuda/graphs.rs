@@ -107,7 +107,14 @@ impl CudaModel {
                 "one token per sequence is a decode step: capture a decode graph instead",
             ));
         }
-        let lay = Layout::new(lens, &self.weights.dims, self.scan_slots()?, want);
+        let invariant = self.options()?.batch_invariant;
+        let lay = Layout::new(
+            lens,
+            &self.weights.dims,
+            self.scan_slots()?,
+            want,
+            invariant,
+        );
         let c = self.capture(lay, Kind::Prefill)?;
         let mut inner = self.lock()?;
         inner

@@ -304,7 +304,7 @@ impl CudaModel {
             Layout::decode(seqs.len(), &d)
         } else {
             let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
-            Layout::new(&lens, &d, k.scan.scan_slots, want)
+            Layout::new(&lens, &d, k.scan.scan_slots, want, opts.batch_invariant)
         };
         let caps = Caps::of(&lay);
         let grow = inner.work.as_ref().is_none_or(|w| !w.caps.covers(&caps));

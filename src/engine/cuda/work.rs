@@ -39,10 +39,18 @@ pub struct Layout {
 
 impl Layout {
     /// The layout of sequences of `lens` tokens; `slots` is how many scan blocks the GPU
-    /// runs at once (SMs × blocks per SM).
+    /// runs at once (SMs × blocks per SM). The segment plan is chosen for the whole batch,
+    /// or with `batch_invariant` for each sequence as if it were alone (its scan's order of
+    /// operations then does not depend on the other sequences).
     /// `MAMBA3_GPU_CHUNKS_PER_SEGMENT=P` or `P/T` replaces the model's choice (for
     /// measuring): segments of P chunks, or a last segment of T and P before it.
-    pub fn new(lens: &[usize], d: &Dims, slots: usize, want: LogitsWant) -> Layout {
+    pub fn new(
+        lens: &[usize],
+        d: &Dims,
+        slots: usize,
+        want: LogitsWant,
+        batch_invariant: bool,
+    ) -> Layout {
         static FORCED: OnceLock<Option<SegPlan>> = OnceLock::new();
         let forced = FORCED.get_or_init(|| {
             let v = crate::options::env().chunks_per_segment.clone()?;
@@ -52,11 +60,16 @@ impl Layout {
                 tail: tail.trim().parse().ok()?,
             })
         });
+        let slots = slots.max(1);
+        if let (None, true) = (forced, batch_invariant) {
+            let own = |nc: usize| SegPlan::choose(&[nc], d.nheads, slots);
+            return Layout::with_plans(lens, d, &own, want);
+        }
         let plan = forced.unwrap_or_else(|| {
             let chunks: Vec<usize> = lens.iter().map(|n| n.div_ceil(d.chunk_len)).collect();
-            SegPlan::choose(&chunks, d.nheads, slots.max(1))
+            SegPlan::choose(&chunks, d.nheads, slots)
         });
-        Layout::with_plan(lens, d, plan, want)
+        Layout::with_plans(lens, d, &|_| plan, want)
     }
 
     /// The layout with segments of `per_seg` chunks (training takes 1: the scan then
@@ -66,10 +79,16 @@ impl Layout {
             per: per_seg,
             tail: 0,
         };
-        Layout::with_plan(lens, d, plan, want)
+        Layout::with_plans(lens, d, &|_| plan, want)
     }
 
-    fn with_plan(lens: &[usize], d: &Dims, plan: SegPlan, want: LogitsWant) -> Layout {
+    /// The layout with the segment plan `plan_of(chunks)` for each sequence.
+    fn with_plans(
+        lens: &[usize],
+        d: &Dims,
+        plan_of: &dyn Fn(usize) -> SegPlan,
+        want: LogitsWant,
+    ) -> Layout {
         let l = d.chunk_len;
         let mut lay = Layout {
             rows: 0,
@@ -93,7 +112,7 @@ impl Layout {
                     s as i32,
                 ]);
             }
-            let cut = plan.lengths(nc);
+            let cut = plan_of(nc).lengths(nc);
             let first_seg = lay.segs.len();
             let mut c0 = 0;
             for (i, &cnt) in cut.iter().enumerate() {
@@ -128,7 +147,7 @@ impl Layout {
 
     /// A layout of `n` one-token sequences (decode).
     pub fn decode(n: usize, d: &Dims) -> Layout {
-        Layout::new(&vec![1; n], d, 1, LogitsWant::Last)
+        Layout::new(&vec![1; n], d, 1, LogitsWant::Last, false)
     }
 }
 
@@ -508,7 +527,8 @@ mod tests {
     fn the_order_lists_every_segment_longest_first() {
         let d = crate::model::config::Config::synthetic(64, 1, 16, 16, 2, 1, 32).dims();
         let lens = [64 * d.chunk_len, 3 * d.chunk_len + 5, 1];
-        let lay = Layout::with_plan(&lens, &d, SegPlan { per: 2, tail: 40 }, LogitsWant::Last);
+        let plan = SegPlan { per: 2, tail: 40 };
+        let lay = Layout::with_plans(&lens, &d, &|_| plan, LogitsWant::Last);
         let nseg = lay.segs.len();
         let (c, a) = lay.order.split_at(nseg);
         let mut seen: Vec<i32> = c.to_vec();

@@ -112,6 +112,7 @@ impl CudaTrainer {
             d: ElemType::F32,
             accumulate: acc,
             tf32: false,
+            batch_invariant: false,
         };
         self.lt.gemm(&self.gpu, &spec, a.0, w.0, d.0)
     }
