@@ -9,7 +9,6 @@ use common::random_batch;
 use mamba3::mixers::mimo::weights::validate_mimo;
 use mamba3::mixers::mimo::{MimoReference, MimoWeights};
 use mamba3::model::config::AActivation;
-use mamba3::model::rng::Rng;
 use mamba3::model::{Config, DType};
 use mamba3::train::model::logits;
 use mamba3::train::{loss_and_grad, Params};
@@ -155,41 +154,7 @@ fn check(c: &Case) {
     ] {
         assert!(names.iter().any(|n| n.ends_with(want)), "{want} checked");
     }
-    let grads: Vec<Vec<f64>> = g.tensors().into_iter().map(|(_, t)| t.clone()).collect();
-    let mut rng = Rng::new(11);
-    let h = 1e-5;
-    let mut worst = 0.0f64;
-    for (ti, name) in names.iter().enumerate() {
-        let n = grads[ti].len();
-        // Sample coordinates, biased towards ones with a visible gradient.
-        let mut idx: Vec<usize> = (0..6).map(|_| rng.below(n as u64) as usize).collect();
-        let imax = (0..n)
-            .max_by(|&a, &b| grads[ti][a].abs().total_cmp(&grads[ti][b].abs()))
-            .unwrap();
-        idx.push(imax);
-        let gnorm = grads[ti].iter().map(|v| v * v).sum::<f64>().sqrt();
-        assert!(gnorm > 0.0, "{}: {name} has an all-zero gradient", c.name);
-        for &i in &idx {
-            let orig = p.tensors_mut()[ti][i];
-            p.tensors_mut()[ti][i] = orig + h;
-            let lp = loss_and_grad(&p, &b, None).unwrap();
-            p.tensors_mut()[ti][i] = orig - h;
-            let lm = loss_and_grad(&p, &b, None).unwrap();
-            p.tensors_mut()[ti][i] = orig;
-            let fd = (lp - lm) / (2.0 * h);
-            let an = grads[ti][i];
-            // Error relative to the tensor's gradient scale (a coordinate's own gradient
-            // may be ~0).
-            let scale = an.abs().max(gnorm / (n as f64).sqrt()).max(1e-8);
-            let err = (fd - an).abs() / scale;
-            worst = worst.max(err);
-            assert!(
-                err < 1e-5,
-                "{}: {name}[{i}]: analytic {an:e}, finite difference {fd:e}, rel err {err:e}",
-                c.name
-            );
-        }
-    }
+    let worst = common::grad::check_against_finite_differences(c.name, &mut p, &g, &b);
     eprintln!("{}: loss {loss:.4}, worst relative error {worst:e}", c.name);
 }
 
