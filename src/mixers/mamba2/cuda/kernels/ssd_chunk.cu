@@ -13,7 +13,7 @@
 // accumulation): M = C·Bᵀ on the lower block triangle, weighted and stored as an operand;
 // Y = C·Sᵀ with rows scaled by e^{Lc_j}; Y += M·X; S ← e^{Lc_end}·S + (w ⊙ X)ᵀ·B.
 //
-// Two launches around `m2_scan_carry` (ssd_scan.cu), as the recurrent kernels were:
+// Two launches around `m2_scan_carry` (ssd_scan.cu), the steps of Mamba-1's chunked scan:
 //   m2_chunk_states: each chunk's state from zero and its total log-decay, for every chunk
 //                    but a sequence's last (the carry does not need those);
 //   m2_chunk_out:    from the state entering the chunk (the carry's, or the sequence's
