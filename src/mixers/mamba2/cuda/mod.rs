@@ -124,7 +124,8 @@ crate::cuda::context::karg!(M2Chunks);
 
 /// Passes with at most this many rows per sequence, every sequence one chunk, take the
 /// recurrent scan (decode steps): the chunked scan's tiles would be mostly padding. (Not
-/// measured against the chunked scan at 2–4 rows.)
+/// measured against the chunked scan at 2–4 rows.) Not with `batch_invariant`: the two
+/// scans sum in different orders, and which one a sequence gets would follow the batch.
 const RECURRENT_ROWS_PER_SEQ: usize = 4;
 
 struct Layer {
@@ -370,7 +371,8 @@ impl GpuMamba2 {
             ssm_off: (run.state_off + cfg.conv_dim() * cfg.d_conv) as i64,
         };
         let heads = cfg.nheads as u32;
-        if pass.one_chunk_each && pass.rows <= RECURRENT_ROWS_PER_SEQ * pass.seqs {
+        let short = pass.one_chunk_each && pass.rows <= RECURRENT_ROWS_PER_SEQ * pass.seqs;
+        if short && !run.batch_invariant {
             // `channels` channels of a head per block, `lanes` threads each; z spans the head
             let block = (self.channels * self.lanes) as u32;
             let z = (cfg.headdim / self.channels) as u32;
