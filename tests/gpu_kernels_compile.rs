@@ -352,6 +352,10 @@ fn family_shapes() -> Vec<(String, FamilyConfig)> {
         ("Mamba2", 128, 64),
         ("Mamba2", 64, 32),
         ("Mamba2", 256, 64),
+        // the random GPU configs' odd sizes (tiles padded: state 24 and 6, heads of 8 and 4)
+        ("Mamba2", 24, 8),
+        ("Mamba2", 6, 4),
+        ("Mamba2", 128, 128),
     ] {
         let cfg = official_config(layer, 768, 2, 1000, d_state, headdim).unwrap();
         v.push((format!("{layer} N{d_state} P{headdim}"), cfg));

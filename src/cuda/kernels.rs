@@ -26,6 +26,22 @@ pub const GEMV: (&str, &str) = ("gemv.cu", include_str!("kernels/gemv.cu"));
 /// The training program's row kernels: the backward of the norms, SwiGLU, embedding and
 /// cross-entropy, column sums, the gradient norm and AdamW.
 pub const TRAIN: (&str, &str) = ("train.cu", include_str!("kernels/train.cu"));
+/// Warp-level matrix products on shared-memory tiles (mma.sync fragments, or exact f32 FMA
+/// in the same layout), for the chunked scans: Mamba-3's (`mixers/mamba3/cuda/kernels/scan.cu`)
+/// and Mamba-2's (`mixers/mamba2/cuda/kernels/ssd_chunk.cu`).
+pub const SCAN_TILES: (&str, &str) = ("scan_tiles.cuh", include_str!("kernels/scan_tiles.cuh"));
+
+/// An error unless `gpu` lets a block of `kern` take `bytes` of shared memory.
+pub fn check_smem(gpu: &Gpu, kern: &Kernel, bytes: u32) -> Result<()> {
+    if bytes as usize > gpu.max_smem {
+        return Err(Error::Device(format!(
+            "`{}` needs {bytes} bytes of shared memory per block for this model's shape; {} \
+             allows {} (a smaller chunk_size, d_state or headdim fits)",
+            kern.name, gpu.name, gpu.max_smem
+        )));
+    }
+    Ok(())
+}
 
 /// A set of kernels compiled as one NVRTC program: its sources in the order they are
 /// concatenated, and the parts it is compiled in, each on a thread of its own (`PART` in

@@ -102,25 +102,7 @@ __device__ __forceinline__ void sincos_unwrapped(float phi, float* s, float* c) 
     __sincosf(fmaf(-k, TWO_PI_LO, fmaf(-k, TWO_PI_HI, phi)), s, c);
 }
 
-#if ACT != 0
-// D += A·B on the tensor cores, mma.sync m16n8k16 with act_t operands and f32 accumulators.
-// Fragments (lane = 4g + t): A a[0] (g, 2t..2t+1), a[1] (g+8, 2t..), a[2] (g, 2t+8..),
-// a[3] (g+8, 2t+8..); B b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g); C c[0..1] (g, 2t..2t+1),
-// c[2..3] (g+8, 2t..2t+1).
-__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-#if ACT == 1
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-#endif
+// (mma16816, the tensor-core product on act_t operands: dtypes.cuh)
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -1,11 +1,14 @@
 //! Mamba-2 on the GPU (spec §3.3, §3.4): one layer of a packed pass as launches — the
 //! in_proj and out_proj products on cuBLASLt, the causal conv over x‖B‖C with its state
-//! (Mamba-1's `conv.cu`), the scan parallel over time chunks, heads and state
-//! (`kernels/ssd_scan.cu`), the gate with the grouped RMSNorm. The LM around the layers is
-//! the engine's (`crate::engine::cuda::family`).
+//! (Mamba-1's `conv.cu`), the scan, the gate with the grouped RMSNorm. The scan is the
+//! chunked (SSD) form on the tensor cores, parallel over chunks and heads, with the carry
+//! of the chunk states along each sequence between its two launches
+//! (`kernels/ssd_chunk.cu`); passes of a few rows per sequence (decode steps) take the
+//! recurrent form instead (`kernels/ssd_scan.cu`). The LM around the layers is the
+//! engine's (`crate::engine::cuda::family`).
 
 use crate::cuda::context::{DevBuf, Gpu, Kernel};
-use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
+use crate::cuda::kernels::{check_smem, KernelConfig, Module, Program, DTYPES, SCAN_TILES};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
 use crate::mixers::mamba1::cuda::{act_define, ConvIo, ConvKernels, CONV, LM_ROWS};
@@ -21,11 +24,13 @@ pub const PROGRAM: Program = Program {
         LM_ROWS,
         CONV,
         ("ssd_scan.cu", include_str!("kernels/ssd_scan.cu")),
+        SCAN_TILES,
+        ("ssd_chunk.cu", include_str!("kernels/ssd_chunk.cu")),
     ],
     parts: &[0],
 };
 
-/// The lanes that hold one channel's state in the scan (`M2_Q`): the largest power of two
+/// The lanes that hold one channel's state in the recurrent scan (`M2_Q`): the largest power of two
 /// ≤ 32 dividing `N`, each lane keeping `N / Q` entries in registers. `None` when that is
 /// over 64 (a state size with a large odd factor).
 pub fn state_lanes(d_state: usize) -> Option<usize> {
@@ -36,7 +41,7 @@ pub fn state_lanes(d_state: usize) -> Option<usize> {
     (d_state / q <= 64).then_some(q)
 }
 
-/// Channels of a head per block of the scan: the largest divisor of `P` that keeps a block
+/// Channels of a head per block of the recurrent scan: the largest divisor of `P` that keeps a block
 /// at ≤ 256 threads.
 fn channels_per_block(headdim: usize, lanes: usize) -> usize {
     (1..=headdim.min(256 / lanes))
@@ -46,7 +51,7 @@ fn channels_per_block(headdim: usize, lanes: usize) -> usize {
 }
 
 /// The compile-time constants of a Mamba-2 model's kernels; an error naming the size the
-/// scan cannot hold.
+/// scans cannot hold.
 pub fn kernel_config(cfg: &Mamba2Config, dtype: DType) -> Result<KernelConfig> {
     let lanes = state_lanes(cfg.d_state).ok_or_else(|| {
         Error::input(format!(
@@ -54,11 +59,29 @@ pub fn kernel_config(cfg: &Mamba2Config, dtype: DType) -> Result<KernelConfig> {
             cfg.d_state
         ))
     })?;
+    // The chunked scan's tiles (src/cuda/kernels/scan_tiles.cuh) hold at most 128 channels.
+    if cfg.headdim > 128 {
+        return Err(Error::input(format!(
+            "headdim {}: the GPU Mamba-2 scan supports headdim up to 128",
+            cfg.headdim
+        )));
+    }
     let mut k = KernelConfig { defines: vec![] };
     k.set("ACT", act_define(dtype));
-    k.set("D_STATE", &cfg.d_state.to_string());
+    k.set("DSTATE", &cfg.d_state.to_string());
     k.set("D_CONV", &cfg.d_conv.to_string());
     k.set("M2_Q", &lanes.to_string());
+    k.set("HEADDIM", &cfg.headdim.to_string());
+    k.set("NANGLES", "0");
+    // f32 models: exact f32 FMA products, in tiles of 32 rows (64 would take the f32
+    // operands over 110 KB of shared memory, one block per SM); bf16/f16: the model
+    // dtype's tensor cores, f32 accumulation, tiles of 64 rows.
+    let (mma, tile) = match dtype {
+        DType::F32 | DType::F64 => ("0", "32"),
+        DType::BF16 | DType::F16 => ("2", "64"),
+    };
+    k.set("SCAN_MMA", mma);
+    k.set("CHUNK", tile);
     Ok(k)
 }
 
@@ -84,6 +107,27 @@ struct M2Scan {
 
 crate::cuda::context::karg!(M2Scan);
 
+/// The pass's tables the chunked scan reads (`M2Chunks` in ssd_chunk.cu: the same fields
+/// in the same order).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct M2Chunks {
+    row0: u64,
+    len: u64,
+    seq: u64,
+    seq_chunk0: u64,
+    seq_nchunks: u64,
+    seq_state: u64,
+}
+
+crate::cuda::context::karg!(M2Chunks);
+
+/// Passes with at most this many rows per sequence, every sequence one chunk, take the
+/// recurrent scan (decode steps): the chunked scan's tiles would be mostly padding. (Not
+/// measured against the chunked scan at 2–4 rows.) Not with `batch_invariant`: the two
+/// scans sum in different orders, and which one a sequence gets would follow the batch.
+const RECURRENT_ROWS_PER_SEQ: usize = 4;
+
 struct Layer {
     in_proj: DevLinear,
     conv_w: DevBuf,
@@ -99,24 +143,29 @@ struct Layer {
 
 struct Kernels {
     conv: ConvKernels,
-    scan_local: Kernel,
+    scan_rows: Kernel,
+    chunk_states: Kernel,
     scan_carry: Kernel,
-    scan_out: Kernel,
+    chunk_out: Kernel,
     gate_norm: Kernel,
+    /// threads and dynamic shared memory of a chunked-scan block
+    chunk_threads: u32,
+    chunk_smem: u32,
 }
 
 /// A Mamba-2 model's mixers on the device.
 pub struct GpuMamba2 {
     cfg: Mamba2Config,
-    /// lanes per channel and channels per block of the scan
+    /// lanes per channel and channels per block of the recurrent scan
     lanes: usize,
     channels: usize,
     layers: Vec<Layer>,
     k: Kernels,
 }
 
-/// Rows per chunk of the scan (the chunk states of a long pass are `H·P·N` floats each);
-/// at most `M2_MAX_CHUNK` (256) of ssd_scan.cu.
+/// Rows per chunk of the scan, a block of the chunked scan each (the chunk states of a long
+/// pass are `H·P·N` floats each): a multiple of its tiles (32 or 64 rows), at most
+/// `M2_MAX_CHUNK` (256) of ssd_scan.cu.
 pub fn chunk_len(rows: usize) -> usize {
     if rows <= 16384 {
         128
@@ -131,12 +180,13 @@ struct Bufs {
     y: u64,
     gated: u64,
     h_chunk: u64,
-    dt_sum: u64,
+    log_decay: u64,
 }
 
 impl GpuMamba2 {
     /// Upload the mixers of `w` and take their kernels from `module` (compiled from
-    /// [`PROGRAM`] with [`kernel_config`]).
+    /// [`PROGRAM`] with [`kernel_config`]); an error when the chunked scan's shared memory
+    /// does not fit `gpu`.
     pub fn upload(gpu: &Gpu, w: &Mamba2Weights, module: &Module) -> Result<GpuMamba2> {
         let cfg = w.mixer_config()?.clone();
         let lanes = state_lanes(cfg.d_state).unwrap_or(1);
@@ -167,11 +217,18 @@ impl GpuMamba2 {
             .collect::<Result<Vec<_>>>()?;
         let k = Kernels {
             conv: ConvKernels::load(module)?,
-            scan_local: module.kernel("m2_scan_local")?,
+            scan_rows: module.kernel("m2_scan_rows")?,
+            chunk_states: module.kernel("m2_chunk_states")?,
             scan_carry: module.kernel("m2_scan_carry")?,
-            scan_out: module.kernel("m2_scan_out")?,
+            chunk_out: module.kernel("m2_chunk_out")?,
             gate_norm: module.kernel("m2_gate_norm")?,
+            chunk_threads: module.global("m2_chunk_threads")?,
+            chunk_smem: module.global("m2_chunk_smem_bytes")?,
         };
+        for kern in [&k.chunk_states, &k.chunk_out] {
+            check_smem(gpu, kern, k.chunk_smem)?;
+            kern.allow_smem(k.chunk_smem as usize)?;
+        }
         Ok(GpuMamba2 {
             cfg,
             lanes,
@@ -190,7 +247,7 @@ impl GpuMamba2 {
             y: c.take(rows * cfg.d_ssm, 4),
             gated: c.take(rows * cfg.d_inner, act_bytes),
             h_chunk: c.take(chunks * state, 4),
-            dt_sum: c.take(chunks * cfg.nheads, 4),
+            log_decay: c.take(chunks * cfg.nheads, 4),
         }
     }
 
@@ -204,6 +261,63 @@ impl GpuMamba2 {
     pub fn state_floats(&self) -> usize {
         let c = &self.cfg;
         c.conv_dim() * c.d_conv + c.nheads * c.headdim * c.d_state
+    }
+
+    /// The chunked scan of a layer: each chunk's state from zero, their carry along each
+    /// sequence, then every chunk's outputs and each sequence's final state (one launch
+    /// when every sequence is one chunk).
+    fn chunked_scan(&self, run: &LayerRun, p: &M2Scan, b: &Bufs) -> Result<()> {
+        let (gpu, pass, cfg) = (run.gpu, run.pass, &self.cfg);
+        let heads = cfg.nheads as u32;
+        let t = M2Chunks {
+            row0: pass.at(Table::ChunkRow0),
+            len: pass.at(Table::ChunkLen),
+            seq: pass.at(Table::ChunkSeq),
+            seq_chunk0: pass.at(Table::SeqChunk0),
+            seq_nchunks: pass.seq_nchunks(),
+            seq_state: pass.at(Table::SeqState),
+        };
+        let grid = (pass.chunks as u32, heads, 1);
+        let (threads, smem) = (self.k.chunk_threads, self.k.chunk_smem);
+        let direct = i32::from(pass.one_chunk_each);
+        if !pass.one_chunk_each {
+            let launch = &self.k.chunk_states;
+            gpu.launch(
+                launch,
+                grid,
+                threads,
+                smem,
+                false,
+                &[p, &t, &b.h_chunk, &b.log_decay],
+            )?;
+            let per_head = cfg.headdim * cfg.d_state;
+            let carry_grid = (pass.seqs as u32 * heads, per_head.div_ceil(256) as u32, 1);
+            let heads_i = heads as i32;
+            gpu.launch(
+                &self.k.scan_carry,
+                carry_grid,
+                256,
+                0,
+                false,
+                &[
+                    p,
+                    &t.seq_chunk0,
+                    &t.seq_nchunks,
+                    &t.seq_state,
+                    &b.h_chunk,
+                    &b.log_decay,
+                    &heads_i,
+                ],
+            )?;
+        }
+        gpu.launch(
+            &self.k.chunk_out,
+            grid,
+            threads,
+            smem,
+            false,
+            &[p, &t, &b.h_chunk, &direct, &b.y],
+        )
     }
 
     /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, its output
@@ -257,55 +371,29 @@ impl GpuMamba2 {
             ssm_off: (run.state_off + cfg.conv_dim() * cfg.d_conv) as i64,
         };
         let heads = cfg.nheads as u32;
-        // `channels` channels of a head per block, `lanes` threads each; z spans the head
-        let block = (self.channels * self.lanes) as u32;
-        let z = (cfg.headdim / self.channels) as u32;
-        let direct = i32::from(pass.one_chunk_each);
-        if !pass.one_chunk_each {
-            let (row0, len) = (pass.at(Table::ChunkRow0), pass.at(Table::ChunkLen));
-            let grid = (pass.chunks as u32, heads, z);
+        let short = pass.one_chunk_each && pass.rows <= RECURRENT_ROWS_PER_SEQ * pass.seqs;
+        if short && !run.batch_invariant {
+            // `channels` channels of a head per block, `lanes` threads each; z spans the head
+            let block = (self.channels * self.lanes) as u32;
+            let z = (cfg.headdim / self.channels) as u32;
             gpu.launch(
-                &self.k.scan_local,
-                grid,
+                &self.k.scan_rows,
+                (pass.chunks as u32, heads, z),
                 block,
                 0,
                 false,
-                &[&p, &row0, &len, &b.h_chunk, &b.dt_sum],
+                &[
+                    &p,
+                    &pass.at(Table::ChunkRow0),
+                    &pass.at(Table::ChunkLen),
+                    &pass.at(Table::ChunkSeq),
+                    &pass.at(Table::SeqState),
+                    &b.y,
+                ],
             )?;
-            let per_head = cfg.headdim * cfg.d_state;
-            let grid = (pass.seqs as u32 * heads, per_head.div_ceil(256) as u32, 1);
-            let (c0, nc, st) = (
-                pass.at(Table::SeqChunk0),
-                pass.seq_nchunks(),
-                pass.at(Table::SeqState),
-            );
-            let heads_i = heads as i32;
-            gpu.launch(
-                &self.k.scan_carry,
-                grid,
-                256,
-                0,
-                false,
-                &[&p, &c0, &nc, &st, &b.h_chunk, &b.dt_sum, &heads_i],
-            )?;
+        } else {
+            self.chunked_scan(run, &p, &b)?;
         }
-        gpu.launch(
-            &self.k.scan_out,
-            (pass.chunks as u32, heads, z),
-            block,
-            0,
-            false,
-            &[
-                &p,
-                &pass.at(Table::ChunkRow0),
-                &pass.at(Table::ChunkLen),
-                &pass.at(Table::ChunkSeq),
-                &pass.at(Table::SeqState),
-                &b.h_chunk,
-                &direct,
-                &b.y,
-            ],
-        )?;
         let (ld, d_mlp, d_ssm, groups) = (
             dip as i32,
             cfg.d_mlp() as i32,
@@ -329,5 +417,40 @@ impl GpuMamba2 {
         )?;
         w.out_proj.apply(run, b.gated, residual, true)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{chunk_len, kernel_config, state_lanes};
+    use crate::model::family_synthetic::mamba2_config;
+    use crate::model::DType;
+
+    #[test]
+    fn chunks_are_whole_tiles_and_fit_the_recurrent_scan() {
+        for rows in [1, 64, 16384, 16385, 1 << 20] {
+            let c = chunk_len(rows);
+            // the chunked scan's tiles (CHUNK: 32 rows for f32, 64 for 16-bit models) divide
+            // a chunk, and the recurrent scan's staging holds one (M2_MAX_CHUNK)
+            assert!(c.is_multiple_of(64) && c <= 256, "rows {rows}: chunk {c}");
+        }
+    }
+
+    #[test]
+    fn kernel_config_picks_the_products_and_refuses_what_the_tiles_cannot_hold() {
+        let cfg = mamba2_config(64, 16, 2, 128);
+        let get = |dtype| {
+            let k = kernel_config(&cfg, dtype).unwrap();
+            let d = |n: &str| k.define(n).unwrap().to_string();
+            (d("SCAN_MMA"), d("CHUNK"), d("HEADDIM"), d("DSTATE"))
+        };
+        let s = |v: &str| v.to_string();
+        assert_eq!(get(DType::F32), (s("0"), s("32"), s("16"), s("128")));
+        assert_eq!(get(DType::BF16), (s("2"), s("64"), s("16"), s("128")));
+        assert_eq!(get(DType::F16), (s("2"), s("64"), s("16"), s("128")));
+        let wide = mamba2_config(256, 256, 1, 128);
+        let e = kernel_config(&wide, DType::BF16).unwrap_err().to_string();
+        assert!(e.contains("headdim 256") && e.contains("up to 128"), "{e}");
+        assert_eq!(state_lanes(128), Some(32));
     }
 }

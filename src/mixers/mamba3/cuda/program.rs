@@ -4,13 +4,13 @@
 //! training row kernels), and the constants one model's kernels are compiled with.
 
 use crate::cuda::kernels::{
-    f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES, GEMV, TRAIN,
+    f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES, GEMV, SCAN_TILES,
+    TRAIN,
 };
 use crate::error::{Error, Result};
 use crate::model::{Config, DType, Dims};
 
 const PREFILL_PRE: (&str, &str) = ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu"));
-const SCAN_TILES: (&str, &str) = ("scan_tiles.cuh", include_str!("kernels/scan_tiles.cuh"));
 const SCAN_PHASES: (&str, &str) = ("scan_phases.cuh", include_str!("kernels/scan_phases.cuh"));
 const SCAN_INPUTS: (&str, &str) = ("scan_inputs.cuh", include_str!("kernels/scan_inputs.cuh"));
 const SCAN: (&str, &str) = ("scan.cu", include_str!("kernels/scan.cu"));

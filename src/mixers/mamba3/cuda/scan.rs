@@ -7,8 +7,9 @@
 //! module doc holds the mathematics.
 
 use crate::cuda::context::{dev_err, Gpu, KArg, Kernel};
+pub use crate::cuda::kernels::check_smem;
 use crate::cuda::kernels::Module;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::Dims;
 
 /// Kernel parameters of `scan_states`/`scan_outputs` (`ScanArgs` in kernels/scan.cu).
@@ -104,7 +105,7 @@ pub struct ScanKernels {
     pub pre_smem: u32,
     pub scan_smem: u32,
     /// threads of a scan block as the module was compiled: 256, or 512 for large
-    /// f32-operand tiles (kernels/scan_tiles.cuh)
+    /// f32-operand tiles (src/cuda/kernels/scan_tiles.cuh)
     pub scan_threads: u32,
     /// scan blocks the GPU runs at once: SMs × the blocks that fit on one
     /// (`ScanArgs::launches`, `Layout::new`)
@@ -147,18 +148,6 @@ impl ScanKernels {
         k.scan_slots = gpu.sms * per_sm;
         Ok(k)
     }
-}
-
-/// An error unless `gpu` lets a block of `kern` take `bytes` of shared memory.
-pub fn check_smem(gpu: &Gpu, kern: &Kernel, bytes: u32) -> Result<()> {
-    if bytes as usize > gpu.max_smem {
-        return Err(Error::Device(format!(
-            "`{}` needs {bytes} bytes of shared memory per block for this model's shape; {} \
-             allows {} (a smaller chunk_size, d_state or headdim fits)",
-            kern.name, gpu.name, gpu.max_smem
-        )));
-    }
-    Ok(())
 }
 
 /// A kernel launch: the kernel, its grid, threads per block, dynamic shared memory and

@@ -1,18 +1,17 @@
-// Mamba-2's scan (spec §3.3) over a packed pass, in the recurrent form, parallel over time
-// chunks, heads and the P×N state of a head:
+// Mamba-2's scan (spec §3.3) in the recurrent form, for short passes (decode steps: every
+// sequence one chunk of a few rows), where ssd_chunk.cu's tiles of CHUNK rows would be
+// mostly padding; and the carry of the chunked scan's states along each sequence:
 //
 //   Δ_t = clamp(softplus(dt_t[h] + dt_bias[h]), dt_limit),  h_t = exp(Δ_t·A_h)·h_{t−1} + Δ_t·x_t ⊗ B_t
 //   y_t[h, p] = Σ_n h_t[p, n]·C_t[n] + D[h, p]·x_t[h, p]
 //
-// The same three steps as Mamba-1's scan (mamba1/cuda/kernels/selective_scan.cu): chunk
-// states from zero with Σ Δ, the carry along each sequence's chunks, the outputs from each
-// chunk's incoming state (`direct` when every sequence is one chunk). A block holds P_BLK
-// channels p of one head for one chunk (grid z spans the head's channels); the Q = M2_Q
-// adjacent lanes of a channel hold its state interleaved, lane q the entries n = q + Q·i,
-// so that a warp's loads and stores of states, B and C are contiguous, and sum y by
-// shuffles. Δ and the decay of the chunk's rows are computed once per block into shared
-// memory. D_STATE (N) and M2_Q (a power of two dividing 32 and N) are compile-time.
-#define M2_SL (D_STATE / M2_Q)
+// A block of `m2_scan_rows` holds P_BLK channels p of one head for one sequence (grid z
+// spans the head's channels); the Q = M2_Q adjacent lanes of a channel hold its state
+// interleaved, lane q the entries n = q + Q·i, so that a warp's loads and stores of states,
+// B and C are contiguous, and sum y by shuffles. Δ and the decay of the rows are computed
+// once per block into shared memory. DSTATE (N) and M2_Q (a power of two dividing 32 and
+// N) are compile-time.
+#define M2_SL (DSTATE / M2_Q)
 // the longest chunk (src/mixers/mamba2/cuda/mod.rs: chunk_len)
 #define M2_MAX_CHUNK 256
 
@@ -59,64 +58,39 @@ __device__ __forceinline__ M2Place m2_place(const M2Scan& p, const int* chunk_ro
     return w;
 }
 
-extern "C" __global__ void m2_scan_local(M2Scan p, const int* chunk_row0, const int* chunk_len,
-                                         float* h_chunk, float* dt_sum) {
-    __shared__ float s_delta[M2_MAX_CHUNK], s_decay[M2_MAX_CHUNK];
-    const M2Place w = m2_place(p, chunk_row0, chunk_len, s_delta, s_decay);
-    float h[M2_SL];
-#pragma unroll
-    for (int i = 0; i < M2_SL; ++i) h[i] = 0.f;
-    for (int t = 0; t < w.len; ++t) {
-        const float* row = p.xbc + (size_t)(w.row0 + t) * p.conv_dim;
-        const float dx = s_delta[t] * row[w.ch];
-        const float decay = s_decay[t];
-        const float* b = row + p.d_ssm + w.g * D_STATE + w.q;
-#pragma unroll
-        for (int i = 0; i < M2_SL; ++i) h[i] = decay * h[i] + dx * b[i * M2_Q];
-    }
-    float* out = h_chunk + (((size_t)w.c * w.heads + w.hd) * p.headdim + w.pp) * D_STATE + w.q;
-#pragma unroll
-    for (int i = 0; i < M2_SL; ++i) out[i * M2_Q] = h[i];
-    if (threadIdx.x == 0 && blockIdx.z == 0) {
-        float sum = 0.f;
-        for (int t = 0; t < w.len; ++t) sum += s_delta[t];
-        dt_sum[(size_t)w.c * w.heads + w.hd] = sum;
-    }
-}
-
-// One thread per state element of a head; h_chunk[c] becomes chunk c's incoming state.
+// One thread per state element of a head: h_chunk[c] (chunk c's state from zero, from
+// m2_chunk_states) becomes chunk c's entering state. A sequence's last chunk has no local
+// state (m2_chunk_out writes the final state from its entering one).
 extern "C" __global__ void m2_scan_carry(M2Scan p, const int* seg_chunk0, const int* seg_nchunks,
                                          const unsigned long long* seg_state, float* h_chunk,
-                                         const float* dt_sum, int heads) {
+                                         const float* log_decay, int heads) {
     const int s = blockIdx.x / heads, hd = blockIdx.x % heads;
-    const int per_head = p.headdim * D_STATE;
+    const int per_head = p.headdim * DSTATE;
     const int e = blockIdx.y * blockDim.x + threadIdx.x;
     if (e >= per_head) return;
-    float* st = reinterpret_cast<float*>(seg_state[s]) + p.ssm_off + (size_t)hd * per_head + e;
-    float h = *st;
-    const float a = p.a[hd];
-    for (int k = 0; k < seg_nchunks[s]; ++k) {
+    float h = reinterpret_cast<const float*>(seg_state[s])[p.ssm_off + (size_t)hd * per_head + e];
+    const int n = seg_nchunks[s];
+    for (int k = 0; k < n; ++k) {
         const int c = seg_chunk0[s] + k;
         float* hc = h_chunk + ((size_t)c * heads + hd) * per_head + e;
-        const float local = *hc;
+        const float local = k < n - 1 ? *hc : 0.f;
         *hc = h;
-        h = expf(a * dt_sum[(size_t)c * heads + hd]) * h + local;
+        if (k < n - 1) h = expf(log_decay[(size_t)c * heads + hd]) * h + local;
     }
-    *st = h;
 }
 
-// y (before the gate) of each chunk, f32 [rows, H·P].
-extern "C" __global__ void m2_scan_out(M2Scan p, const int* chunk_row0, const int* chunk_len,
-                                       const int* chunk_seg, const unsigned long long* seg_state,
-                                       const float* h_chunk, int direct, float* y) {
+// y (before the gate) of each sequence, f32 [rows, H·P], and its final state; every
+// sequence is one chunk.
+extern "C" __global__ void m2_scan_rows(M2Scan p, const int* chunk_row0, const int* chunk_len,
+                                        const int* chunk_seg, const unsigned long long* seg_state,
+                                        float* y) {
     __shared__ float s_delta[M2_MAX_CHUNK], s_decay[M2_MAX_CHUNK];
     const M2Place w = m2_place(p, chunk_row0, chunk_len, s_delta, s_decay);
-    const size_t at = ((size_t)w.hd * p.headdim + w.pp) * D_STATE + w.q;
+    const size_t at = ((size_t)w.hd * p.headdim + w.pp) * DSTATE + w.q;
     float* st = reinterpret_cast<float*>(seg_state[chunk_seg[w.c]]) + p.ssm_off + at;
-    const float* h0 = direct ? st : h_chunk + (size_t)w.c * w.heads * p.headdim * D_STATE + at;
     float h[M2_SL];
 #pragma unroll
-    for (int i = 0; i < M2_SL; ++i) h[i] = h0[i * M2_Q];
+    for (int i = 0; i < M2_SL; ++i) h[i] = st[i * M2_Q];
     const float dskip = p.d_skip[w.ch];
     for (int t = 0; t < w.len; ++t) {
         const size_t r = w.row0 + t;
@@ -124,8 +98,8 @@ extern "C" __global__ void m2_scan_out(M2Scan p, const int* chunk_row0, const in
         const float x = row[w.ch];
         const float dx = s_delta[t] * x;
         const float decay = s_decay[t];
-        const float* b = row + p.d_ssm + w.g * D_STATE + w.q;
-        const float* cc = b + p.groups * D_STATE;
+        const float* b = row + p.d_ssm + w.g * DSTATE + w.q;
+        const float* cc = b + p.groups * DSTATE;
         float acc = 0.f;
 #pragma unroll
         for (int i = 0; i < M2_SL; ++i) {
@@ -135,10 +109,8 @@ extern "C" __global__ void m2_scan_out(M2Scan p, const int* chunk_row0, const in
         acc = sum_adjacent_lanes<M2_Q>(acc);
         if (w.q == 0) y[r * p.d_ssm + w.ch] = acc + dskip * x;
     }
-    if (direct) {
 #pragma unroll
-        for (int i = 0; i < M2_SL; ++i) st[i * M2_Q] = h[i];
-    }
+    for (int i = 0; i < M2_SL; ++i) st[i * M2_Q] = h[i];
 }
 
 // The gate and the grouped RMSNorm (spec §3.4), and the gated-MLP branch when d_ssm < D_i:

@@ -132,12 +132,6 @@ template <int T> __device__ __forceinline__ float abs_max(const float (&acc)[T][
         for (int e = 0; e < 4; ++e) m[e] = fmaxf(m[e], fabsf(acc[i][e]));
     return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
 }
-template <int T> __device__ __forceinline__ void scale_acc(float (&acc)[T][4], float f) {
-#pragma unroll
-    for (int i = 0; i < T; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] *= f;
-}
 
 // M's weights, in place, times `down` (SCAN_SCALED's shift of M): e^{Lc_r − Lc_s}·c_s below
 // the diagonal (SPLIT: as e^{Lc_r}·(e^{−Lc_s}·c_s), from the chunk's tables; else per pair),

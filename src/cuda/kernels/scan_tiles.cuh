@@ -1,6 +1,8 @@
-// Warp-level matrix products on shared-memory tiles, for the chunked scan (scan.cu) and
-// its backward (scan_bwd.cu): the operand type, the fragment loads, and how the warps of
-// a block share an output.
+// Warp-level matrix products on shared-memory tiles, for the chunked scans — Mamba-3's
+// (mixers/mamba3/cuda/kernels/scan.cu) and its backward (scan_bwd.cu), Mamba-2's
+// (mixers/mamba2/cuda/kernels/ssd_chunk.cu): the operand type, the fragment loads, and how
+// the warps of a block share an output. Needs CHUNK, HEADDIM, DSTATE, NANGLES (0 without
+// rotation) and SCAN_MMA defined.
 //
 // SCAN_MMA: 0 exact f32 FMA (the same fragment layout, no tensor cores), 1 TF32 tensor
 // cores (m16n8k8), 2 bf16/f16 tensor cores (m16n8k16, operands rounded to act_t), 3 f16
@@ -119,7 +121,7 @@ __device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[4], const op_t* p) {
 }
 #endif
 #if SCAN_MMA == 3
-// m16n8k16 on f16 operands (common.cuh's mma16816 takes act_t's type).
+// m16n8k16 on f16 operands (dtypes.cuh's mma16816 takes act_t's type).
 __device__ __forceinline__ void mma_op(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -271,6 +273,12 @@ typedef Tiling<PP, NP> TileS;    // S
 template <int T> __device__ __forceinline__ void zero_acc(float (&acc)[T][4]) {
 #pragma unroll
     for (int i = 0; i < T; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+template <int T> __device__ __forceinline__ void scale_acc(float (&acc)[T][4], float f) {
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] *= f;
 }
 
 // Store a pair (row r, columns n, n+1) of op_t (rounded to TF32 in SCAN_MMA 1).
