@@ -168,6 +168,22 @@ fn every_kernel_compiles_under_nvrtc() {
             }
         }
     }
+    // 16-bit SSM states (`--state-dtype`): every shape, an f32 and a bf16 model
+    for (cfg, what) in &shapes {
+        for state in [DType::BF16, DType::F16] {
+            for (dtype, scan) in [(DType::F32, ScanMath::F32), (DType::BF16, ScanMath::Half)] {
+                let layout = mamba3::mixers::mamba3::state::layout(&cfg.dims())
+                    .with_state_dtype(state)
+                    .unwrap();
+                let kc = KernelConfig::new(cfg, &cfg.dims(), dtype, scan)
+                    .unwrap()
+                    .with_state_layout(&layout)
+                    .unwrap();
+                let name = format!("{what} {dtype:?} {scan:?} state {state:?}");
+                jobs.push((name, INFERENCE, kc, "sm_90a"));
+            }
+        }
+    }
     // Mamba-1 and Mamba-2: the fixtures' and the real checkpoints' state sizes, every dtype
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         for (what, cfg) in family_shapes() {

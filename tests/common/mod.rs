@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod family;
+pub mod state16;
 
 use mamba3::model::tensor_file::TensorFile;
 use std::path::PathBuf;

@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::mixers::{mamba1, mamba2, mimo, LmDims, MixerWeights};
 use crate::model::family_weights::LmWeights;
 use crate::model::state_layout::StateLayout;
+use crate::model::DType;
 use cudarc::driver::CudaGraph;
 use std::sync::{Arc, Mutex};
 
@@ -167,7 +168,16 @@ pub struct FamilyCuda {
 impl FamilyCuda {
     /// A Mamba-1, Mamba-2 or Mamba-3 MIMO model on CUDA device `ordinal`; an error for
     /// Mamba-3 SISO (`engine::cuda::CudaModel` runs it).
-    pub fn new(weights: &MixerWeights, ordinal: usize) -> Result<FamilyCuda> {
+    /// Their kernels keep the state in f32: a 16-bit `state_dtype` is refused.
+    pub fn new(weights: &MixerWeights, ordinal: usize, state_dtype: DType) -> Result<FamilyCuda> {
+        if state_dtype != DType::F32 {
+            return Err(Error::input(format!(
+                "--state-dtype {state_dtype}: the GPU kernels of {} keep their state in f32 \
+                 (16-bit states on a GPU are Mamba-3 SISO's so far); use --state-dtype f32 \
+                 or --device cpu",
+                weights.kind().name()
+            )));
+        }
         let gpu = Arc::new(Gpu::new(ordinal)?);
         let dtype = weights.dtype();
         let (lm, mixer, module_kernels) = match weights {
