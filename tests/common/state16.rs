@@ -22,7 +22,8 @@ pub fn ssm_values(s: &State) -> Vec<f32> {
 ///   the CPU, where the two runs do the same arithmetic; on a GPU the passes may group
 ///   sums differently), and the other tensors within `tol` relative L2;
 /// - 24 decode steps fed the same tokens keep the logits within `tol` relative L2 of the
-///   f32 state's, step by step, and the state dtype is what was asked;
+///   f32 state's, step by step, and so does a continued window of 40 tokens after them
+///   (a prefill that reads the 16-bit state); the state dtype is what was asked;
 /// - a 16-bit state brought to the host and placed back is unchanged, and so is a state
 ///   saved to a file and loaded back; the file holds `ssm` in the 16-bit dtype.
 pub fn narrow_state_follows_f32(
@@ -80,6 +81,15 @@ pub fn narrow_state_follows_f32(
         worst = worst.max(e);
     }
     println!("{what} {state}: decode logits within rel L2 {worst:.2e} of the f32 state's");
+    // a continued window: the prefill reads the 16-bit state it starts from
+    let more: Vec<u32> = (0..40).map(|t| ((t * 11 + 5) % vocab) as u32).collect();
+    let lw = wide.prefill(&more, &mut sw, LogitsWant::Last).unwrap();
+    let ln = narrow.prefill(&more, &mut sn, LogitsWant::Last).unwrap();
+    let e = rel_l2(&to_f64(&ln.data), &to_f64(&lw.data));
+    assert!(
+        e <= tol,
+        "{what} {state}: continued window, logits rel L2 {e:e}"
+    );
     // host round trip and file round trip are exact
     let before = sn.to_host().unwrap();
     let mut moved = sn.clone();
