@@ -21,7 +21,7 @@ mod gpu;
 #[path = "../benches/kernels/program.rs"]
 mod probe_kernels;
 use mamba3::cuda::kernels::{
-    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath,
+    compile_cubin, nvrtc_available, nvrtc_version, state_define, KernelConfig, ScanMath,
 };
 use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
 use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
@@ -191,7 +191,16 @@ fn every_kernel_compiles_under_nvrtc() {
                 MixerConfig::Mamba1(m) => (M1_PROGRAM, m1_config(m, dtype)),
                 MixerConfig::Mamba2(m) => (M2_PROGRAM, m2_config(m, dtype).unwrap()),
             };
-            jobs.push((format!("{what} {dtype:?}"), program, kc, "sm_90a"));
+            jobs.push((format!("{what} {dtype:?}"), program, kc.clone(), "sm_90a"));
+            // 16-bit SSM states (`--state-dtype`) with a bf16 model
+            if dtype == DType::BF16 {
+                for state in [DType::BF16, DType::F16] {
+                    let mut kc = kc.clone();
+                    kc.set("STATE", state_define(state));
+                    let name = format!("{what} {dtype:?} state {state:?}");
+                    jobs.push((name, program, kc, "sm_90a"));
+                }
+            }
         }
     }
     // Mamba-3 MIMO: the fixtures' and the benchmark's state sizes and ranks, every dtype
@@ -213,9 +222,17 @@ fn every_kernel_compiles_under_nvrtc() {
             jobs.push((
                 format!("MIMO N{d_state} R{rank} {dtype:?}"),
                 MIMO_PROGRAM,
-                kc,
+                kc.clone(),
                 "sm_90a",
             ));
+            if dtype == DType::BF16 {
+                for state in [DType::BF16, DType::F16] {
+                    let mut kc = kc.clone();
+                    kc.set("STATE", state_define(state));
+                    let name = format!("MIMO N{d_state} R{rank} {dtype:?} state {state:?}");
+                    jobs.push((name, MIMO_PROGRAM, kc, "sm_90a"));
+                }
+            }
         }
     }
     // the hardware probes of benches/gpu_floors.rs (no model constants)

@@ -1,6 +1,6 @@
-//! 16-bit SSM states (`--state-dtype bf16|f16`) on the GPU: Mamba-3 SISO's kernels (the
-//! prefill scan, `mixer_step`, the fused decode, CUDA graphs) against the f32 state of the
-//! same model, and the GPU mixers whose kernels keep f32 states refusing 16-bit ones. Run
+//! 16-bit SSM states (`--state-dtype bf16|f16`) on the GPU against the f32 state of the
+//! same model: Mamba-3 SISO's kernels (the prefill scan, `mixer_step`, the fused decode,
+//! CUDA graphs) and the scans of MIMO, Mamba-1 and Mamba-2. Run
 //! on the GPU machine: `cargo test --release --features cuda --test gpu_state16 --
 //! --include-ignored`.
 #![cfg(feature = "cuda")]
@@ -9,7 +9,9 @@ mod gpu;
 use common::state16::narrow_state_follows_f32;
 use common::{rel_l2, to_f64};
 use mamba3::engine::GpuOptions;
-use mamba3::model::family_synthetic::{mamba2, mamba2_config};
+use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
+use mamba3::model::family_config::Mamba1Config;
+use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::model::Weights;
 use mamba3::{DType, Device, LogitsWant, MixerWeights, Model, State};
 use std::sync::Arc;
@@ -174,17 +176,53 @@ fn batch_64_decode_follows_the_f32_state() {
     }
 }
 
-/// The other mixers' GPU kernels keep f32 states: a 16-bit one is refused by name.
+/// MIMO, Mamba-1 and Mamba-2 (the CPU test's synthetic models, and the benchmark's MIMO
+/// state and head sizes): the same checks as SISO's.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn other_gpu_mixers_refuse_16_bit_states() {
-    let w = MixerWeights::Mamba2(Arc::new(mamba2(mamba2_config(32, 16, 1, 32), 32, 2, 90, 8)));
-    let e = Model::from_mixer_weights_with_state(w, Device::Cuda(0), DType::BF16)
-        .err()
-        .expect("refused")
-        .to_string();
-    assert!(
-        e.contains("--state-dtype bf16") && e.contains("keep their state in f32"),
-        "{e}"
-    );
+fn family_16_bit_states_follow_the_f32_state() {
+    let m1 = Mamba1Config {
+        d_inner: 200,
+        d_state: 16,
+        d_conv: 4,
+        dt_rank: 7,
+        conv_bias: true,
+        proj_bias: false,
+        bcdt_rms_eps: None,
+    };
+    let mimo = |n: usize, p: usize, r: usize| {
+        let json = format!(
+            r#"{{"d_model": 64, "n_layer": 2, "vocab_size": 90, "d_intermediate": 0,
+            "tie_embeddings": true, "ssm_cfg": {{"layer": "Mamba3", "d_state": {n},
+            "headdim": {p}, "expand": 2, "ngroups": 1, "rope_fraction": 0.5,
+            "is_outproj_norm": false, "chunk_size": 16, "is_mimo": true, "mimo_rank": {r}}}}}"#
+        );
+        let cfg = mimo_config_from_json_str(&json, "test").unwrap();
+        MixerWeights::Mimo(Arc::new(
+            MimoWeights::synthetic(cfg, DType::BF16, 9).unwrap(),
+        ))
+    };
+    let models = [
+        (
+            MixerWeights::Mamba1(Arc::new(mamba1(m1, 100, 2, 90, 7))),
+            "mamba1",
+        ),
+        (
+            MixerWeights::Mamba2(Arc::new(mamba2(
+                mamba2_config(64, 16, 2, 128),
+                64,
+                2,
+                90,
+                8,
+            ))),
+            "mamba2",
+        ),
+        (mimo(128, 64, 4), "mimo N128 P64 R4"),
+        (mimo(32, 16, 2), "mimo N32 P16 R2"),
+    ];
+    for (w, what) in models {
+        for state in [DType::BF16, DType::F16] {
+            narrow_state_follows_f32(w.clone(), Device::Cuda(0), state, 1.0, TOL, what);
+        }
+    }
 }

@@ -200,12 +200,6 @@ impl GpuMamba2 {
         c.used()
     }
 
-    /// Floats of one layer's state (`conv [C_d, K]` then `ssm [H, P, N]`).
-    pub fn state_floats(&self) -> usize {
-        let c = &self.cfg;
-        c.conv_dim() * c.d_conv + c.nheads * c.headdim * c.d_state
-    }
-
     /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, its output
     /// added to `residual` (f32); `scratch` holds [`Self::scratch_bytes`].
     pub fn layer(

@@ -4,7 +4,8 @@
 //! training row kernels), and the constants one model's kernels are compiled with.
 
 use crate::cuda::kernels::{
-    f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES, GEMV, TRAIN,
+    f32_literal, proj_ld, state_define, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES,
+    GEMV, TRAIN,
 };
 use crate::error::{Error, Result};
 use crate::model::state_layout::StateLayout;
@@ -176,12 +177,7 @@ impl KernelConfig {
                 "the Mamba-3 kernels take a state of {names:?}; this layout holds {found:?}"
             )));
         }
-        let state = match layout.state_dtype() {
-            DType::F32 => 0,
-            DType::BF16 => 1,
-            _ => 2,
-        };
-        self.set("STATE", &state.to_string());
+        self.set("STATE", state_define(layout.state_dtype()));
         for (i, name) in ["ST_ANGLE", "ST_SSM", "ST_K", "ST_V"].iter().enumerate() {
             self.set(name, &layout.byte_offset_in_layer(i).to_string());
         }

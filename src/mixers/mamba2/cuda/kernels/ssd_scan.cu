@@ -26,7 +26,7 @@ struct M2Scan {
     const float* d_skip;   // [H·P]
     float dt_min, dt_max;
     int heads_per_group, headdim, groups;
-    long long ssm_off;     // this layer's ssm tensor [H, P, N] in a state, in floats
+    long long ssm_off;     // this layer's ssm tensor [H, P, N] (state_t) in a state, in floats
 };
 
 // This thread's place: chunk, head, channel, lane; and the chunk's Δ and exp(Δ·A) staged.
@@ -92,8 +92,9 @@ extern "C" __global__ void m2_scan_carry(M2Scan p, const int* seg_chunk0, const 
     const int per_head = p.headdim * D_STATE;
     const int e = blockIdx.y * blockDim.x + threadIdx.x;
     if (e >= per_head) return;
-    float* st = reinterpret_cast<float*>(seg_state[s]) + p.ssm_off + (size_t)hd * per_head + e;
-    float h = *st;
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[s]) + p.ssm_off) +
+                  (size_t)hd * per_head + e;
+    float h = st_load(st);
     const float a = p.a[hd];
     for (int k = 0; k < seg_nchunks[s]; ++k) {
         const int c = seg_chunk0[s] + k;
@@ -102,7 +103,7 @@ extern "C" __global__ void m2_scan_carry(M2Scan p, const int* seg_chunk0, const 
         *hc = h;
         h = expf(a * dt_sum[(size_t)c * heads + hd]) * h + local;
     }
-    *st = h;
+    st_store(st, h);
 }
 
 // y (before the gate) of each chunk, f32 [rows, H·P].
@@ -112,11 +113,11 @@ extern "C" __global__ void m2_scan_out(M2Scan p, const int* chunk_row0, const in
     __shared__ float s_delta[M2_MAX_CHUNK], s_decay[M2_MAX_CHUNK];
     const M2Place w = m2_place(p, chunk_row0, chunk_len, s_delta, s_decay);
     const size_t at = ((size_t)w.hd * p.headdim + w.pp) * D_STATE + w.q;
-    float* st = reinterpret_cast<float*>(seg_state[chunk_seg[w.c]]) + p.ssm_off + at;
-    const float* h0 = direct ? st : h_chunk + (size_t)w.c * w.heads * p.headdim * D_STATE + at;
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[chunk_seg[w.c]]) + p.ssm_off) + at;
+    const float* h0 = h_chunk + (size_t)w.c * w.heads * p.headdim * D_STATE + at;
     float h[M2_SL];
 #pragma unroll
-    for (int i = 0; i < M2_SL; ++i) h[i] = h0[i * M2_Q];
+    for (int i = 0; i < M2_SL; ++i) h[i] = direct ? st_load(st + i * M2_Q) : h0[i * M2_Q];
     const float dskip = p.d_skip[w.ch];
     for (int t = 0; t < w.len; ++t) {
         const size_t r = w.row0 + t;
@@ -137,7 +138,7 @@ extern "C" __global__ void m2_scan_out(M2Scan p, const int* chunk_row0, const in
     }
     if (direct) {
 #pragma unroll
-        for (int i = 0; i < M2_SL; ++i) st[i * M2_Q] = h[i];
+        for (int i = 0; i < M2_SL; ++i) st_store(st + i * M2_Q, h[i]);
     }
 }
 
