@@ -4,10 +4,9 @@
 //! on the GPU machine: `cargo test --release --features cuda --test gpu_state16 --
 //! --include-ignored`.
 #![cfg(feature = "cuda")]
-mod common;
 mod gpu;
-use common::state16::narrow_state_follows_f32;
-use common::{rel_l2, to_f64};
+use gpu::state16::narrow_state_follows_f32;
+use gpu::{rel_l2, to_f64};
 use mamba3::engine::GpuOptions;
 use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use mamba3::model::family_config::Mamba1Config;
@@ -33,7 +32,7 @@ fn siso(cfg: mamba3::model::Config, dtype: DType, seed: u64) -> MixerWeights {
 fn siso_16_bit_states_follow_the_f32_state() {
     let mut models = vec![];
     for name in ["siso-tiny", "siso-mlp-norm"] {
-        let w = MixerWeights::load(&common::fixture(name), DType::F32).unwrap();
+        let w = MixerWeights::load(&gpu::fixture(name), DType::F32).unwrap();
         models.push((w, name.to_string()));
     }
     models.push((
