@@ -59,6 +59,22 @@ pub fn set_command_line(flags: GpuFlags) {
     let _ = COMMAND_LINE.set(flags);
 }
 
+/// `--state-dtype` of the command line (`f32`, `bf16` or `f16`, already checked by the
+/// command), set once before it loads a model: the storage dtype of the `ssm` state of
+/// every model `engine::Model::load` makes in this process. Kept as the name because this
+/// module sits below the one that knows dtypes.
+static STATE_DTYPE: OnceLock<&'static str> = OnceLock::new();
+
+/// Record the command line's `--state-dtype` (the first call wins).
+pub fn set_state_dtype(name: &'static str) {
+    let _ = STATE_DTYPE.set(name);
+}
+
+/// The command line's `--state-dtype`, `f32` when none was given.
+pub fn state_dtype_name() -> &'static str {
+    STATE_DTYPE.get().copied().unwrap_or("f32")
+}
+
 /// The options read once per process.
 #[derive(Clone, Debug)]
 pub struct EnvOptions {

@@ -21,7 +21,7 @@ mod gpu;
 #[path = "../benches/kernels/program.rs"]
 mod probe_kernels;
 use mamba3::cuda::kernels::{
-    compile_cubin, nvrtc_available, nvrtc_version, KernelConfig, ScanMath,
+    compile_cubin, nvrtc_available, nvrtc_version, state_define, KernelConfig, ScanMath,
 };
 use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
 use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
@@ -168,6 +168,22 @@ fn every_kernel_compiles_under_nvrtc() {
             }
         }
     }
+    // 16-bit SSM states (`--state-dtype`): every shape, an f32 and a bf16 model
+    for (cfg, what) in &shapes {
+        for state in [DType::BF16, DType::F16] {
+            for (dtype, scan) in [(DType::F32, ScanMath::F32), (DType::BF16, ScanMath::Half)] {
+                let layout = mamba3::mixers::mamba3::state::layout(&cfg.dims())
+                    .with_state_dtype(state)
+                    .unwrap();
+                let kc = KernelConfig::new(cfg, &cfg.dims(), dtype, scan)
+                    .unwrap()
+                    .with_state_layout(&layout)
+                    .unwrap();
+                let name = format!("{what} {dtype:?} {scan:?} state {state:?}");
+                jobs.push((name, INFERENCE, kc, "sm_90a"));
+            }
+        }
+    }
     // Mamba-1 and Mamba-2: the fixtures' and the real checkpoints' state sizes, every dtype
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         for (what, cfg) in family_shapes() {
@@ -175,7 +191,16 @@ fn every_kernel_compiles_under_nvrtc() {
                 MixerConfig::Mamba1(m) => (M1_PROGRAM, m1_config(m, dtype)),
                 MixerConfig::Mamba2(m) => (M2_PROGRAM, m2_config(m, dtype).unwrap()),
             };
-            jobs.push((format!("{what} {dtype:?}"), program, kc, "sm_90a"));
+            jobs.push((format!("{what} {dtype:?}"), program, kc.clone(), "sm_90a"));
+            // 16-bit SSM states (`--state-dtype`) with a bf16 model
+            if dtype == DType::BF16 {
+                for state in [DType::BF16, DType::F16] {
+                    let mut kc = kc.clone();
+                    kc.set("STATE", state_define(state));
+                    let name = format!("{what} {dtype:?} state {state:?}");
+                    jobs.push((name, program, kc, "sm_90a"));
+                }
+            }
         }
     }
     // Mamba-3 MIMO: the fixtures' and the benchmark's state sizes and ranks, every dtype
@@ -197,9 +222,17 @@ fn every_kernel_compiles_under_nvrtc() {
             jobs.push((
                 format!("MIMO N{d_state} R{rank} {dtype:?}"),
                 MIMO_PROGRAM,
-                kc,
+                kc.clone(),
                 "sm_90a",
             ));
+            if dtype == DType::BF16 {
+                for state in [DType::BF16, DType::F16] {
+                    let mut kc = kc.clone();
+                    kc.set("STATE", state_define(state));
+                    let name = format!("MIMO N{d_state} R{rank} {dtype:?} state {state:?}");
+                    jobs.push((name, MIMO_PROGRAM, kc, "sm_90a"));
+                }
+            }
         }
     }
     // the hardware probes of benches/gpu_floors.rs (no model constants)

@@ -167,10 +167,11 @@ pub fn run(a: Args) -> Result<()> {
     let device_name = model.device_name();
     if !a.json {
         println!(
-            "{} on {} · {} · {:.1} M params · loaded in {:.2} s",
+            "{} on {} · {} · state {} · {:.1} M params · loaded in {:.2} s",
             shape,
             device_name,
             model.dtype(),
+            model.state_dtype(),
             model.weights().param_count() as f64 / 1e6,
             load_s
         );
@@ -193,6 +194,7 @@ pub fn run(a: Args) -> Result<()> {
                     "device": model.device().to_string(),
                     "device_name": device_name,
                     "dtype": model.dtype().name(),
+                    "state_dtype": model.state_dtype().name(),
                     "batch": b,
                     "prompt_len": t,
                     "prefill_tokens_per_s": prefill_tps,

@@ -70,11 +70,7 @@ pub fn run(a: Args) -> Result<()> {
         gib(w.bytes()),
         a.dtype
     );
-    let state = d.n_layer * d.state_elems_per_layer() * 4;
-    println!(
-        "state        {:.3} MiB per sequence (f32 angle, ssm, k, v)",
-        gib(state)
-    );
+    print_state(&crate::mixers::mamba3::state::layout(d), gib);
     println!("config\n{}", w.config.to_json());
     Ok(())
 }
@@ -102,11 +98,21 @@ fn family(path: &Path, w: &MixerWeights) -> Result<()> {
         n as f64 / 1e6,
         w.dtype()
     );
-    let layout = w.state_layout();
+    print_state(&w.state_layout(), mib);
+    Ok(())
+}
+
+/// A sequence's state on a device, with its `ssm` tensor in f32 and in 16 bits
+/// (`--state-dtype bf16|f16`).
+fn print_state(layout: &crate::model::state_layout::StateLayout, mib: impl Fn(usize) -> f64) {
+    let half = layout
+        .clone()
+        .with_state_dtype(crate::model::DType::BF16)
+        .map_or(0, |l| l.device_bytes());
     println!(
-        "state        {:.3} MiB per sequence (f32: {})",
-        mib(layout.len() * 4),
+        "state        {:.3} MiB per sequence with an f32 ssm, {:.3} MiB with --state-dtype bf16|f16 ({})",
+        mib(layout.device_bytes()),
+        mib(half),
         layout.describe()
     );
-    Ok(())
 }

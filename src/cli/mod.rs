@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod bench_serve;
+pub mod bench_state_drift;
 pub mod bench_train;
 pub mod convert;
 pub mod generate;
@@ -51,6 +52,9 @@ pub enum Command {
     RandomModel(random_model::Args),
     /// Time optimiser steps (forward, backward, AdamW) on a synthetic model.
     BenchTrain(bench_train::Args),
+    /// How far a 16-bit state (--state-dtype bf16|f16) drifts from the f32 one over N
+    /// decoded tokens: greedy agreement, max |logit difference|.
+    BenchStateDrift(bench_state_drift::Args),
 }
 
 /// Options every model-running subcommand shares.
@@ -76,6 +80,10 @@ pub struct RunOpts {
     /// bit for bit, as on the CPU (slower; see docs/performance.md).
     #[arg(long)]
     pub batch_invariant: bool,
+    /// Storage of the recurrent `ssm` state: f32, bf16 or f16 (arithmetic in f32 either
+    /// way; 16-bit halves the bytes a decode step streams and a cached prefix holds).
+    #[arg(long, default_value = "f32")]
+    pub state_dtype: DType,
 }
 
 impl RunOpts {
@@ -85,6 +93,7 @@ impl RunOpts {
             fast: self.fast,
             batch_invariant: self.batch_invariant,
         });
+        crate::options::set_state_dtype(self.state_dtype.name());
         init_threads(self.threads);
     }
 }
@@ -125,6 +134,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => train::run(a),
         Command::RandomModel(a) => random_model::run(a),
         Command::BenchTrain(a) => bench_train::run(a),
+        Command::BenchStateDrift(a) => bench_state_drift::run(a),
     }
 }
 

@@ -163,6 +163,16 @@ impl KernelConfig {
     }
 }
 
+/// The kernels' `STATE` define for the `ssm` state's storage dtype (`state_t` in
+/// kernels/dtypes.cuh): 0 f32, 1 bf16, 2 f16.
+pub fn state_define(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "1",
+        DType::F16 => "2",
+        _ => "0",
+    }
+}
+
 /// The row stride of the in_proj output: `d_in_proj` rounded up to 8 (16-byte-aligned f32
 /// rows; cuBLASLt's bf16 kernels were seen to write NaN into f32 rows 2760 bytes apart).
 pub fn proj_ld(d: &Dims) -> usize {

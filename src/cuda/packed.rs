@@ -162,8 +162,12 @@ pub struct LayerRun<'a> {
     pub gpu: &'a Gpu,
     pub lt: &'a Lt,
     pub pass: &'a PackedPass,
-    /// this layer's first value in a state (floats)
+    /// this layer's first value in a state (in floats: every tensor of a device state
+    /// starts at a multiple of 4 bytes, `model::state_layout`)
     pub state_off: usize,
+    /// the `ssm` tensor's size on the device, in floats (half its values when 16-bit,
+    /// padded)
+    pub ssm_floats: usize,
     /// the dtype of GEMM inputs and weights (the model's)
     pub act: ElemType,
     /// `fam_add_bias` of lm_rows.cu

@@ -8,6 +8,7 @@ pub mod cpu_family;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod drift;
 pub mod logits;
 pub mod model;
 pub mod state;

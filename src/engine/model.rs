@@ -29,8 +29,21 @@ pub struct Model {
 }
 
 impl Model {
-    /// Load a model directory (config.json + weights, any mixer, either file layout).
+    /// Load a model directory (config.json + weights, any mixer, either file layout), its
+    /// states stored as the command line's `--state-dtype` says (f32 by default).
     pub fn load(path: &Path, device: Device, dtype: DType) -> Result<Model> {
+        Self::load_with_state(path, device, dtype, state_dtype_of_command_line())
+    }
+
+    /// [`Model::load`] with the `ssm` state stored in `state_dtype` (f32, bf16 or f16; the
+    /// arithmetic is f32 either way).
+    pub fn load_with_state(
+        path: &Path,
+        device: Device,
+        dtype: DType,
+        state_dtype: DType,
+    ) -> Result<Model> {
+        crate::model::state_layout::check_state_dtype(state_dtype)?;
         if dtype == DType::F64 {
             return Err(Error::input(
                 "dtype f64 is for the CPU oracle (cpu::CpuModel<f64>); the engine runs f32, bf16 or f16",
@@ -45,7 +58,7 @@ impl Model {
                     let weights = crate::timeline::stage("checkpoint read and converted", || {
                         MixerWeights::load(path, dtype)
                     })?;
-                    return Self::from_mixer_weights(weights, device);
+                    return Self::from_mixer_weights_with_state(weights, device, state_dtype);
                 }
             }
             // Open the device while the checkpoint is read and converted: the two take
@@ -67,17 +80,18 @@ impl Model {
                 .join()
                 .map_err(|_| Error::Device("opening the CUDA device panicked".into()))?;
             let weights = Arc::new(weights?);
-            let model = crate::engine::cuda::CudaModel::on(gpu?, weights.clone())?;
-            return Ok(Self::assemble(
+            let model = crate::engine::cuda::CudaModel::on(gpu?, weights.clone(), state_dtype)?;
+            return Self::assemble(
                 MixerWeights::Mamba3(weights),
                 device,
                 Box::new(model),
-            ));
+                state_dtype,
+            );
         }
         let weights = crate::timeline::stage("checkpoint read and converted", || {
             MixerWeights::load(path, dtype)
         })?;
-        Self::from_mixer_weights(weights, device)
+        Self::from_mixer_weights_with_state(weights, device, state_dtype)
     }
 
     /// A model of Mamba-3 SISO parameters built in memory (synthetic, trained, converted).
@@ -85,38 +99,64 @@ impl Model {
         Self::from_mixer_weights(MixerWeights::Mamba3(Arc::new(weights)), device)
     }
 
-    /// A model of any mixer's parameters on `device`.
+    /// A model of any mixer's parameters on `device`, states as `--state-dtype` says.
     pub fn from_mixer_weights(weights: MixerWeights, device: Device) -> Result<Model> {
-        let backend: Box<dyn Backend> = match device {
-            Device::Cpu => cpu_backend(&weights)?,
-            #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => match &weights {
-                MixerWeights::Mamba3(w) => {
-                    Box::new(crate::engine::cuda::CudaModel::new(w.clone(), ordinal)?)
-                }
-                w @ (MixerWeights::Mamba1(_) | MixerWeights::Mamba2(_) | MixerWeights::Mimo(_)) => {
-                    Box::new(crate::engine::cuda::family::FamilyCuda::new(w, ordinal)?)
-                }
-            },
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => {
-                return Err(Error::Device(
-                    "this build has no CUDA support (rebuild with `--features cuda`)".into(),
-                ))
-            }
-        };
-        Ok(Self::assemble(weights, device, backend))
+        Self::from_mixer_weights_with_state(weights, device, state_dtype_of_command_line())
     }
 
-    fn assemble(weights: MixerWeights, device: Device, backend: Box<dyn Backend>) -> Model {
-        Model {
+    /// A model of any mixer's parameters on `device`, the `ssm` state stored in
+    /// `state_dtype`.
+    pub fn from_mixer_weights_with_state(
+        weights: MixerWeights,
+        device: Device,
+        state_dtype: DType,
+    ) -> Result<Model> {
+        crate::model::state_layout::check_state_dtype(state_dtype)?;
+        let backend: Box<dyn Backend> =
+            match device {
+                Device::Cpu => cpu_backend(&weights)?,
+                #[cfg(feature = "cuda")]
+                Device::Cuda(ordinal) => match &weights {
+                    MixerWeights::Mamba3(w) => Box::new(crate::engine::cuda::CudaModel::new(
+                        w.clone(),
+                        ordinal,
+                        state_dtype,
+                    )?),
+                    w @ (MixerWeights::Mamba1(_)
+                    | MixerWeights::Mamba2(_)
+                    | MixerWeights::Mimo(_)) => Box::new(
+                        crate::engine::cuda::family::FamilyCuda::new(w, ordinal, state_dtype)?,
+                    ),
+                },
+                #[cfg(not(feature = "cuda"))]
+                Device::Cuda(_) => {
+                    return Err(Error::Device(
+                        "this build has no CUDA support (rebuild with `--features cuda`)".into(),
+                    ))
+                }
+            };
+        Self::assemble(weights, device, backend, state_dtype)
+    }
+
+    fn assemble(
+        weights: MixerWeights,
+        device: Device,
+        backend: Box<dyn Backend>,
+        state_dtype: DType,
+    ) -> Result<Model> {
+        Ok(Model {
             dims: weights.lm_dims(),
             fingerprint: weights.fingerprint(),
-            state_layout: Arc::new(weights.state_layout()),
+            state_layout: Arc::new(weights.state_layout().with_state_dtype(state_dtype)?),
             weights,
             device,
             backend,
-        }
+        })
+    }
+
+    /// The storage dtype of the `ssm` state (`--state-dtype`).
+    pub fn state_dtype(&self) -> DType {
+        self.state_layout.state_dtype()
     }
 
     /// The named tensors of one sequence's state.
@@ -285,6 +325,7 @@ impl Model {
         let vp = self.dims.vocab_padded;
         self.backend
             .decode_into(tokens, &mut data_of(states), out)?;
+        self.round_host_states(states);
         for s in states.iter_mut() {
             s.position += 1;
         }
@@ -391,10 +432,26 @@ impl Model {
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
         let out = self.backend.forward(seqs, &mut data_of(states), want)?;
+        self.round_host_states(states);
         for (s, t) in states.iter_mut().zip(seqs) {
             s.position += t.len() as u64;
         }
         Ok(out)
+    }
+
+    /// A 16-bit `ssm` state on the host: the CPU backends compute in f32 and leave f32
+    /// values, rounded here to the state's dtype, as a device stores them at the end of
+    /// each step or pass. (The host keeps them widened to f32: exact, and what a device
+    /// state brought to the host holds.)
+    fn round_host_states(&self, states: &mut [&mut State]) {
+        if !self.state_layout.is_narrow() {
+            return;
+        }
+        for s in states.iter_mut() {
+            if let StateData::Host(h) = &mut s.data {
+                self.state_layout.round_host(Arc::make_mut(h));
+            }
+        }
     }
 }
 
@@ -421,6 +478,7 @@ impl Model {
         let mut out = Vec::new();
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
             let rows = cpu.hidden(piece, &mut state.data, want)?;
+            self.round_host_states(&mut [&mut *state]);
             state.position += piece.len() as u64;
             match want {
                 LogitsWant::All => out.extend(rows),
@@ -430,6 +488,13 @@ impl Model {
         }
         Ok(out)
     }
+}
+
+/// The command line's `--state-dtype` (`crate::options`), f32 when none was given.
+fn state_dtype_of_command_line() -> DType {
+    crate::options::state_dtype_name()
+        .parse()
+        .unwrap_or(DType::F32)
 }
 
 /// The CPU backend of a model's mixer.

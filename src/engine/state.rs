@@ -1,16 +1,20 @@
-//! One sequence's recurrent state across all layers: the named f32 tensors the model's mixer
-//! keeps per layer (its [`StateLayout`]: Mamba-3 `angle`, `ssm`, `k`, `v`), plus the number
-//! of tokens it has consumed and the fingerprint of the model it belongs to. Nothing here
-//! knows which mixer it is: snapshots, files and the prefix cache work from the layout.
+//! One sequence's recurrent state across all layers: the named tensors the model's mixer
+//! keeps per layer (its [`StateLayout`]: Mamba-3 `angle`, `ssm`, `k`, `v`, the `ssm` one
+//! stored in f32, bf16 or f16 as `--state-dtype` says), plus the number of tokens it has
+//! consumed and the fingerprint of the model it belongs to. Nothing here knows which mixer
+//! it is: snapshots, files and the prefix cache work from the layout.
 //!
 //! A snapshot is a clone. Host states share their buffers until one side writes
 //! (copy-on-write), so snapshots for a prefix cache cost nothing until used. Saved files are
-//! safetensors holding `state.{l}.{name}` and metadata naming the model; loading a state
-//! into a different model is refused.
+//! safetensors holding `state.{l}.{name}`, each tensor in its storage dtype, and metadata
+//! naming the model and the state dtype; loading a state into a different model is
+//! refused. A file of another state dtype is converted on loading: widened exactly into a
+//! wider state, rounded to nearest even into a narrower one.
 
 use crate::error::{Error, Result};
 use crate::model::state_layout::{StateBuf, StateLayout};
 use crate::model::tensor_file::{write_safetensors, RawTensor, TensorFile};
+use crate::model::TensorData;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -101,9 +105,14 @@ impl State {
         self.model
     }
 
-    /// Bytes the state occupies.
+    /// Bytes the state occupies where it lives (a host state keeps f32 values, a device
+    /// state each tensor in its storage dtype).
     pub fn bytes(&self) -> usize {
-        self.layout.len() * 4
+        match &self.data {
+            StateData::Host(_) => self.layout.len() * 4,
+            #[cfg(feature = "cuda")]
+            StateData::Cuda(_) => self.layout.device_bytes(),
+        }
     }
 
     /// A copy of the state's values on the host.
@@ -124,9 +133,10 @@ impl State {
             let values = host.layer(l);
             for (i, t) in layout.tensors.iter().enumerate() {
                 let off = layout.offset_in_layer(i);
+                let data = TensorData::from_f32(&values[off..off + t.len()], t.dtype);
                 out.push((
                     layout.file_name(l, i),
-                    RawTensor::from_f32(t.shape.clone(), &values[off..off + t.len()]),
+                    RawTensor::from_data(t.shape.clone(), &data),
                 ));
             }
         }
@@ -142,6 +152,10 @@ impl State {
         meta.insert("model_fingerprint".into(), format!("{:016x}", self.model));
         meta.insert("position".into(), self.position.to_string());
         meta.insert("dims".into(), self.layout.describe());
+        meta.insert(
+            "state_dtype".into(),
+            self.layout.state_dtype().name().into(),
+        );
         write_safetensors(path, &self.tensors()?, Some(meta))
     }
 
@@ -199,6 +213,8 @@ impl State {
                 host.layer_mut(l)[off..off + t.len()].copy_from_slice(&vals);
             }
         }
+        // a file of a wider state dtype into a 16-bit state: rounded as a store would
+        layout.round_host(&mut host);
         Ok(State {
             model: fingerprint,
             layout,

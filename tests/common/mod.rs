@@ -3,6 +3,7 @@
 
 pub mod family;
 pub mod grad;
+pub mod state16;
 
 use mamba3::model::tensor_file::TensorFile;
 use std::path::PathBuf;

@@ -130,12 +130,20 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 }
 
 // One sequence's state in one layer, inside its per-sequence buffer (see src/engine/cuda/state.rs):
-// [angle H·S | ssm H·P·N | k H·N | v H·P], f32, layers one after another.
-#define ST_ANGLE 0
-#define ST_SSM (NHEADS * NANGLES)
-#define ST_K (ST_SSM + NHEADS * HEADDIM * DSTATE)
-#define ST_V (ST_K + NHEADS * DSTATE)
-#define ST_LAYER (ST_V + NHEADS * HEADDIM)
+// [angle H·S | ssm H·P·N | k H·N | v H·P], layers one after another; `ssm` in state_t, the
+// rest f32. ST_ANGLE, ST_SSM, ST_K, ST_V (byte offsets in a layer) and ST_LAYER (bytes of a
+// layer) are defines from the layout (src/model/state_layout.rs, mixers/mamba3/cuda/program.rs).
+struct LayerSt {
+    float* angle;
+    state_t* ssm;
+    float* k;
+    float* v;
+};
+__device__ __forceinline__ LayerSt layer_st(float* seq, int layer) {
+    char* b = reinterpret_cast<char*>(seq) + (size_t)layer * ST_LAYER;
+    return {reinterpret_cast<float*>(b + ST_ANGLE), reinterpret_cast<state_t*>(b + ST_SSM),
+            reinterpret_cast<float*>(b + ST_K), reinterpret_cast<float*>(b + ST_V)};
+}
 
 // The prefill's in_proj output (`proj`, read by prefill_pre and the scan): f32, or f16
 // with PROJ_F16 (16-bit models whose in_proj output is bounded well inside f16's range:

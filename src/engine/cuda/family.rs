@@ -14,7 +14,7 @@ use super::state::{device_states, place_on, CudaState};
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
 use crate::cuda::gemm::Lt;
 use crate::cuda::gemm_spec::{ElemType, GemmSpec};
-use crate::cuda::kernels::Module;
+use crate::cuda::kernels::{state_define, KernelConfig, Module};
 use crate::cuda::packed::{upload_matrix, Carve, LayerRun, PackedPass, Scratch};
 use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
 use crate::engine::logits::{HostBuf, StepLogits};
@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::mixers::{mamba1, mamba2, mimo, LmDims, MixerWeights};
 use crate::model::family_weights::LmWeights;
 use crate::model::state_layout::StateLayout;
+use crate::model::DType;
 use crate::options::GpuOptions;
 use cudarc::driver::CudaGraph;
 use std::sync::{Arc, Mutex};
@@ -55,13 +56,6 @@ impl GpuMixer {
             GpuMixer::Mamba1(m) => m.scratch_bytes(rows, chunks, act_bytes),
             GpuMixer::Mamba2(m) => m.scratch_bytes(rows, chunks, act_bytes),
             GpuMixer::Mimo(m) => m.scratch_bytes(rows, chunks, act_bytes),
-        }
-    }
-    fn state_floats(&self) -> usize {
-        match self {
-            GpuMixer::Mamba1(m) => m.state_floats(),
-            GpuMixer::Mamba2(m) => m.state_floats(),
-            GpuMixer::Mimo(m) => m.state_floats(),
         }
     }
     fn chunk_len(&self, rows: usize) -> usize {
@@ -171,24 +165,30 @@ pub struct FamilyCuda {
 impl FamilyCuda {
     /// A Mamba-1, Mamba-2 or Mamba-3 MIMO model on CUDA device `ordinal`; an error for
     /// Mamba-3 SISO (`engine::cuda::CudaModel` runs it).
-    pub fn new(weights: &MixerWeights, ordinal: usize) -> Result<FamilyCuda> {
+    /// The `ssm` state is stored in `state_dtype` (the kernels' `STATE`).
+    pub fn new(weights: &MixerWeights, ordinal: usize, state_dtype: DType) -> Result<FamilyCuda> {
+        let layout = weights.state_layout().with_state_dtype(state_dtype)?;
         let gpu = Arc::new(Gpu::new(ordinal)?);
         let dtype = weights.dtype();
+        let with_state = |mut cfg: KernelConfig| {
+            cfg.set("STATE", state_define(state_dtype));
+            cfg
+        };
         let (lm, mixer, module_kernels) = match weights {
             MixerWeights::Mamba1(w) => {
-                let cfg = mamba1::cuda::kernel_config(w.mixer_config()?, dtype);
+                let cfg = with_state(mamba1::cuda::kernel_config(w.mixer_config()?, dtype));
                 let (module, _) = Module::load(&gpu, mamba1::cuda::PROGRAM, &cfg)?;
                 let mixer = GpuMixer::Mamba1(mamba1::cuda::GpuMamba1::upload(&gpu, w, &module)?);
                 (LmDevice::upload(&gpu, w)?, mixer, lm_kernels(&module)?)
             }
             MixerWeights::Mamba2(w) => {
-                let cfg = mamba2::cuda::kernel_config(w.mixer_config()?, dtype)?;
+                let cfg = with_state(mamba2::cuda::kernel_config(w.mixer_config()?, dtype)?);
                 let (module, _) = Module::load(&gpu, mamba2::cuda::PROGRAM, &cfg)?;
                 let mixer = GpuMixer::Mamba2(mamba2::cuda::GpuMamba2::upload(&gpu, w, &module)?);
                 (LmDevice::upload(&gpu, w)?, mixer, lm_kernels(&module)?)
             }
             MixerWeights::Mimo(w) => {
-                let cfg = mimo::cuda::kernel_config(&w.dims, dtype)?;
+                let cfg = with_state(mimo::cuda::kernel_config(&w.dims, dtype)?);
                 let (module, _) = Module::load(&gpu, mimo::cuda::PROGRAM, &cfg)?;
                 let mixer = GpuMixer::Mimo(mimo::cuda::GpuMimo::upload(&gpu, w, &module)?);
                 (LmDevice::upload_mimo(&gpu, w)?, mixer, lm_kernels(&module)?)
@@ -212,7 +212,7 @@ impl FamilyCuda {
             embed,
             rms_norm,
             add_bias,
-            layout: weights.state_layout(),
+            layout,
             work: Mutex::new(Work::default()),
             options: Mutex::new(GpuOptions::from_env()),
         })
@@ -284,7 +284,10 @@ impl FamilyCuda {
             false,
             &[&b.tokens, &self.lm.embedding.ptr, &b.residual, &dm_i],
         )?;
-        let layer_floats = self.mixer.state_floats();
+        // a device state's tensors all start at multiples of 4 bytes (model::state_layout)
+        let layer_floats = self.layout.layer_bytes() / 4;
+        let ssm = self.layout.tensors.iter().position(|t| t.name == "ssm");
+        let ssm_floats = ssm.map_or(0, |i| self.layout.tensors[i].device_bytes() / 4);
         let all_rows = 0u64;
         for (l, norm) in self.lm.norms.iter().enumerate() {
             let args: [&dyn KArg; 6] = [
@@ -301,6 +304,7 @@ impl FamilyCuda {
                 lt: &self.lt,
                 pass,
                 state_off: l * layer_floats,
+                ssm_floats,
                 act: self.act,
                 add_bias: &self.add_bias,
                 batch_invariant: self.batch_invariant(),

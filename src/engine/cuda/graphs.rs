@@ -49,7 +49,7 @@ impl CudaModel {
         let d = self.weights.dims;
         let gpu = self.gpu();
         let work = Work::new(gpu, &d, self.weights.dtype.size(), Caps::of(&lay))?;
-        let mut scratch = CudaState::zeros(gpu, &crate::mixers::mamba3::state::layout(&d))?;
+        let mut scratch = CudaState::zeros(gpu, &self.state_layout)?;
         let sp = scratch.unique_ptr()?;
         let n = lay.seqs.len();
         work.put_layout(gpu, &lay)?;

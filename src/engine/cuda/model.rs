@@ -23,6 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub struct CudaModel {
     pub(crate) gpu: Arc<Gpu>,
     pub(crate) weights: Arc<Weights>,
+    /// A sequence's state, with the `ssm` tensor's storage dtype (`--state-dtype`).
+    pub(crate) state_layout: StateLayout,
     pub(crate) gw: GpuWeights,
     /// the scan may take f16 operands (`weights::scan_f16`)
     scan_f16: bool,
@@ -43,13 +45,15 @@ pub(crate) struct Inner {
 }
 
 impl CudaModel {
-    pub fn new(weights: Arc<Weights>, ordinal: usize) -> Result<CudaModel> {
-        Self::on(Gpu::new(ordinal)?, weights)
+    pub fn new(weights: Arc<Weights>, ordinal: usize, state_dtype: DType) -> Result<CudaModel> {
+        Self::on(Gpu::new(ordinal)?, weights, state_dtype)
     }
 
     /// The model on a device already opened (`Model::load` opens it while the checkpoint
     /// is read: creating the context is a good part of the start-up).
-    pub fn on(gpu: Gpu, weights: Arc<Weights>) -> Result<CudaModel> {
+    pub fn on(gpu: Gpu, weights: Arc<Weights>, state_dtype: DType) -> Result<CudaModel> {
+        let state_layout =
+            crate::mixers::mamba3::state::layout(&weights.dims).with_state_dtype(state_dtype)?;
         gpu.bind()?; // it may have been opened on another thread
         let gpu = Arc::new(gpu);
         // Two threads beside the weights upload: cuBLASLt (a handle, then the kernels of a
@@ -68,7 +72,7 @@ impl CudaModel {
             }
         };
         let math = scan_math(weights.dtype, scan_f16, opts);
-        let kernel_cfg = kernel_config(&weights, math, proj_f16)?;
+        let kernel_cfg = kernel_config(&weights, &state_layout, math, proj_f16)?;
         let (gw, lt, kernels) = std::thread::scope(|s| {
             let lt = s.spawn(|| {
                 let lt = crate::timeline::stage("cuBLASLt opened (thread)", || Lt::new(&gpu))?;
@@ -96,6 +100,7 @@ impl CudaModel {
         let m = CudaModel {
             gpu,
             weights,
+            state_layout,
             gw,
             scan_f16,
             proj_f16,
@@ -166,7 +171,8 @@ impl CudaModel {
 
     fn kernels_for(&self, inner: &mut Inner, o: GpuOptions) -> Result<Arc<Kernels>> {
         let w = &self.weights;
-        let cfg = kernel_config(w, scan_math(w.dtype, self.scan_f16, o), self.proj_f16)?;
+        let math = scan_math(w.dtype, self.scan_f16, o);
+        let cfg = kernel_config(w, &self.state_layout, math, self.proj_f16)?;
         if let Some(k) = inner.kernels.get(&cfg) {
             return Ok(k.clone());
         }
@@ -383,8 +389,13 @@ fn scan_math(dtype: DType, scan_f16: bool, o: GpuOptions) -> ScanMath {
     }
 }
 
-fn kernel_config(w: &Weights, math: ScanMath, proj_f16: bool) -> Result<KernelConfig> {
-    let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, math)?;
+fn kernel_config(
+    w: &Weights,
+    state: &StateLayout,
+    math: ScanMath,
+    proj_f16: bool,
+) -> Result<KernelConfig> {
+    let cfg = KernelConfig::new(&w.config, &w.dims, w.dtype, math)?.with_state_layout(state)?;
     let cfg = if proj_f16 {
         cfg.with("PROJ_F16", "1")
     } else {
@@ -439,7 +450,7 @@ mod warm_up_tests {
             // then not out_proj's (which would share its plan)
             cfg.d_intermediate = if mlp { 200 } else { 0 };
             let w = Arc::new(Weights::synthetic(cfg, dtype, 3).unwrap());
-            let m = CudaModel::new(w.clone(), 0).unwrap();
+            let m = CudaModel::new(w.clone(), 0, DType::F32).unwrap();
             let opts = m.options().unwrap();
             let specs =
                 prefill_gemm_specs(&w.dims, dtype, opts, (in_proj_kind(&w), proj_f16(&w)), 16);

@@ -1,6 +1,8 @@
-//! A sequence's state on the device: one buffer holding, layer after layer,
-//! `[angle H·S | ssm H·P·N | k H·N | v H·P]`, f32 (the host state's flat layout, `model::state_layout`;
-//! `ST_*` in kernels/common.cuh). Clones share the buffer until one of them is written
+//! A sequence's state on the device: one buffer holding, layer after layer, each tensor of
+//! the layout in its storage dtype at its byte offset (SISO: `[angle H·S | ssm H·P·N | k H·N
+//! | v H·P]`, `ssm` in f32, bf16 or f16; `model::state_layout`, `ST_*` in
+//! kernels/common.cuh). Uploads and downloads convert to and from the host's f32 values,
+//! exactly for values that came from the device. Clones share the buffer until one of them is written
 //! (copy-on-write, like host states), so a snapshot costs nothing until it is used.
 //!
 //! States live in pieces of larger device allocations, recycled by the GPU's state pool
@@ -20,7 +22,7 @@ pub struct CudaState {
 impl CudaState {
     /// A zero state (a fresh sequence).
     pub fn zeros(gpu: &Arc<Gpu>, layout: &StateLayout) -> Result<CudaState> {
-        let bytes = layout.len() * 4;
+        let bytes = layout.device_bytes();
         let buf = Slot::new(gpu, bytes)?;
         gpu.zero(buf.ptr(), bytes)?;
         Ok(CudaState {
@@ -43,8 +45,9 @@ impl CudaState {
                 layout.describe()
             )));
         }
-        let buf = Slot::new(gpu, host.data.len() * 4)?;
-        gpu.htod(&host.data, buf.ptr())?;
+        let bytes = layout.to_bytes(host);
+        let buf = Slot::new(gpu, bytes.len())?;
+        gpu.htod(&bytes, buf.ptr())?;
         Ok(CudaState {
             buf: Arc::new(buf),
             gpu: gpu.clone(),
@@ -53,9 +56,9 @@ impl CudaState {
 
     /// A copy of the values on the host.
     pub fn to_host(&self, layout: &StateLayout) -> Result<StateBuf<f32>> {
-        let mut flat = vec![0f32; layout.len()];
-        self.gpu.dtoh(self.buf.ptr(), &mut flat)?;
-        StateBuf::from_flat(layout, flat)
+        let mut bytes = vec![0u8; layout.device_bytes()];
+        self.gpu.dtoh(self.buf.ptr(), &mut bytes)?;
+        layout.from_bytes(&bytes)
     }
 
     /// The device address of a buffer this state alone owns (copying a shared one first).

@@ -170,11 +170,6 @@ impl GpuMamba1 {
         c.used()
     }
 
-    /// Floats of one layer's state (`conv [D_i, K]` then `ssm [D_i, N]`).
-    pub fn state_floats(&self) -> usize {
-        self.cfg.d_inner * (self.cfg.d_conv + self.cfg.d_state)
-    }
-
     /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, its output
     /// added to `residual` (f32); `scratch` holds [`Self::scratch_bytes`].
     pub fn layer(

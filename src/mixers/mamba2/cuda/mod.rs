@@ -257,12 +257,6 @@ impl GpuMamba2 {
         c.used()
     }
 
-    /// Floats of one layer's state (`conv [C_d, K]` then `ssm [H, P, N]`).
-    pub fn state_floats(&self) -> usize {
-        let c = &self.cfg;
-        c.conv_dim() * c.d_conv + c.nheads * c.headdim * c.d_state
-    }
-
     /// The chunked scan of a layer: each chunk's state from zero, their carry along each
     /// sequence, then every chunk's outputs and each sequence's final state (one launch
     /// when every sequence is one chunk).

@@ -4,10 +4,11 @@
 //! training row kernels), and the constants one model's kernels are compiled with.
 
 use crate::cuda::kernels::{
-    f32_literal, proj_ld, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES, GEMV, SCAN_TILES,
-    TRAIN,
+    f32_literal, proj_ld, state_define, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES,
+    GEMV, SCAN_TILES, TRAIN,
 };
 use crate::error::{Error, Result};
+use crate::model::state_layout::StateLayout;
 use crate::model::{Config, DType, Dims};
 
 const PREFILL_PRE: (&str, &str) = ("prefill_pre.cu", include_str!("kernels/prefill_pre.cu"));
@@ -158,6 +159,28 @@ impl KernelConfig {
                 usize::from(dtype == DType::F32 || !cfg.tie_embeddings),
             ),
         ];
-        Ok(KernelConfig { defines }.tuned())
+        let cfg =
+            KernelConfig { defines }.with_state_layout(&crate::mixers::mamba3::state::layout(d))?;
+        Ok(cfg.tuned())
+    }
+
+    /// The state's storage: `STATE` (the `ssm` tensor's dtype: 0 f32, 1 bf16, 2 f16) and
+    /// the byte offsets `ST_ANGLE`, `ST_SSM`, `ST_K`, `ST_V` of a layer's tensors and
+    /// `ST_LAYER`, its bytes (kernels/common.cuh), from the layout every other part of the
+    /// engine uses.
+    pub fn with_state_layout(mut self, layout: &StateLayout) -> Result<KernelConfig> {
+        let names = ["angle", "ssm", "k", "v"];
+        let found: Vec<&str> = layout.tensors.iter().map(|t| t.name).collect();
+        if found != names {
+            return Err(Error::State(format!(
+                "the Mamba-3 kernels take a state of {names:?}; this layout holds {found:?}"
+            )));
+        }
+        self.set("STATE", state_define(layout.state_dtype()));
+        for (i, name) in ["ST_ANGLE", "ST_SSM", "ST_K", "ST_V"].iter().enumerate() {
+            self.set(name, &layout.byte_offset_in_layer(i).to_string());
+        }
+        self.set("ST_LAYER", &layout.layer_bytes().to_string());
+        Ok(self)
     }
 }

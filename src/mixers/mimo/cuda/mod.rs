@@ -264,17 +264,12 @@ impl GpuMimo {
         c.used()
     }
 
-    /// Floats of one layer's state (`angle [H,S]`, `ssm [H,P,N]`, `k [R,H,N]`, `v [H,P]`).
-    pub fn state_floats(&self) -> usize {
-        self.d.state_elems_per_layer()
-    }
-
     fn args(&self, w: &Layer, run: &LayerRun, b: &Bufs) -> MimoScan {
         let d = &self.d;
         let (h, p, n, r, s) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
         let angle_off = run.state_off;
         let ssm_off = angle_off + h * s;
-        let k_off = ssm_off + h * p * n;
+        let k_off = ssm_off + run.ssm_floats;
         let v_off = k_off + r * h * n;
         MimoScan {
             proj: b.proj,

@@ -25,7 +25,7 @@ struct M1Scan {
     int ld_z;
     const float* d_skip;   // [D_i]
     int d_inner;
-    long long ssm_off;     // this layer's ssm tensor [D_i, N] in a state, in floats
+    long long ssm_off;     // this layer's ssm tensor [D_i, N] (state_t) in a state, in floats
 };
 
 extern "C" __global__ void m1_scan_local(M1Scan p, const int* chunk_row0, const int* chunk_len,
@@ -61,11 +61,11 @@ extern "C" __global__ void m1_scan_carry(M1Scan p, const int* seg_chunk0, const 
                                          const float* dt_sum) {
     const int d = blockIdx.y * blockDim.x + threadIdx.x, s = blockIdx.x;
     if (d >= p.d_inner) return;
-    float* st = reinterpret_cast<float*>(seg_state[s]) + p.ssm_off + (size_t)d * D_STATE;
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[s]) + p.ssm_off) + (size_t)d * D_STATE;
     float h[D_STATE], a[D_STATE];
 #pragma unroll
     for (int n = 0; n < D_STATE; ++n) {
-        h[n] = st[n];
+        h[n] = st_load(st + n);
         a[n] = p.a[(size_t)d * D_STATE + n];
     }
     for (int k = 0; k < seg_nchunks[s]; ++k) {
@@ -80,7 +80,7 @@ extern "C" __global__ void m1_scan_carry(M1Scan p, const int* seg_chunk0, const 
         }
     }
 #pragma unroll
-    for (int n = 0; n < D_STATE; ++n) st[n] = h[n];
+    for (int n = 0; n < D_STATE; ++n) st_store(st + n, h[n]);
 }
 
 // Outputs of each chunk, gated, in the GEMM dtype. `direct`: the chunk is its sequence's
@@ -90,12 +90,13 @@ extern "C" __global__ void m1_scan_out(M1Scan p, const int* chunk_row0, const in
                                        const float* h_chunk, int direct, act_t* out) {
     const int d = blockIdx.y * blockDim.x + threadIdx.x, c = blockIdx.x;
     if (d >= p.d_inner) return;
-    float* st = reinterpret_cast<float*>(seg_state[chunk_seg[c]]) + p.ssm_off + (size_t)d * D_STATE;
-    const float* h0 = direct ? st : h_chunk + ((size_t)c * p.d_inner + d) * D_STATE;
+    state_t* st =
+        reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[chunk_seg[c]]) + p.ssm_off) + (size_t)d * D_STATE;
+    const float* h0 = h_chunk + ((size_t)c * p.d_inner + d) * D_STATE;
     float h[D_STATE], a[D_STATE];
 #pragma unroll
     for (int n = 0; n < D_STATE; ++n) {
-        h[n] = h0[n];
+        h[n] = direct ? st_load(st + n) : h0[n];
         a[n] = p.a[(size_t)d * D_STATE + n];
     }
     const int row0 = chunk_row0[c], len = chunk_len[c];
@@ -117,7 +118,7 @@ extern "C" __global__ void m1_scan_out(M1Scan p, const int* chunk_row0, const in
     }
     if (direct) {
 #pragma unroll
-        for (int n = 0; n < D_STATE; ++n) st[n] = h[n];
+        for (int n = 0; n < D_STATE; ++n) st_store(st + n, h[n]);
     }
 }
 

@@ -67,7 +67,8 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
     const int lane = tid & 31, warp = tid >> 5, fg = lane >> 2, ft = lane & 3;
     const float a = p.a[h], dt_bias = p.dt_bias[h];
     const size_t head_at = (size_t)h * HEADDIM * DSTATE;
-    float* st = reinterpret_cast<float*>(t.seq_state[sq]) + p.ssm_off + head_at;
+    // the sequence's ssm state (of the storage type `state_t`, dtypes.cuh)
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(t.seq_state[sq]) + p.ssm_off) + head_at;
     float* hc = h_chunk + (size_t)c * heads * HEADDIM * DSTATE + head_at;
     const float* xs = p.xbc + h * HEADDIM;                  // x of this head
     const float* bs = p.xbc + p.d_ssm + g * DSTATE;         // B of its group
@@ -77,13 +78,14 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
     const int s_rb = TileS::rb(warp), s_first = TileS::first(warp), s_nt = TileS::count(warp);
     float sacc[TileS::T][4];
     {
-        const float* h0 = direct ? st : hc;
 #pragma unroll
         for (int i = 0; i < TileS::T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
-                sacc[i][e] = (OUT && i < s_nt && pp < HEADDIM && n < DSTATE) ? h0[pp * DSTATE + n] : 0.f;
+                const bool in = OUT && i < s_nt && pp < HEADDIM && n < DSTATE;
+                const size_t k = (size_t)pp * DSTATE + n;
+                sacc[i][e] = in ? (direct ? st_load(st + k) : hc[k]) : 0.f;
             }
     }
     float decay_sum = 0.f;
@@ -243,13 +245,17 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
     }
     // The chunk's state from zero (m2_chunk_states), or the sequence's final state.
     if (!OUT || seq_last) {
-        float* dst = OUT ? st : hc;
 #pragma unroll
         for (int i = 0; i < TileS::T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
-                if (i < s_nt && pp < HEADDIM && n < DSTATE) dst[pp * DSTATE + n] = sacc[i][e];
+                if (!(i < s_nt && pp < HEADDIM && n < DSTATE)) continue;
+                const size_t k = (size_t)pp * DSTATE + n;
+                if (OUT)
+                    st_store(st + k, sacc[i][e]);
+                else
+                    hc[k] = sacc[i][e];
             }
         if (!OUT && tid == 0) log_decay[(size_t)c * heads + h] = decay_sum;
     }

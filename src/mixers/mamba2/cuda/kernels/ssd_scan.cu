@@ -25,7 +25,7 @@ struct M2Scan {
     const float* d_skip;   // [H·P]
     float dt_min, dt_max;
     int heads_per_group, headdim, groups;
-    long long ssm_off;     // this layer's ssm tensor [H, P, N] in a state, in floats
+    long long ssm_off;     // this layer's ssm tensor [H, P, N] (state_t) in a state, in floats
 };
 
 // This thread's place: chunk, head, channel, lane; and the chunk's Δ and exp(Δ·A) staged.
@@ -68,7 +68,9 @@ extern "C" __global__ void m2_scan_carry(M2Scan p, const int* seg_chunk0, const 
     const int per_head = p.headdim * DSTATE;
     const int e = blockIdx.y * blockDim.x + threadIdx.x;
     if (e >= per_head) return;
-    float h = reinterpret_cast<const float*>(seg_state[s])[p.ssm_off + (size_t)hd * per_head + e];
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[s]) + p.ssm_off) +
+                  (size_t)hd * per_head + e;
+    float h = st_load(st);
     const int n = seg_nchunks[s];
     for (int k = 0; k < n; ++k) {
         const int c = seg_chunk0[s] + k;
@@ -87,10 +89,10 @@ extern "C" __global__ void m2_scan_rows(M2Scan p, const int* chunk_row0, const i
     __shared__ float s_delta[M2_MAX_CHUNK], s_decay[M2_MAX_CHUNK];
     const M2Place w = m2_place(p, chunk_row0, chunk_len, s_delta, s_decay);
     const size_t at = ((size_t)w.hd * p.headdim + w.pp) * DSTATE + w.q;
-    float* st = reinterpret_cast<float*>(seg_state[chunk_seg[w.c]]) + p.ssm_off + at;
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[chunk_seg[w.c]]) + p.ssm_off) + at;
     float h[M2_SL];
 #pragma unroll
-    for (int i = 0; i < M2_SL; ++i) h[i] = st[i * M2_Q];
+    for (int i = 0; i < M2_SL; ++i) h[i] = st_load(st + i * M2_Q);
     const float dskip = p.d_skip[w.ch];
     for (int t = 0; t < w.len; ++t) {
         const size_t r = w.row0 + t;
@@ -110,7 +112,7 @@ extern "C" __global__ void m2_scan_rows(M2Scan p, const int* chunk_row0, const i
         if (w.q == 0) y[r * p.d_ssm + w.ch] = acc + dskip * x;
     }
 #pragma unroll
-    for (int i = 0; i < M2_SL; ++i) st[i * M2_Q] = h[i];
+    for (int i = 0; i < M2_SL; ++i) st_store(st + i * M2_Q, h[i]);
 }
 
 // The gate and the grouped RMSNorm (spec §3.4), and the gated-MLP branch when d_ssm < D_i:

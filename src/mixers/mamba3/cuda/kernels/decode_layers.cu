@@ -224,8 +224,8 @@ __device__ __forceinline__ void prefetch_layer(const LayerW& w, float* const* __
     pl.gemv<D_MODEL>(w.in_proj, D_IN_PROJ, false);
     for (int i = blockIdx.x; i < NHEADS * nb << split; i += gridDim.x) {
         const MixItem it(i, split);
-        pl.piece(states[it.b] + (size_t)layer * ST_LAYER + ST_SSM + ((size_t)it.h * HEADDIM + it.p0) * DSTATE,
-                 (it.p1 - it.p0) * DSTATE * 4);
+        pl.piece(layer_st(states[it.b], layer).ssm + ((size_t)it.h * HEADDIM + it.p0) * DSTATE,
+                 (it.p1 - it.p0) * DSTATE * sizeof(state_t));
     }
     pl.gemv<D_INNER>(w.out_proj, D_MODEL, true);
 #if MLP_HIDDEN > 0

@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(ANGLE_THREADS)
     const int4 sq = seqs[blockIdx.x];
     const int e = blockIdx.y * ANGLE_THREADS + threadIdx.x;
     if (e >= NHEADS * NANGLES) return;
-    float* st = states[blockIdx.x] + (size_t)layer * ST_LAYER + ST_ANGLE;
+    float* st = layer_st(states[blockIdx.x], layer).angle;
     float phi = st[e];
     for (int c0 = sq.x; c0 < sq.x + sq.y; c0 += ANGLE_BATCH) {
         float adv[ANGLE_BATCH];

@@ -228,7 +228,7 @@ __device__ __forceinline__ void build_kq(const ScanArgs& A, const ChunkIn& in, i
 // the proj, `j` of the chunk) — its key biased and turned as build_kq turns it, and its x.
 // Once per sequence, so not in the builds' passes, where a store per quad cost a branch.
 __device__ __forceinline__ void final_kv(const ScanArgs& A, size_t row, int j, int g, int h, const float* s_bb,
-                                         const float* s_cs, float* st) {
+                                         const float* s_cs, const LayerSt& st) {
     for (int e = threadIdx.x; e < NP / 4 + HEADDIM; e += SCAN_THREADS) {
         if (e < NP / 4) {
             const int n = 4 * e;
@@ -236,10 +236,10 @@ __device__ __forceinline__ void final_kv(const ScanArgs& A, size_t row, int j, i
             float4 k = add4(*reinterpret_cast<const float4*>(A.bcn + row * BC_W + g * DSTATE + n),
                             *reinterpret_cast<const float4*>(s_bb + n));
             if (n / 2 < NANGLES) rotate4(k, *reinterpret_cast<const float4*>(s_cs + cs_index(j, n / 2)));
-            *reinterpret_cast<float4*>(st + ST_K + h * DSTATE + n) = k;
+            *reinterpret_cast<float4*>(st.k + h * DSTATE + n) = k;
         } else {
             const int pp = e - NP / 4;
-            st[ST_V + h * HEADDIM + pp] = proj1(A.proj + row * PROJ_LD + X_OFF + h * HEADDIM + pp);
+            st.v[h * HEADDIM + pp] = proj1(A.proj + row * PROJ_LD + X_OFF + h * HEADDIM + pp);
         }
     }
 }
@@ -296,7 +296,7 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     const int g = h / HEADS_PER_GROUP, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, fg = lane >> 2, ft = lane & 3;
     float* sb = A.sbuf + ((size_t)si * NHEADS + h) * HEADDIM * DSTATE;
-    float* st = A.states[sg.z] + (size_t)A.layer * ST_LAYER;
+    const LayerSt st = layer_st(A.states[sg.z], A.layer);
 
     for (int n = tid; n < NP; n += SCAN_THREADS) {
         s_bb[n] = n < DSTATE ? A.b_bias[h * DSTATE + n] : 0.f;
@@ -641,13 +641,15 @@ __device__ __forceinline__ void scan_body(const ScanArgs& A) {
     }
     // S_seg (phase A) or the sequence's final state (phase C, last segment), from registers.
     if (PHASE == 0 || last_seg) {
-        float* dst = PHASE == 0 ? sb : st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
+        state_t* fin = st.ssm + (size_t)h * HEADDIM * DSTATE;
 #pragma unroll
         for (int i = 0; i < TileS::T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
-                if (i < s_nt && pp < HEADDIM && n < DSTATE) dst[pp * DSTATE + n] = sacc[i][e];
+                if (!(i < s_nt && pp < HEADDIM && n < DSTATE)) continue;
+                if (PHASE == 0) sb[pp * DSTATE + n] = sacc[i][e];
+                else st_store(fin + pp * DSTATE + n, sacc[i][e]);
             }
         if (PHASE == 0 && tid == 0) A.sdecay[si * NHEADS + h] = decay_sum;
     }
@@ -681,13 +683,13 @@ extern "C" __global__ void __launch_bounds__(PASS_THREADS, PASS_MINB)
     const int h = blockIdx.y;
     const int e = (blockIdx.z * PASS_THREADS + threadIdx.x) * 4;
     if (e >= HEADDIM * DSTATE) return;
-    const float* st = states[blockIdx.x] + (size_t)layer * ST_LAYER;
+    const LayerSt st = layer_st(states[blockIdx.x], layer);
     const float4 t0 = tok[(size_t)chunks[sq.x].x * NHEADS + h];
     const float w0 = t0.x - t0.y;  // Δ_0(1 − λ_0)
     const int pp = e / DSTATE, n = e % DSTATE;
-    const float wv = w0 * st[ST_V + h * HEADDIM + pp];
-    float4 s = *reinterpret_cast<const float4*>(st + ST_SSM + h * HEADDIM * DSTATE + e);
-    const float* kk = st + ST_K + h * DSTATE + n;
+    const float wv = w0 * st.v[h * HEADDIM + pp];
+    float4 s = st_load4(st.ssm + h * HEADDIM * DSTATE + e);
+    const float* kk = st.k + h * DSTATE + n;
     s.x += wv * kk[0];
     s.y += wv * kk[1];
     s.z += wv * kk[2];

@@ -55,17 +55,17 @@ struct StepHead {
 __device__ __forceinline__ void mixer_head(StepHead& hd, float* const* __restrict__ states, int layer, int h,
                                            int b) {
     const int tid = threadIdx.x;
-    const float* st = states[b] + (size_t)layer * ST_LAYER;
+    const LayerSt st = layer_st(states[b], layer);
 #pragma unroll
     for (int j = 0; j < STEP_PER(DSTATE); ++j) {
         const int n = tid + STEP_THREADS * j;
-        hd.kp[j] = n < DSTATE ? st[ST_K + h * DSTATE + n] : 0.f;
-        hd.phi[j] = n < 2 * NANGLES ? st[ST_ANGLE + h * NANGLES + n / 2] : 0.f;
+        hd.kp[j] = n < DSTATE ? st.k[h * DSTATE + n] : 0.f;
+        hd.phi[j] = n < 2 * NANGLES ? st.angle[h * NANGLES + n / 2] : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < STEP_PER(HEADDIM); ++j) {
         const int pp = tid + STEP_THREADS * j;
-        hd.vp[j] = pp < HEADDIM ? st[ST_V + h * HEADDIM + pp] : 0.f;
+        hd.vp[j] = pp < HEADDIM ? st.v[h * HEADDIM + pp] : 0.f;
     }
 }
 
@@ -75,8 +75,7 @@ __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
                                             float* const* __restrict__ states, int layer, int h, int b,
                                             int p0 = 0, int p1 = HEADDIM) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* st = states[b] + (size_t)layer * ST_LAYER;
-    const float* hs = st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
+    const state_t* hs = layer_st(states[b], layer).ssm + (size_t)h * HEADDIM * DSTATE;
     if (STEP_PREFETCH) {
 #pragma unroll
         for (int r = 0; r < STEP_RPW; ++r)
@@ -84,7 +83,7 @@ __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
             for (int q = 0; q < STEP_NPL; ++q) {
                 const int pp = p0 + warp + r * STEP_WARPS, n4 = lane + 32 * q;
                 if (pp < p1 && n4 < DSTATE / 4)
-                    ah.h[r * STEP_NPL + q] = reinterpret_cast<const float4*>(hs + pp * DSTATE)[n4];
+                    ah.h[r * STEP_NPL + q] = st_load4(hs + pp * DSTATE + 4 * n4);
             }
     }
     ah.bw = ah.cw = ah.bb = ah.cb = 0.f;
@@ -114,8 +113,8 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
                                           int p0 = 0, int p1 = HEADDIM) {
     const bool head_states = p0 == 0;
     const int g = h / HEADS_PER_GROUP, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float* st = states[b] + (size_t)layer * ST_LAYER;
-    float* hs = st + ST_SSM + (size_t)h * HEADDIM * DSTATE;
+    const LayerSt st = layer_st(states[b], layer);
+    state_t* hs = st.ssm + (size_t)h * HEADDIM * DSTATE;
     // ---- this sequence's in_proj row: every load first, then the stores. Thread n takes
     // column n of B̄, C̄, k̃ and q̃, and the angle n/2 of its rotary pair (both threads of a
     // pair compute it; the pair meets by a shuffle), so that only two block barriers stand
@@ -166,7 +165,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
             sm.x[pp] = rx[j];
             sm.z[pp] = rz[j];
             sm.vp[pp] = hd.vp[j];
-            if (head_states) st[ST_V + h * HEADDIM + pp] = rx[j];  // v_prev of the next step
+            if (head_states) st.v[h * HEADDIM + pp] = rx[j];  // v_prev of the next step
         }
     }
     const float dt = softplus_f(raw_dt + ah.dtb);
@@ -182,7 +181,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         sn[j] = 0.f;
         if (n < 2 * NANGLES) {
             const float ph = wrap_angle_f(hd.phi[j] + PI_F * tanhf(ra[j]) * dt);
-            if (n % 2 == 0 && head_states) st[ST_ANGLE + h * NANGLES + n / 2] = ph;
+            if (n % 2 == 0 && head_states) st.angle[h * NANGLES + n / 2] = ph;
             sincos_phase(ph, &sn[j], &cs[j]);
         }
     }
@@ -222,7 +221,7 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
         if (n < DSTATE) {
             sm.k[n] = kr;
             sm.q[n] = qr;
-            if (head_states) st[ST_K + h * DSTATE + n] = kr;
+            if (head_states) st.k[h * DSTATE + n] = kr;
         }
     }
     __syncthreads();
@@ -241,20 +240,20 @@ __device__ __forceinline__ void mixer_run(StepSmem& sm, const StepAhead& ah, con
     for (int r = 0; r < STEP_RPW; ++r) {
         const int pp = p0 + warp + r * STEP_WARPS;
         if (pp >= p1) break;
-        float4* hr = reinterpret_cast<float4*>(hs + pp * DSTATE);
+        state_t* hr = hs + pp * DSTATE;
         const float bv = beta * sm.vp[pp], gx = gamma * sm.x[pp];
         float acc = 0.f;
 #pragma unroll
         for (int q = 0; q < STEP_NPL; ++q) {
             const int n4 = lane + 32 * q;
             if (n4 >= DSTATE / 4) break;
-            float4 v = STEP_PREFETCH ? ah.h[r * STEP_NPL + q] : hr[n4];
+            float4 v = STEP_PREFETCH ? ah.h[r * STEP_NPL + q] : st_load4(hr + 4 * n4);
             const float4 kp = kp4[q], k = k4[q], qq = q4[q];
             v.x = alpha * v.x + bv * kp.x + gx * k.x;
             v.y = alpha * v.y + bv * kp.y + gx * k.y;
             v.z = alpha * v.z + bv * kp.z + gx * k.z;
             v.w = alpha * v.w + bv * kp.w + gx * k.w;
-            hr[n4] = v;
+            st_store4(hr + 4 * n4, v);
             acc += v.x * qq.x + v.y * qq.y + v.z * qq.z + v.w * qq.w;
         }
         acc = warp_sum(acc);

@@ -46,7 +46,7 @@ struct MimoScan {
     float* bcn;             // [rows, 2, R·G·N]: B̄ then C̄
     float4* coef;           // [rows, H]: a = A·Δ, β, γ, Δ
     float2* cs;             // [rows, H, S]: cos φ, sin φ
-    long long angle_off, ssm_off, k_off, v_off;  // this layer's state tensors, in floats
+    long long angle_off, ssm_off, k_off, v_off;  // this layer's state tensors, in floats (ssm: state_t)
 };
 
 __device__ __forceinline__ float mimo_wrap(float phi) {
@@ -235,8 +235,9 @@ extern "C" __global__ void mimo_scan_carry(MimoScan p, const int* seq_chunk0,
     const int per_head = p.headdim * D_STATE;
     const int e = blockIdx.y * blockDim.x + threadIdx.x;
     if (e >= per_head) return;
-    float* st = reinterpret_cast<float*>(seq_state[s]) + p.ssm_off + (size_t)hd * per_head + e;
-    float h = *st;
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seq_state[s]) + p.ssm_off) +
+                  (size_t)hd * per_head + e;
+    float h = st_load(st);
     const int c0 = seq_chunk0[s], nc = seq_nchunks[s];
     // the next chunk's local state is read before this one's incoming state is written
     float local_next = h_chunk[((size_t)c0 * p.heads + hd) * per_head + e];
@@ -248,7 +249,7 @@ extern "C" __global__ void mimo_scan_carry(MimoScan p, const int* seq_chunk0,
         *hc = h;
         h = expf(__ldg(a_sum + (size_t)c * p.heads + hd)) * h + local;
     }
-    *st = h;
+    st_store(st, h);
 }
 
 // y_r before the gate, f32 [rows, H, R, P].
@@ -259,12 +260,11 @@ extern "C" __global__ void mimo_scan_out(MimoScan p, const int* chunk_row0, cons
     MimoPlace w;
     mimo_place(p, chunk_row0, chunk_len, chunk_seq, seq_row0, seq_state, w);
     const size_t at = ((size_t)w.hd * p.headdim + w.pp) * D_STATE + w.q;
-    float* st = reinterpret_cast<float*>(seq_state[chunk_seq[w.c]]) + p.ssm_off + at;
-    const float* h0 =
-        direct ? st : h_chunk + (size_t)w.c * p.heads * p.headdim * D_STATE + at;
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seq_state[chunk_seq[w.c]]) + p.ssm_off) + at;
+    const float* h0 = h_chunk + (size_t)w.c * p.heads * p.headdim * D_STATE + at;
     float h[MIMO_SL];
 #pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) h[i] = h0[i * MIMO_Q];
+    for (int i = 0; i < MIMO_SL; ++i) h[i] = direct ? st_load(st + i * MIMO_Q) : h0[i * MIMO_Q];
     const float dskip = p.d_skip[w.hd];
     for (int t = 0; t < w.len; ++t) {
         const size_t row = w.row0 + t;
@@ -285,7 +285,7 @@ extern "C" __global__ void mimo_scan_out(MimoScan p, const int* chunk_row0, cons
     }
     if (direct) {
 #pragma unroll
-        for (int i = 0; i < MIMO_SL; ++i) st[i * MIMO_Q] = h[i];
+        for (int i = 0; i < MIMO_SL; ++i) st_store(st + i * MIMO_Q, h[i]);
     }
 }
 
