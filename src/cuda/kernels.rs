@@ -27,6 +27,17 @@ pub const GEMV: (&str, &str) = ("gemv.cu", include_str!("kernels/gemv.cu"));
 /// cross-entropy, column sums, the gradient norm and AdamW.
 pub const TRAIN: (&str, &str) = ("train.cu", include_str!("kernels/train.cu"));
 
+/// Sampling the next token of every row of a decode batch on the device (every mixer's).
+pub const SAMPLE: (&str, &str) = ("sample.cu", include_str!("kernels/sample.cu"));
+
+/// The sampling program: standalone, no model constants (sizes are arguments).
+pub const SAMPLING: Program = Program {
+    name: "sampling",
+    head: "",
+    sources: &[SAMPLE],
+    parts: &[0],
+};
+
 /// A set of kernels compiled as one NVRTC program: its sources in the order they are
 /// concatenated, and the parts it is compiled in, each on a thread of its own (`PART` in
 /// kernels/common.cuh; 0 is the whole program in one piece). NVRTC compiles a program on
