@@ -234,11 +234,15 @@ __device__ unsigned select_byte(K key, A amount, int n, unsigned prefix, unsigne
 // `vocab` entries are tokens) is sampled; its token lands in `ids[r]`, and its slot's
 // count words (`counts`, `vocab` per slot) and draw counter (`draws`) record it. `scratch`
 // (a row of `ld` per batch row) holds the row after bias and penalties when it has any.
+// With `check_finite`, a row holding NaN or ±∞ is not sampled: id 0, `finite[r]` 0 (the
+// engine fails its sequence, as on the CPU); without, such rows are sampled (NaN never
+// chosen).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* __restrict__ logits, int ld, int vocab,
                 const RowOptions* __restrict__ row_opts, const uint2* __restrict__ bias,
                 unsigned* __restrict__ counts, u64* __restrict__ draws,
-                float* __restrict__ scratch, unsigned* __restrict__ ids) {
+                float* __restrict__ scratch, unsigned* __restrict__ ids,
+                unsigned* __restrict__ finite, int check_finite) {
     __shared__ u64 mass_hist[256];
     __shared__ unsigned count_hist[256];
     __shared__ u64 red_u64[SAMPLE_WARPS];
@@ -249,6 +253,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     const RowOptions o = row_opts[r];
     unsigned* seen = counts + (size_t)o.slot * vocab;
     const float* x = logits + (size_t)r * ld;
+    if (check_finite) {
+        int bad = 0;
+        for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS)
+            bad |= (__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u;
+        if (__syncthreads_or(bad)) {
+            if (threadIdx.x == 0) ids[r] = 0, finite[r] = 0;
+            return;  // (the whole block: the condition is the block's)
+        }
+    }
 
     // Bias, then the penalties, into the scratch row (only for a row that has any).
     const bool penalised = o.repetition_penalty != 1.f || o.frequency_penalty != 0.f ||
@@ -386,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __syncthreads();
     if (threadIdx.x == 0) {
         ids[r] = token;
+        finite[r] = 1;
         const unsigned c = seen[token];
         seen[token] = ((c & ~SEEN_BIT) + 1) | SEEN_BIT;
         draws[o.slot] += 1;  // (every step, greedy or not: the host's mirror counts alike)
