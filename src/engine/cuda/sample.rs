@@ -109,7 +109,12 @@ impl DeviceSampler {
         self.put_options(samplers, &slot_of, ld)?;
         let g = &self.gpu;
         let (ld_i, vocab_i, check) = (ld as i32, self.vocab as i32, i32::from(check_finite));
-        let (opts, bias, scratch, out) = (self.row_opts.ptr, self.bias.ptr, self.scratch.ptr, self.out.ptr);
+        let (opts, bias, scratch, out) = (
+            self.row_opts.ptr,
+            self.bias.ptr,
+            self.scratch.ptr,
+            self.out.ptr,
+        );
         let finite_at = self.out.at::<u32>(nb);
         g.launch(
             &self.kernel,
@@ -193,7 +198,11 @@ impl DeviceSampler {
         let g = &self.gpu;
         let counts = g.alloc::<u32>(n * self.vocab)?;
         let draws = g.alloc::<u64>(n)?;
-        g.dtod(self.counts.ptr, counts.ptr, self.counts.bytes.min(counts.bytes))?;
+        g.dtod(
+            self.counts.ptr,
+            counts.ptr,
+            self.counts.bytes.min(counts.bytes),
+        )?;
         g.dtod(self.draws.ptr, draws.ptr, self.draws.bytes.min(draws.bytes))?;
         (self.counts, self.draws) = (counts, draws);
         self.slots.resize(n, None);
@@ -208,7 +217,8 @@ impl DeviceSampler {
                 *x = w;
             }
         }
-        self.gpu.htod(&words, self.counts.at::<u32>(i * self.vocab))?;
+        self.gpu
+            .htod(&words, self.counts.at::<u32>(i * self.vocab))?;
         self.gpu.htod(&[s.device_steps], self.draws.at::<u64>(i))
     }
 
