@@ -21,7 +21,7 @@ mod gpu;
 #[path = "../benches/kernels/program.rs"]
 mod probe_kernels;
 use mamba3::cuda::kernels::{
-    compile_cubin, nvrtc_available, nvrtc_version, state_define, KernelConfig, ScanMath,
+    compile_cubin, nvrtc_available, nvrtc_version, state_define, KernelConfig, ScanMath, SAMPLING,
 };
 use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
 use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
@@ -234,6 +234,11 @@ fn every_kernel_compiles_under_nvrtc() {
                 }
             }
         }
+    }
+    // the decode batch's sampling (no model constants), for Hopper and Ampere
+    for arch in ["sm_90a", "sm_80"] {
+        let kc = KernelConfig { defines: vec![] };
+        jobs.push(("sampling".into(), SAMPLING, kc, arch));
     }
     // the hardware probes of benches/gpu_floors.rs (no model constants)
     let probes = KernelConfig { defines: vec![] };

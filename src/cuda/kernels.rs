@@ -43,6 +43,17 @@ pub fn check_smem(gpu: &Gpu, kern: &Kernel, bytes: u32) -> Result<()> {
     Ok(())
 }
 
+/// Sampling the next token of every row of a decode batch on the device (every mixer's).
+pub const SAMPLE: (&str, &str) = ("sample.cu", include_str!("kernels/sample.cu"));
+
+/// The sampling program: standalone, no model constants (sizes are arguments).
+pub const SAMPLING: Program = Program {
+    name: "sampling",
+    head: "",
+    sources: &[SAMPLE],
+    parts: &[0],
+};
+
 /// A set of kernels compiled as one NVRTC program: its sources in the order they are
 /// concatenated, and the parts it is compiled in, each on a thread of its own (`PART` in
 /// kernels/common.cuh; 0 is the whole program in one piece). NVRTC compiles a program on

@@ -7,6 +7,8 @@
 //! backend's device ([`Backend::place`]).
 
 use super::logits::StepLogits;
+use super::sample_step::SampleStep;
+use super::sampling::Sampler;
 use super::state::StateData;
 use super::LogitsWant;
 use crate::error::{Error, Result};
@@ -78,6 +80,28 @@ pub(crate) trait Backend {
         states: &mut [&mut StateData],
         out: &mut StepLogits,
     ) -> Result<()>;
+
+    /// One decode step whose rows are sampled where the logits are (a GPU: on the
+    /// device, only the ids coming back) into `step`'s ids and finiteness; false when this
+    /// backend does not (the CPU's default), and the engine samples the rows of
+    /// [`Backend::decode_into`] on the host instead.
+    fn decode_sample(
+        &self,
+        _tokens: &[u32],
+        _states: &mut [&mut StateData],
+        _samplers: &mut [&mut Sampler],
+        _step: &mut SampleStep,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Row `b` of the logits of the last step [`Backend::decode_sample`] sampled on the
+    /// device (`vocab_padded` entries), while no other pass has run since.
+    fn last_step_row(&self, _b: usize) -> Result<Vec<f32>> {
+        Err(Error::input(
+            "no decode step's logits were left on a device (the CPU keeps them in the step)",
+        ))
+    }
 
     /// One sequence's window from its host state, like `forward`, but the hidden states
     /// after `norm_f` (`[rows, d_model]`) instead of logits: what embeddings pool. Runs on

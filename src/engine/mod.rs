@@ -11,12 +11,16 @@ pub mod device;
 pub mod drift;
 pub mod logits;
 pub mod model;
+pub mod sample_step;
+pub mod sampling;
 pub mod state;
 
 pub use device::{Device, DeviceChoice};
 pub use logits::LogitsWant;
 pub use logits::{Logits, StepLogits};
 pub use model::{GpuOptions, Model};
+pub use sample_step::SampleStep;
+pub use sampling::{Sampler, SamplingParams};
 pub use state::State;
 
 /// Number of CUDA devices visible (0 without the `cuda` feature or without a driver).

@@ -8,6 +8,8 @@ use super::cpu_family::FamilyCpu;
 use super::device::Device;
 use super::logits::LogitsWant;
 pub use super::logits::{Logits, StepLogits};
+use super::sample_step::{sample_rows_on_host, SampleStep};
+use super::sampling::Sampler;
 use super::state::{State, StateData};
 use crate::error::{Error, Result};
 pub use crate::mixers::{LmDims, MixerKind, MixerWeights};
@@ -332,6 +334,65 @@ impl Model {
         out.rows = tokens.len();
         out.vocab = vp;
         Ok(())
+    }
+
+    /// One decode step whose rows are each sampled by their sampler (`samplers[b]` for
+    /// `tokens[b]`): the ids, in `step` (with whether each row's logits were finite: a row
+    /// that was not is not sampled). On a GPU the rows are sampled on the device and only
+    /// the ids come back (a draw from the device's own generator: the same candidates and
+    /// probabilities as the CPU's `Sampler`, other draws; greedy rows the same token); on
+    /// the CPU each sampler samples its row as [`Sampler::sample`] does. The ids are not
+    /// accepted: the caller accepts each finite row's id into its sampler
+    /// ([`Sampler::accept`], as `Continuation::push` does), which keeps the host's and
+    /// the device's counts in step. On a failure `step` holds no ids.
+    pub fn decode_sample<'s>(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut State],
+        samplers: &mut [&mut Sampler],
+        step: &'s mut SampleStep,
+    ) -> Result<&'s [u32]> {
+        step.clear();
+        step.logits.rows = 0;
+        if samplers.len() != tokens.len() {
+            return Err(Error::input(format!(
+                "a sampled decode step needs one sampler per token: {} tokens, {} samplers",
+                tokens.len(),
+                samplers.len()
+            )));
+        }
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.check_and_place(&seqs, states)?;
+        let on_device = self
+            .backend
+            .decode_sample(tokens, &mut data_of(states), samplers, step)?;
+        if !on_device {
+            self.backend
+                .decode_into(tokens, &mut data_of(states), &mut step.logits)?;
+            step.logits.rows = tokens.len();
+            step.logits.vocab = self.dims.vocab_padded;
+            sample_rows_on_host(samplers, step, self.dims.vocab_size);
+        }
+        for s in states.iter_mut() {
+            s.position += 1;
+        }
+        Ok(&step.ids)
+    }
+
+    /// Row `b` of the logits of the step `step` came from (`vocab_padded` entries): from
+    /// the step itself on the CPU, fetched from the device on a GPU (one row, while no
+    /// other pass has run on the model since).
+    pub fn step_logits_row(&self, step: &SampleStep, b: usize) -> Result<Vec<f32>> {
+        if b >= step.ids.len() {
+            return Err(Error::input(format!(
+                "row {b} of a step of {} rows",
+                step.ids.len()
+            )));
+        }
+        if step.on_host {
+            return Ok(step.logits.row(b).to_vec());
+        }
+        self.backend.last_step_row(b)
     }
 
     /// [`Model::decode`] without CUDA graphs.

@@ -24,9 +24,9 @@
 
 use super::metrics::{Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
-use crate::engine::{LogitsWant, Model, State, StepLogits};
+use crate::engine::{LogitsWant, Model, SampleStep, State};
 use crate::text::generate::{all_finite, non_finite_logits};
-use crate::text::{Continuation, FinishReason, GenParams, StepOut, Tokenizer};
+use crate::text::{Continuation, FinishReason, GenParams, Sampler, StepOut, Tokenizer};
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -140,9 +140,9 @@ pub struct Scheduler {
     waiting: VecDeque<GenJob>,
     active: Vec<Seq>,
     embeds: VecDeque<EmbedTask>,
-    /// The decode step's logits, its rows (indices into `active`) and their tokens, kept
-    /// from step to step.
-    logits: StepLogits,
+    /// The decode step's sampled ids (on a GPU sampled on the device), its rows (indices
+    /// into `active`) and their tokens, kept from step to step.
+    sampled: SampleStep,
     step_rows: Vec<usize>,
     step_tokens: Vec<u32>,
     /// Set by [`Work::Shutdown`].
@@ -182,7 +182,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             active: Vec::new(),
             embeds: VecDeque::new(),
-            logits: StepLogits::new(),
+            sampled: SampleStep::new(),
             step_rows: Vec::new(),
             step_tokens: Vec::new(),
             stopping: false,
@@ -440,7 +440,7 @@ impl Scheduler {
         });
         if let Some(logits) = first_logits {
             let out = seq.cont.step(&logits);
-            self.out().emit(&mut seq, out, &logits);
+            self.out().emit(&mut seq, out, || Some(logits.to_vec()));
         }
         if !seq.closed {
             self.active.push(seq);
@@ -538,7 +538,7 @@ impl Scheduler {
             }
             if end == s.job.prompt.len() {
                 let out = s.cont.step(row);
-                o.emit(s, out, row);
+                o.emit(s, out, || Some(row.to_vec()));
             }
         }
     }
@@ -559,15 +559,19 @@ impl Scheduler {
         let t = Instant::now();
         let result = {
             let mut states: Vec<&mut State> = Vec::with_capacity(rows.len());
+            let mut samplers: Vec<&mut Sampler> = Vec::with_capacity(rows.len());
             let mut it = rows.iter().peekable();
             for (i, s) in self.active.iter_mut().enumerate() {
                 if it.peek() == Some(&&i) {
                     states.push(&mut s.state);
+                    samplers.push(s.cont.sampler_mut());
                     it.next();
                 }
             }
+            // Sampled where the logits are: on a GPU only the ids come back.
             self.model
-                .decode_into(tokens, &mut states, &mut self.logits)
+                .decode_sample(tokens, &mut states, &mut samplers, &mut self.sampled)
+                .map(|_| ())
         };
         let m = &self.shared.metrics;
         let t = m.spent(Phase::Decode, t);
@@ -580,51 +584,25 @@ impl Scheduler {
             return;
         }
         let vocab = self.model.dims().vocab_size;
-        let logits = &self.logits;
-        let outs: Vec<Option<StepOut>> = {
-            let mut conts: Vec<&mut Continuation> = Vec::with_capacity(rows.len());
-            let mut it = rows.iter().peekable();
-            for (i, s) in self.active.iter_mut().enumerate() {
-                if it.peek() == Some(&&i) {
-                    conts.push(&mut s.cont);
-                    it.next();
-                }
-            }
-            // A greedy row costs an argmax (~2 µs at 32k entries) and its detokenising, a
-            // row that draws about ten times more (softmax over the vocabulary, top-p
-            // sorting). Handing work to the thread pool and waiting for it costs tens of
-            // µs, so only a step with enough of it goes there.
-            let cost: usize = conts
-                .iter()
-                .map(|c| if c.is_greedy() { 1 } else { 8 })
-                .sum();
-            // A row that is not finite is not sampled (its sequence fails below).
-            let step = |(b, c): (usize, &mut &mut Continuation)| {
-                let row = &logits.row(b)[..vocab];
-                all_finite(row).then(|| c.step(row))
-            };
-            if cost < 16 {
-                conts.iter_mut().enumerate().map(step).collect()
-            } else {
-                use rayon::prelude::*;
-                conts.par_iter_mut().enumerate().map(step).collect()
-            }
-        };
         let t = self.shared.metrics.spent(Phase::Sample, t);
+        let (model, sampled) = (&self.model, &self.sampled);
         let mut o = Out {
             cache: &mut self.cache,
             metrics: &self.shared.metrics,
             cfg: &self.cfg,
             vocab,
         };
-        for ((b, &i), out) in rows.iter().enumerate().zip(outs) {
+        for (b, &i) in rows.iter().enumerate() {
             let s = &mut self.active[i];
-            match out {
-                Some(out) => o.emit(s, out, &logits.row(b)[..vocab]),
-                None => {
-                    let e = non_finite_logits(&s.state, s.state.position());
-                    Self::fail(s, e.to_string());
-                }
+            if sampled.finite(b) {
+                // (a row that was not finite is never sampled from nor cached)
+                let out = s.cont.push(sampled.ids()[b]);
+                // Only a sequence that ends here and is cached needs its row of logits:
+                // on a GPU that one row comes from the device.
+                o.emit(s, out, || model.step_logits_row(sampled, b).ok());
+            } else {
+                let e = non_finite_logits(&s.state, s.state.position());
+                Self::fail(s, e.to_string());
             }
         }
         self.shared.metrics.spent(Phase::Emit, t);
@@ -640,9 +618,10 @@ struct Out<'a> {
 }
 
 impl Out<'_> {
-    /// Stream one step of `seq` (sampled from `logits`, `vocab_size` entries); mark the
+    /// Stream one step of `seq` (`logits` gives the row it was sampled from, wanted only
+    /// when a finished sequence is cached: `vocab_size` entries or more); mark the
     /// sequence closed when it is finished or its client is gone.
-    fn emit(&mut self, seq: &mut Seq, out: StepOut, logits: &[f32]) {
+    fn emit(&mut self, seq: &mut Seq, out: StepOut, logits: impl FnOnce() -> Option<Vec<f32>>) {
         let now = Instant::now();
         let m = self.metrics;
         match seq.last_emit {
@@ -674,8 +653,11 @@ impl Out<'_> {
             if gen.len() > 1 {
                 let mut key = seq.job.prompt.clone();
                 key.extend_from_slice(&gen[..gen.len() - 1]);
-                let logits = Arc::new(logits[..self.vocab].to_vec());
-                self.cache.insert(&key, seq.state.clone(), logits);
+                // (a row the device no longer holds is not cached)
+                if let Some(mut row) = logits() {
+                    row.truncate(self.vocab);
+                    self.cache.insert(&key, seq.state.clone(), Arc::new(row));
+                }
             }
         }
     }

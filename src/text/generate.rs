@@ -9,7 +9,7 @@ use super::detok::StreamDecoder;
 use super::sampling::{Sampler, SamplingParams};
 use super::stop::StopMatcher;
 use super::tokenizer::Tokenizer;
-use crate::engine::{LogitsWant, Model, State, StepLogits};
+use crate::engine::{LogitsWant, Model, SampleStep, State, StepLogits};
 use crate::error::Result;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,6 +103,12 @@ impl Continuation {
     pub fn finished(&self) -> Option<FinishReason> {
         self.finished
     }
+    /// Its sampler, for a decode step that samples ([`Model::decode_sample`]): the token
+    /// it picks goes to [`Continuation::push`].
+    pub fn sampler_mut(&mut self) -> &mut Sampler {
+        &mut self.sampler
+    }
+
     /// Whether the next token is the argmax (temperature 0), a cheap step.
     pub fn is_greedy(&self) -> bool {
         self.sampler.params().is_greedy()
@@ -156,15 +162,7 @@ impl Continuation {
     }
 }
 
-/// Whether every value is finite. A non-finite f32 has all exponent bits set; the fold
-/// over each block has no early exit, so it vectorises (a 128k-entry row in ~10 µs).
-pub fn all_finite(values: &[f32]) -> bool {
-    values.chunks(4096).all(|c| {
-        c.iter().fold(0u32, |acc, x| {
-            acc | u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000)
-        }) == 0
-    })
-}
+pub use crate::engine::sample_step::all_finite;
 
 /// The first layer whose part of `state` holds a non-finite value (layer `l`'s state
 /// depends only on layers up to `l`, so this is where the values went bad first).
@@ -270,8 +268,8 @@ pub fn generate(
         stats.finish = Some(FinishReason::Length);
         return Ok(stats);
     }
-    // Each step's logits land in the same buffer (pinned on a GPU).
-    let mut step = StepLogits::new();
+    // Each step samples where its logits are (on a GPU, on the device), into one buffer.
+    let mut step = SampleStep::new();
     if !all_finite(&first[..vocab]) {
         return Err(non_finite_logits(state, state.position()));
     }
@@ -282,16 +280,20 @@ pub fn generate(
         if out.finish.is_some() {
             stats.finish = out.finish;
             if feed_last {
-                model.decode_into(&[out.token], &mut [state], &mut step)?;
+                model.decode_into(&[out.token], &mut [state], &mut StepLogits::new())?;
             }
             break;
         }
-        model.decode_into(&[out.token], &mut [state], &mut step)?;
-        let row = &step.row(0)[..vocab];
-        if !all_finite(row) {
+        let token = model.decode_sample(
+            &[out.token],
+            &mut [&mut *state],
+            &mut [cont.sampler_mut()],
+            &mut step,
+        )?[0];
+        if !step.finite(0) {
             return Err(non_finite_logits(state, state.position()));
         }
-        out = cont.step(row);
+        out = cont.push(token);
     }
     model.synchronize()?;
     stats.decode = t1.elapsed();

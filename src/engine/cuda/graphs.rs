@@ -162,6 +162,29 @@ impl CudaModel {
         states: &mut [&mut CudaState],
         dst: &mut [f32],
     ) -> Result<()> {
+        let n = tokens.len() * self.weights.dims.vocab_padded;
+        self.decode_graph_replay(tokens, states, &mut dst[..n])
+            .map(|_| ())
+    }
+
+    /// Replay the decode graph of the smallest bucket ≥ the batch, its logits left on the
+    /// device (queued, not waited for): their address, while the graph lives.
+    pub(crate) fn decode_graph_on_device(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut CudaState],
+    ) -> Result<u64> {
+        self.decode_graph_replay(tokens, states, &mut [])
+    }
+
+    /// The replay of [`CudaModel::decode_graph_into`], its logits copied into `dst` (all of
+    /// the batch's, or none); returns their device address.
+    fn decode_graph_replay(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut CudaState],
+        dst: &mut [f32],
+    ) -> Result<u64> {
         let b = tokens.len();
         let ptrs = self.state_ptrs(states)?;
         let mut inner = self.lock()?;
@@ -180,8 +203,8 @@ impl CudaModel {
         p.resize(bucket, sp);
         let mut t = tokens.to_vec();
         t.resize(bucket, 0);
-        let n = b * self.weights.dims.vocab_padded;
-        self.replay(cap, &t, &p, &mut dst[..n])
+        self.replay(cap, &t, &p, dst)?;
+        Ok(cap.work.logits.ptr)
     }
 
     /// Replay the prefill graph captured for exactly these sequence lengths.
@@ -253,6 +276,8 @@ impl CudaModel {
             gpu.sync()?;
             cap.in_flight = false;
         }
+        self.passes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         slot.copy_from_slice(tokens);
         if cap.state_ptrs != ptrs {
             gpu.htod(ptrs, cap.work.states.ptr)?;

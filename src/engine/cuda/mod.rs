@@ -5,7 +5,8 @@
 //! - `forward`: the prefill launch sequence (`Pipe`); `decode`: the decode step's;
 //! - `kernels`: one model's inference kernels, loaded;
 //! - `graphs`: CUDA-graph capture and replay; `captured`: what a captured graph holds;
-//! - `model`: `CudaModel`, what the engine's `Model` calls.
+//! - `model`: `CudaModel`, what the engine's `Model` calls;
+//! - `sample`: sampling a decode batch on the device (every GPU backend's).
 //!
 //! Every kernel has a CPU twin of the same name (`embed` → the embedding loop of
 //! `engine::cpu::CpuModel`, `rms_norm_rows` → `cpu::math::rms_norm`, `prefill_pre` →
@@ -22,6 +23,7 @@ pub mod forward;
 pub mod graphs;
 pub mod kernels;
 pub mod model;
+pub mod sample;
 pub mod state;
 pub mod weights;
 pub mod work;

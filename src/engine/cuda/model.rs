@@ -32,6 +32,11 @@ pub struct CudaModel {
     proj_f16: bool,
     pub(crate) lt: Lt,
     inner: Mutex<Inner>,
+    /// Sampling on the device (made at the first sampled step). Locked before `inner`.
+    pub(crate) sampler: Mutex<Option<super::sample::DeviceSampler>>,
+    /// Passes (eager or replayed) so far: the logits a sampled step left are valid while
+    /// no other pass has run.
+    pub(crate) passes: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) struct Inner {
@@ -112,6 +117,8 @@ impl CudaModel {
                 work: None,
                 graphs: Graphs::default(),
             }),
+            sampler: Mutex::new(None),
+            passes: std::sync::atomic::AtomicU64::new(0),
         };
         // (compiled or loaded now, so that the first request is not the slow one)
         let kernels = kernels?;
@@ -275,6 +282,18 @@ impl CudaModel {
         })
     }
 
+    /// One decode step without a graph whose logits stay on the device: `then(gpu, logits
+    /// address)` runs while the work buffers are held.
+    pub(crate) fn decode_eager_then<R>(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut CudaState],
+        then: impl FnOnce(u64) -> Result<R>,
+    ) -> Result<R> {
+        let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.pass(&seqs, states, LogitsWant::Last, |_, src, _| then(src))
+    }
+
     /// Size the eager passes' work buffers for passes of up to `rows` tokens over up to
     /// `seqs` sequences now, rather than regrowing them (every buffer freed and allocated
     /// again) in the middle of serving.
@@ -301,6 +320,8 @@ impl CudaModel {
         read: impl FnOnce(&Gpu, u64, usize) -> Result<R>,
     ) -> Result<R> {
         let mut inner = self.lock()?;
+        self.passes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let opts = inner.opts;
         let k = self.kernels(&mut inner, opts)?;
         let ptrs = self.state_ptrs(states)?;
