@@ -129,9 +129,22 @@ fn gpu_equals_cpu(weights: MixerWeights, what: &str, tol: f64) {
     eprintln!("{what}: GPU vs CPU rel L2 {e:.2e}");
     assert!(e <= tol, "{what}: logits rel L2 {e:e}");
     for (i, (a, b)) in gpu_states.iter().zip(&cpu_states).enumerate() {
-        let (a, b) = (a.to_host().unwrap(), b.to_host().unwrap());
-        let e = rel_l2(&to_f64(&a.data), &to_f64(&b.data));
-        assert!(e <= tol, "{what}: state {i} rel L2 {e:e}");
+        let (ha, hb) = (a.to_host().unwrap(), b.to_host().unwrap());
+        let e = rel_l2(&to_f64(&ha.data), &to_f64(&hb.data));
+        if e > tol {
+            // name the tensors that differ, layer by layer
+            let lay = a.layout();
+            let mut worst = Vec::new();
+            for l in 0..lay.n_layer {
+                for (t, ten) in lay.tensors.iter().enumerate() {
+                    let o = lay.offset_in_layer(t);
+                    let r = o..o + ten.len();
+                    let el = rel_l2(&to_f64(&ha.layer(l)[r.clone()]), &to_f64(&hb.layer(l)[r]));
+                    worst.push(format!("layer {l} {} {el:.2e}", ten.name));
+                }
+            }
+            panic!("{what}: state {i} rel L2 {e:e} ({})", worst.join(", "));
+        }
     }
     // A captured decode graph (a bucket larger than the batch) equals the eager step, and
     // leaves the same states.
