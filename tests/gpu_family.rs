@@ -128,22 +128,10 @@ fn gpu_equals_cpu(weights: MixerWeights, what: &str, tol: f64) {
     let e = rel_l2(&to_f64(&got), &to_f64(&want));
     eprintln!("{what}: GPU vs CPU rel L2 {e:.2e}");
     assert!(e <= tol, "{what}: logits rel L2 {e:e}");
+    // tensor by tensor (angles modulo 2π, as the goldens are compared)
     for (i, (a, b)) in gpu_states.iter().zip(&cpu_states).enumerate() {
-        let (ha, hb) = (a.to_host().unwrap(), b.to_host().unwrap());
-        let e = rel_l2(&to_f64(&ha.data), &to_f64(&hb.data));
-        if e > tol {
-            // name the tensors that differ, layer by layer
-            let lay = a.layout();
-            let mut worst = Vec::new();
-            for l in 0..lay.n_layer {
-                for (t, ten) in lay.tensors.iter().enumerate() {
-                    let o = lay.offset_in_layer(t);
-                    let r = o..o + ten.len();
-                    let el = rel_l2(&to_f64(&ha.layer(l)[r.clone()]), &to_f64(&hb.layer(l)[r]));
-                    worst.push(format!("layer {l} {} {el:.2e}", ten.name));
-                }
-            }
-            panic!("{what}: state {i} rel L2 {e:e} ({})", worst.join(", "));
+        for (name, e) in state_errors(a, b) {
+            assert!(e <= tol, "{what}: sequence {i}'s {name} rel L2 {e:e}");
         }
     }
     // A captured decode graph (a bucket larger than the batch) equals the eager step, and

@@ -169,6 +169,28 @@ pub fn short_run(
     }
 }
 
+/// Relative L2 between two states of the same layout, tensor by tensor and layer by layer
+/// (`state.{l}.{name}`), angles compared modulo 2π (they live on the circle: a phase just
+/// under 2π and one just over 0 are neighbours).
+pub fn state_errors(a: &mamba3::State, b: &mamba3::State) -> Vec<(String, f64)> {
+    let layout = a.layout().clone();
+    let (ha, hb) = (a.to_host().unwrap(), b.to_host().unwrap());
+    let mut v = Vec::new();
+    for l in 0..layout.n_layer {
+        for (i, t) in layout.tensors.iter().enumerate() {
+            let r = layout.offset_in_layer(i)..layout.offset_in_layer(i) + t.len();
+            let (x, y) = (to_f64(&ha.layer(l)[r.clone()]), to_f64(&hb.layer(l)[r]));
+            let e = if t.name == "angle" {
+                rel_l2_angles(&x, &y)
+            } else {
+                rel_l2(&x, &y)
+            };
+            v.push((layout.file_name(l, i), e));
+        }
+    }
+    v
+}
+
 /// Every tensor of a state's layout (Mamba-3: angle, ssm, k, v; Mamba-1/2: conv, ssm)
 /// against the golden tensor of the same name, within `tol` relative L2; angles are
 /// compared modulo 2π.
