@@ -13,18 +13,6 @@ fn model(dtype: DType) -> Model {
     Model::from_weights(Weights::synthetic(cfg, dtype, 11).unwrap(), Device::Cuda(0)).unwrap()
 }
 
-/// `n` states, each after its own prompt.
-fn primed(m: &Model, n: usize) -> Vec<State> {
-    (0..n)
-        .map(|i| {
-            let mut s = m.new_state();
-            let p = tokens(20 + 7 * i, m.dims().vocab_size, 300 + i as u64);
-            m.prefill(&p, &mut s, LogitsWant::None).unwrap();
-            s
-        })
-        .collect()
-}
-
 fn hosts(states: &[State]) -> Vec<mamba3::model::state_layout::StateBuf<f32>> {
     states.iter().map(|s| s.to_host().unwrap()).collect()
 }
@@ -32,25 +20,6 @@ fn hosts(states: &[State]) -> Vec<mamba3::model::state_layout::StateBuf<f32>> {
 /// Three decode steps from `states`, eager or through the graphs.
 fn decode3(m: &Model, states: &mut [State], graph: bool) -> Vec<f32> {
     decode3_rows(m, states, graph, 0)
-}
-
-/// [`decode3`] of the rows `first …` of a larger batch (their tokens are those rows').
-fn decode3_rows(m: &Model, states: &mut [State], graph: bool, first: usize) -> Vec<f32> {
-    let mut out = Vec::new();
-    let v = m.dims().vocab_size;
-    for step in 0..3 {
-        let toks: Vec<u32> = (first..first + states.len())
-            .map(|b| ((b * 31 + step * 7) % v) as u32)
-            .collect();
-        let mut st: Vec<&mut State> = states.iter_mut().collect();
-        let lg = if graph {
-            m.decode_graph(&toks, &mut st).unwrap()
-        } else {
-            m.decode_eager(&toks, &mut st).unwrap()
-        };
-        out.extend(lg.data);
-    }
-    out
 }
 
 #[test]

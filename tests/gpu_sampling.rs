@@ -15,7 +15,7 @@ use gpu::*;
 use mamba3::cuda::context::Gpu;
 use mamba3::engine::cuda::sample::DeviceSampler;
 use mamba3::engine::sampling::{argmax, Sampler, SamplingParams};
-use mamba3::engine::{Device, LogitsWant, Model, SampleStep, State, StepLogits};
+use mamba3::engine::{Device, LogitsWant, Model, SampleStep, StepLogits};
 use mamba3::model::rng::Rng;
 use mamba3::model::{DType, Weights};
 use std::sync::Arc;
@@ -380,17 +380,6 @@ fn model() -> Model {
         Device::Cuda(0),
     )
     .unwrap()
-}
-
-fn primed(m: &Model, n: usize) -> Vec<State> {
-    (0..n)
-        .map(|i| {
-            let mut s = m.new_state();
-            let p = tokens(20 + 7 * i, m.dims().vocab_size, 300 + i as u64);
-            m.prefill(&p, &mut s, LogitsWant::None).unwrap();
-            s
-        })
-        .collect()
 }
 
 /// Six sampled steps of `n` sequences (option sets of every kind, seeds from `seed`).

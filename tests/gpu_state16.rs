@@ -6,13 +6,13 @@
 #![cfg(feature = "cuda")]
 mod gpu;
 use gpu::state16::narrow_state_follows_f32;
-use gpu::{rel_l2, to_f64};
+use gpu::{primed, rel_l2, to_f64};
 use mamba3::engine::GpuOptions;
 use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use mamba3::model::family_config::Mamba1Config;
 use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::model::Weights;
-use mamba3::{DType, Device, LogitsWant, MixerWeights, Model, State};
+use mamba3::{DType, Device, MixerWeights, Model, State};
 use std::sync::Arc;
 
 /// As tests/state16.rs (the CPU measured at most 5.8e-3 with bf16).
@@ -67,34 +67,9 @@ fn narrow_model(dtype: DType, state: DType) -> Model {
     Model::from_mixer_weights_with_state(w, Device::Cuda(0), state).unwrap()
 }
 
-/// `n` states, each after its own prompt.
-fn primed(m: &Model, n: usize) -> Vec<State> {
-    (0..n)
-        .map(|i| {
-            let mut s = m.new_state();
-            let p = gpu::tokens(20 + 7 * i, m.dims().vocab_size, 300 + i as u64);
-            m.prefill(&p, &mut s, LogitsWant::None).unwrap();
-            s
-        })
-        .collect()
-}
-
 /// Three decode steps, eager or through the captured graphs: logits, then the states.
 fn decode3(m: &Model, states: &mut [State], graph: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let mut out = Vec::new();
-    let v = m.dims().vocab_size;
-    for step in 0..3 {
-        let toks: Vec<u32> = (0..states.len())
-            .map(|b| ((b * 31 + step * 7) % v) as u32)
-            .collect();
-        let mut st: Vec<&mut State> = states.iter_mut().collect();
-        let lg = if graph {
-            m.decode_graph(&toks, &mut st).unwrap()
-        } else {
-            m.decode_eager(&toks, &mut st).unwrap()
-        };
-        out.extend(lg.data);
-    }
+    let out = gpu::decode3_rows(m, states, graph, 0);
     let hosts = states.iter().map(|s| s.to_host().unwrap().data).collect();
     (out, hosts)
 }

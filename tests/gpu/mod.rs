@@ -36,3 +36,40 @@ pub fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut r = mamba3::model::rng::Rng::new(seed);
     (0..n).map(|_| r.below(vocab as u64) as u32).collect()
 }
+
+/// `n` states, each after its own prompt.
+pub fn primed(m: &mamba3::Model, n: usize) -> Vec<mamba3::State> {
+    (0..n)
+        .map(|i| {
+            let mut s = m.new_state();
+            let p = tokens(20 + 7 * i, m.dims().vocab_size, 300 + i as u64);
+            m.prefill(&p, &mut s, mamba3::LogitsWant::None).unwrap();
+            s
+        })
+        .collect()
+}
+
+/// Three decode steps of `states`, the rows `first …` of a batch (their tokens are those
+/// rows'), eager or through the captured graphs: the logits of every step.
+pub fn decode3_rows(
+    m: &mamba3::Model,
+    states: &mut [mamba3::State],
+    graph: bool,
+    first: usize,
+) -> Vec<f32> {
+    let mut out = Vec::new();
+    let v = m.dims().vocab_size;
+    for step in 0..3 {
+        let toks: Vec<u32> = (first..first + states.len())
+            .map(|b| ((b * 31 + step * 7) % v) as u32)
+            .collect();
+        let mut st: Vec<&mut mamba3::State> = states.iter_mut().collect();
+        let lg = if graph {
+            m.decode_graph(&toks, &mut st).unwrap()
+        } else {
+            m.decode_eager(&toks, &mut st).unwrap()
+        };
+        out.extend(lg.data);
+    }
+    out
+}
