@@ -284,7 +284,8 @@ impl Model {
             let mut live_states: Vec<&mut State> = states
                 .iter_mut()
                 .enumerate()
-                .filter(|(b, _)| live.contains(b))
+                .filter(|(b, _)| done[*b] < seqs[*b].len())
+                .take(live.len())
                 .map(|(_, s)| &mut **s)
                 .collect();
             let logits = self.forward(&pieces, &mut live_states, want)?;

@@ -169,50 +169,51 @@ pub fn short_run(
     }
 }
 
-/// Relative L2 between two states of the same layout, tensor by tensor and layer by layer
-/// (`state.{l}.{name}`), angles compared modulo 2π (they live on the circle: a phase just
-/// under 2π and one just over 0 are neighbours).
-pub fn state_errors(a: &mamba3::State, b: &mamba3::State) -> Vec<(String, f64)> {
-    let layout = a.layout().clone();
-    let (ha, hb) = (a.to_host().unwrap(), b.to_host().unwrap());
+/// Relative L2 of each tensor of `state` (`state.{l}.{name}`, layer by layer) against the
+/// values `other` gives for that tensor (layer, index in the layout); angles compared
+/// modulo 2π (they live on the circle: a phase just under 2π and one just over 0 are
+/// neighbours).
+fn tensor_errors(
+    state: &mamba3::State,
+    other: impl Fn(usize, usize, &str) -> Vec<f64>,
+) -> Vec<(String, f64)> {
+    let layout = state.layout().clone();
+    let host = state.to_host().unwrap();
     let mut v = Vec::new();
     for l in 0..layout.n_layer {
         for (i, t) in layout.tensors.iter().enumerate() {
-            let r = layout.offset_in_layer(i)..layout.offset_in_layer(i) + t.len();
-            let (x, y) = (to_f64(&ha.layer(l)[r.clone()]), to_f64(&hb.layer(l)[r]));
+            let off = layout.offset_in_layer(i);
+            let got = to_f64(&host.layer(l)[off..off + t.len()]);
+            let name = layout.file_name(l, i);
+            let want = other(l, i, &name);
             let e = if t.name == "angle" {
-                rel_l2_angles(&x, &y)
+                rel_l2_angles(&got, &want)
             } else {
-                rel_l2(&x, &y)
+                rel_l2(&got, &want)
             };
-            v.push((layout.file_name(l, i), e));
+            v.push((name, e));
         }
     }
     v
+}
+
+/// Relative L2 between two states of the same layout, tensor by tensor
+/// ([`tensor_errors`]).
+pub fn state_errors(a: &mamba3::State, b: &mamba3::State) -> Vec<(String, f64)> {
+    let layout = b.layout().clone();
+    let hb = b.to_host().unwrap();
+    tensor_errors(a, |l, i, _| {
+        let off = layout.offset_in_layer(i);
+        to_f64(&hb.layer(l)[off..off + layout.tensors[i].len()])
+    })
 }
 
 /// Every tensor of a state's layout (Mamba-3: angle, ssm, k, v; Mamba-1/2: conv, ssm)
 /// against the golden tensor of the same name, within `tol` relative L2; angles are
 /// compared modulo 2π.
 pub fn check_states(g: &Golden, state: &mamba3::State, tol: f64, what: &str) {
-    let layout = state.layout().clone();
-    let host = state.to_host().unwrap();
-    for l in 0..layout.n_layer {
-        for (i, t) in layout.tensors.iter().enumerate() {
-            let off = layout.offset_in_layer(i);
-            let got = to_f64(&host.layer(l)[off..off + t.len()]);
-            let gold = g.tensor(&layout.file_name(l, i));
-            let e = if t.name == "angle" {
-                rel_l2_angles(&got, &gold)
-            } else {
-                rel_l2(&got, &gold)
-            };
-            assert!(
-                e <= tol,
-                "{what}: state.{l}.{} rel L2 {e:e} > {tol:e}",
-                t.name
-            );
-        }
+    for (name, e) in tensor_errors(state, |_, _, name| g.tensor(name)) {
+        assert!(e <= tol, "{what}: {name} rel L2 {e:e} > {tol:e}");
     }
 }
 

@@ -289,6 +289,7 @@ impl FamilyCuda {
         let ssm = self.layout.tensors.iter().position(|t| t.name == "ssm");
         let ssm_floats = ssm.map_or(0, |i| self.layout.tensors[i].device_bytes() / 4);
         let all_rows = 0u64;
+        let batch_invariant = self.batch_invariant();
         for (l, norm) in self.lm.norms.iter().enumerate() {
             let args: [&dyn KArg; 6] = [
                 &b.residual,
@@ -307,7 +308,7 @@ impl FamilyCuda {
                 ssm_floats,
                 act: self.act,
                 add_bias: &self.add_bias,
-                batch_invariant: self.batch_invariant(),
+                batch_invariant,
             };
             self.mixer.layer(&run, l, b.normed, b.residual, b.mixer)?;
         }
@@ -340,7 +341,7 @@ impl FamilyCuda {
             false,
             false,
         )
-        .invariant(self.batch_invariant());
+        .invariant(batch_invariant);
         self.lt.gemm(gpu, &spec, b.normed, self.lm.head(), b.logits)
     }
 
