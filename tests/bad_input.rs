@@ -2,8 +2,9 @@
 //! names what was expected and what was found.
 mod common;
 use common::*;
+use mamba3::mixers::mamba3::Weights;
 use mamba3::model::tensor_file::{write_safetensors, RawTensor, TensorFile};
-use mamba3::model::{Config, DType, Weights};
+use mamba3::model::{Config, DType};
 use mamba3::{Device, Error, LogitsWant, Model};
 use std::path::Path;
 

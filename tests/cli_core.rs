@@ -1,7 +1,8 @@
 //! The `convert`, `inspect` and `bench` commands, driven as a user would.
 mod common;
 use common::*;
-use mamba3::model::{DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::DType;
 
 fn mamba3(args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_mamba3"))

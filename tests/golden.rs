@@ -89,8 +89,10 @@ fn goldens_through_the_engine() {
 #[test]
 fn both_formats_give_the_same_model() {
     for name in FIXTURES {
-        let a = mamba3::model::Weights::load(&fixture(name).join(FORMATS[0]), DType::F32).unwrap();
-        let b = mamba3::model::Weights::load(&fixture(name).join(FORMATS[1]), DType::F32).unwrap();
+        let a = mamba3::mixers::mamba3::Weights::load(&fixture(name).join(FORMATS[0]), DType::F32)
+            .unwrap();
+        let b = mamba3::mixers::mamba3::Weights::load(&fixture(name).join(FORMATS[1]), DType::F32)
+            .unwrap();
         assert_eq!(a, b, "{name}: safetensors and .bin differ");
     }
 }

@@ -7,7 +7,8 @@ use gpu::*;
 use mamba3::engine::{Device, GpuOptions, LogitsWant, Model, State};
 use mamba3::mixers::mamba3::state::{layers, zero_state};
 use mamba3::mixers::mamba3::Reference;
-use mamba3::model::{DType, TensorData, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::{DType, TensorData};
 
 const CUDA: Device = Device::Cuda(0);
 

@@ -6,7 +6,8 @@
 mod gpu;
 use gpu::*;
 use mamba3::engine::{Device, GpuOptions, LogitsWant, Model, State};
-use mamba3::model::{DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::DType;
 
 fn model(dtype: DType) -> Model {
     let cfg = config(128, 3, 64, 32, 2, 0.5, true, 128, 32);

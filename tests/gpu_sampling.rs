@@ -16,8 +16,9 @@ use mamba3::cuda::context::Gpu;
 use mamba3::engine::cuda::sample::DeviceSampler;
 use mamba3::engine::sampling::{argmax, Sampler, SamplingParams};
 use mamba3::engine::{Device, LogitsWant, Model, SampleStep, StepLogits};
+use mamba3::mixers::mamba3::Weights;
 use mamba3::model::rng::Rng;
-use mamba3::model::{DType, Weights};
+use mamba3::model::DType;
 use std::sync::Arc;
 
 fn gpu() -> Arc<Gpu> {

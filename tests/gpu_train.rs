@@ -9,7 +9,8 @@
 
 mod gpu;
 use gpu::{config, random_batch, rel_l2 as rel, sentences_text, short_run};
-use mamba3::model::{Config, DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::{Config, DType};
 use mamba3::train::cuda::CudaTrainer;
 use mamba3::train::data::Dataset;
 use mamba3::train::optim::{AdamW, AdamWConfig};

@@ -5,7 +5,8 @@
 mod serve_util;
 
 use mamba3::engine::{Device, Model};
-use mamba3::model::{Config, DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::{Config, DType};
 use serve_util::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -6,7 +6,8 @@
 mod serve_util;
 
 use mamba3::engine::{Device, Model};
-use mamba3::model::{DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::DType;
 use mamba3::Error;
 use serve_util::*;
 use std::os::unix::process::CommandExt;

@@ -3,7 +3,8 @@ mod common;
 use common::*;
 use mamba3::mixers::mamba3::state::{layers, zero_state};
 use mamba3::mixers::mamba3::Reference;
-use mamba3::model::{DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::DType;
 
 #[test]
 fn reference_matches_goldens_in_f64() {

@@ -5,7 +5,8 @@
 mod serve_util;
 
 use mamba3::engine::{Device, LogitsWant, Model};
-use mamba3::model::{Config, DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::{Config, DType};
 use mamba3::serve::prefix_cache::PrefixCache;
 use std::sync::Arc;
 

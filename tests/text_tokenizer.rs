@@ -178,7 +178,7 @@ fn a_model_directory_with_the_llama3_tokenizer_serves_chat_and_text() {
     // Llama-3.1 vocabulary (128256).
     let dir = tempfile::tempdir().unwrap();
     let cfg = mamba3::model::Config::synthetic(64, 2, 16, 16, 2, 1, 128256);
-    mamba3::model::Weights::synthetic(cfg, mamba3::DType::F32, 5)
+    mamba3::mixers::mamba3::Weights::synthetic(cfg, mamba3::DType::F32, 5)
         .unwrap()
         .save(dir.path())
         .unwrap();

@@ -5,7 +5,8 @@
 mod common;
 use common::random_batch;
 
-use mamba3::model::{Config, DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::{Config, DType};
 use mamba3::train::{loss_and_grad, Params};
 
 struct Case {

@@ -6,8 +6,9 @@ mod common;
 use common::{sentences_text, short_run};
 
 use mamba3::mixers::mamba3::Reference;
+use mamba3::mixers::mamba3::Weights;
 use mamba3::model::rng::Rng;
-use mamba3::model::{Config, DType, Weights};
+use mamba3::model::{Config, DType};
 use mamba3::train::data::Dataset;
 use mamba3::train::trainer::{RunConfig, Trainer};
 use mamba3::train::{loss_and_grad, Backend, Batch, CpuBackend, Params};

@@ -5,11 +5,13 @@
 
 use super::PathArg;
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::weights::expected_tensors;
+use crate::mixers::mamba3::Weights;
 use crate::mixers::{MixerKind, MixerWeights};
 use crate::model::shards::TensorSource;
 use crate::model::tensor_file::{write_safetensors, DiskDType, RawTensor, TensorFile};
-use crate::model::weights::{expected_tensors, locate};
-use crate::model::{Config, DType, Weights};
+use crate::model::weights::locate;
+use crate::model::{Config, DType};
 use std::path::Path;
 
 #[derive(clap::Args, Debug)]

@@ -2,10 +2,11 @@
 
 use super::PathArg;
 use crate::error::Result;
+use crate::mixers::mamba3::Weights;
 use crate::mixers::{MixerKind, MixerWeights};
 use crate::model::tensor_file::TensorFile;
 use crate::model::weights::locate;
-use crate::model::{DType, Weights};
+use crate::model::DType;
 use std::path::Path;
 
 #[derive(clap::Args, Debug)]

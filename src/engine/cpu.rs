@@ -16,8 +16,9 @@ use crate::mixers::mamba3::prefill::{mixer_prefill, Span};
 use crate::mixers::mamba3::state::{layer, layout, zero_state, LayerState, SeqState};
 use crate::mixers::mamba3::step::{head_step, mixer_step};
 use crate::mixers::mamba3::token::{MixerCtx, TokenPre};
+use crate::mixers::mamba3::Weights;
 use crate::model::config::NORM_EPS;
-use crate::model::weights::{Matrix, Weights};
+use crate::model::weights::Matrix;
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
 

@@ -109,7 +109,8 @@ impl StepLogits {
 #[cfg(test)]
 mod tests {
     use crate::engine::{Device, LogitsWant, Model, State, StepLogits};
-    use crate::model::{Config, DType, Weights};
+    use crate::mixers::mamba3::Weights;
+    use crate::model::{Config, DType};
 
     fn model(device: Device) -> Model {
         let cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);

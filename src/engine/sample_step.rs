@@ -86,7 +86,8 @@ pub(crate) fn sample_rows_on_host(
 mod tests {
     use crate::engine::sampling::{Sampler, SamplingParams};
     use crate::engine::{Device, LogitsWant, Model, SampleStep, State, StepLogits};
-    use crate::model::{Config, DType, Weights};
+    use crate::mixers::mamba3::Weights;
+    use crate::model::{Config, DType};
 
     fn model() -> Model {
         let cfg = Config::synthetic(64, 2, 16, 16, 2, 1, 300);

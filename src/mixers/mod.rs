@@ -15,12 +15,13 @@ pub mod mamba3;
 pub mod mimo;
 
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::Weights;
 use crate::model::family_config::{detect_family, parse_json_lenient, FamilyKind};
 use crate::model::family_weights::{FamilyWeights, Mamba1Weights, Mamba2Weights};
 use crate::model::state_layout::StateLayout;
 use crate::model::tensor_file::{write_safetensors, RawTensor};
 use crate::model::weights::{fingerprint_tensor, fingerprint_values, Fnv};
-use crate::model::{DType, Matrix, Weights};
+use crate::model::{DType, Matrix};
 use mimo::MimoWeights;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

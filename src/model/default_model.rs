@@ -114,7 +114,7 @@ mod tests {
         assert!(complete(&d));
         let again = materialise_in(tmp.path()).unwrap();
         assert_eq!(d, again);
-        let w = crate::model::Weights::load(&d, crate::model::DType::F32).unwrap();
+        let w = crate::mixers::mamba3::Weights::load(&d, crate::model::DType::F32).unwrap();
         assert_eq!(w.config.vocab_size, 256);
         let tok = std::fs::read_to_string(d.join("tokenizer.json")).unwrap();
         assert!(tok.contains("ByteLevel"));

@@ -20,4 +20,4 @@ pub mod weights;
 
 pub use config::{Config, Dims};
 pub use dtype::{DType, Element, TensorData};
-pub use weights::{LayerWeights, Matrix, Weights};
+pub use weights::Matrix;

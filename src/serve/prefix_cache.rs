@@ -285,7 +285,8 @@ impl PrefixCache {
 mod tests {
     use super::*;
     use crate::engine::{Device, Model};
-    use crate::model::{Config, DType, Weights};
+    use crate::mixers::mamba3::Weights;
+    use crate::model::{Config, DType};
 
     fn model() -> Model {
         let cfg = Config::synthetic(32, 1, 16, 16, 2, 1, 64);

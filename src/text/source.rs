@@ -6,7 +6,8 @@ use super::chat::ChatTemplate;
 use super::tokenizer::Tokenizer;
 use crate::engine::{Device, Model};
 use crate::error::Result;
-use crate::model::{Config, DType, Weights};
+use crate::mixers::mamba3::Weights;
+use crate::model::{Config, DType};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 use mamba3::engine::{Device, LogitsWant, Model};
-use mamba3::model::{Config, DType, Weights};
+use mamba3::mixers::mamba3::Weights;
+use mamba3::model::{Config, DType};
 use mamba3::serve::{client, ServeConfig, ServerHandle};
 use mamba3::text::ModelSource;
 use std::path::{Path, PathBuf};

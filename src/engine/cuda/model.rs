@@ -14,8 +14,9 @@ use crate::cuda::gemm::Lt;
 use crate::cuda::kernels::{KernelConfig, ScanMath};
 use crate::engine::LogitsWant;
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::Weights;
 use crate::model::state_layout::{StateBuf, StateLayout};
-use crate::model::{DType, Dims, Weights};
+use crate::model::{DType, Dims};
 use crate::options::GpuOptions;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -456,7 +457,8 @@ mod warm_up_tests {
     use super::super::model::CudaModel;
     use super::super::weights::{in_proj_kind, proj_f16};
     use crate::engine::LogitsWant;
-    use crate::model::{Config, DType, Weights};
+    use crate::mixers::mamba3::Weights;
+    use crate::model::{Config, DType};
     use std::sync::Arc;
 
     /// The start-up's warm-up (`Lt::warm` over `forward::prefill_gemm_specs`) runs the very

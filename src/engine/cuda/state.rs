@@ -106,7 +106,8 @@ pub fn device_states<'a>(
 mod tests {
     use crate::engine::state::StateData;
     use crate::engine::{Device, LogitsWant, Model};
-    use crate::model::{Config, DType, Weights};
+    use crate::mixers::mamba3::Weights;
+    use crate::model::{Config, DType};
 
     /// Pieces come back from the pool zeroed for a fresh state, states of one slab do not
     /// touch each other, and a clone written after its source was dropped and reused does

@@ -4,8 +4,9 @@
 
 use crate::cuda::context::{DevBuf, Gpu};
 use crate::error::{Error, Result};
+use crate::mixers::mamba3::{LayerWeights, Weights};
 use crate::model::weights::Matrix;
-use crate::model::{DType, Element, LayerWeights, Weights};
+use crate::model::{DType, Element};
 
 /// How the normed residual enters the in_proj GEMM of a 16-bit model. The input's rounding
 /// costs more accuracy than any other activation's (docs/decisions.md, "bf16 mode: which activations are rounded"), so it is not
@@ -286,7 +287,8 @@ impl GpuWeights {
 #[cfg(test)]
 mod tests {
     use super::proj_f16;
-    use crate::model::{Config, DType, TensorData, Weights};
+    use crate::mixers::mamba3::Weights;
+    use crate::model::{Config, DType, TensorData};
 
     #[test]
     fn the_in_proj_output_is_f16_only_for_16_bit_models_whose_range_fits() {

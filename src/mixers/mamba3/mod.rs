@@ -46,6 +46,7 @@
 //! - [`prefill`]: the chunked prefill of a packed batch (threads over sequence × head).
 //! - [`step`]: the batched decode step.
 //! - [`state`]: the state's layout and per-layer views.
+//! - [`weights`]: the checkpoint's tensors, checked and typed ([`Weights`]).
 //! - [`params`]: trainable parameters by official name; [`train`]: the chunked training
 //!   forward that keeps activations, and its exact backward.
 //! - [`cuda`] (feature `cuda`): the chunked mixer's launches and every Mamba-3 kernel.
@@ -62,5 +63,7 @@ pub mod state;
 pub mod step;
 pub mod token;
 pub mod train;
+pub mod weights;
 
 pub use reference::Reference;
+pub use weights::{LayerWeights, Weights};

@@ -12,6 +12,7 @@
 //! [`Params::save`]/[`Params::load`] go through [`MimoWeights`]. The LM around the mixer is
 //! the same, so the optimiser, the trainer and checkpoints need no second copy.
 
+use super::weights::{expected_tensors, LayerWeights, Weights};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::mixers::mimo::weights::{mimo_dims, mimo_expected_tensors, validate_mimo};
@@ -20,7 +21,7 @@ use crate::model::config::Config;
 use crate::model::config::Dims;
 use crate::model::dtype::{DType, Element, TensorData};
 use crate::model::rng::Rng;
-use crate::model::weights::{expected_tensors, Fnv, LayerWeights, Matrix, MlpWeights, Weights};
+use crate::model::weights::{Fnv, Matrix, MlpWeights};
 use std::path::Path;
 
 #[derive(Clone, Debug, PartialEq)]

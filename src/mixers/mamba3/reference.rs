@@ -4,10 +4,11 @@
 //! activation rounding, no tricks.
 
 use super::state::{layer, LayerState, SeqState};
+use super::weights::{LayerWeights, Weights};
 use crate::cpu::math::{a_value, rms_norm, rotate_pairs, sigmoid, silu, softplus, wrap_angle};
 use crate::cpu::real::Real;
 use crate::model::config::{AActivation, Dims, NORM_EPS};
-use crate::model::weights::{LayerWeights, Matrix, Weights};
+use crate::model::weights::Matrix;
 
 /// A matrix converted to the arithmetic type (the MIMO reference uses it too).
 pub(crate) struct Mat<F> {

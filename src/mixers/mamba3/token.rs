@@ -1,10 +1,10 @@
 //! Pieces of the Mamba-3 mixer shared by the chunked prefill and the decode step:
 //! per-token preprocessing of one `in_proj` row (spec §2.1–§2.3) and the output gate (§2.6).
 
+use super::weights::LayerWeights;
 use crate::cpu::math::{a_value, rms_norm, sigmoid, softplus};
 use crate::cpu::real::Real;
 use crate::model::config::{AActivation, Dims, NORM_EPS};
-use crate::model::weights::LayerWeights;
 
 /// Constants of one layer's mixer, converted once.
 pub struct MixerCtx<'a> {

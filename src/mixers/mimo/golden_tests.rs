@@ -257,7 +257,7 @@ fn bad_tokens_and_states_are_errors_that_touch_nothing() {
 fn rank_one_equals_siso_up_to_the_pair_relabelling() {
     use crate::mixers::mamba3::state::{layers, zero_state};
     use crate::mixers::mamba3::Reference;
-    use crate::model::weights::Weights;
+    use crate::mixers::mamba3::Weights;
     use crate::model::Config;
     for (rope, outproj_norm, d_int) in [(0.5, false, 0), (1.0, true, 64)] {
         let mut siso_cfg = Config::synthetic(32, 2, 16, 8, 2, 2, 50);
