@@ -128,10 +128,15 @@ fn gpu_equals_cpu(weights: MixerWeights, what: &str, tol: f64) {
     let e = rel_l2(&to_f64(&got), &to_f64(&want));
     eprintln!("{what}: GPU vs CPU rel L2 {e:.2e}");
     assert!(e <= tol, "{what}: logits rel L2 {e:e}");
-    // tensor by tensor (angles modulo 2π, as the goldens are compared)
+    // Tensor by tensor (angles modulo 2π, as the goldens are compared). With 16-bit
+    // weights the states are held as gpu_engine holds Mamba-3 SISO's against the CPU
+    // engine's, within 3e-2: the two engines round the GEMM inputs differently, and a
+    // state sums those differences over every token (MIMO's angles over 300 tokens
+    // measured 1.7e-2 while the logits stayed at 5.7e-3).
+    let state_tol = if tol < 1e-4 { tol } else { 3e-2 };
     for (i, (a, b)) in gpu_states.iter().zip(&cpu_states).enumerate() {
         for (name, e) in state_errors(a, b) {
-            assert!(e <= tol, "{what}: sequence {i}'s {name} rel L2 {e:e}");
+            assert!(e <= state_tol, "{what}: sequence {i}'s {name} rel L2 {e:e}");
         }
     }
     // A captured decode graph (a bucket larger than the batch) equals the eager step, and

@@ -183,12 +183,15 @@ impl LayerRun<'_> {
     }
 }
 
-/// A linear layer on the device: `W [n, k]` in the model dtype, an optional f32 bias.
+/// A linear layer on the device: `W [n, k]` in `dtype` (the model's, or f16 for a bf16
+/// model's matrices that read normed rows: `norm_t` of dtypes.cuh), an optional f32 bias.
 pub struct DevLinear {
     pub w: DevBuf,
     pub bias: Option<DevBuf>,
     pub n: usize,
     pub k: usize,
+    /// the dtype of W and of the input rows
+    pub dtype: ElemType,
 }
 
 impl DevLinear {
@@ -198,10 +201,11 @@ impl DevLinear {
             bias: upload_opt(gpu, bias)?,
             n: m.rows,
             k: m.cols,
+            dtype: ElemType::of(dtype),
         })
     }
 
-    /// `D[rows, n] (+)= A[rows, k]·Wᵀ + bias` over the pass's rows: A in the model dtype, D
+    /// `D[rows, n] (+)= A[rows, k]·Wᵀ + bias` over the pass's rows: A in W's dtype, D
     /// f32, packed, exact f32 products for f32 models (no TF32); `acc` adds into D (the
     /// residual).
     pub fn apply(&self, run: &LayerRun, a: u64, d: u64, acc: bool) -> Result<()> {
@@ -210,7 +214,7 @@ impl DevLinear {
             rows,
             self.n,
             self.k,
-            run.act,
+            self.dtype,
             ElemType::F32,
             self.n,
             acc,

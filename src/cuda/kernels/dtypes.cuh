@@ -15,6 +15,20 @@ typedef __nv_bfloat16 act_t;
 typedef __half act_t;
 #endif
 
+// `norm_t` is the dtype of RMS-normed rows and of the matrices that read them (the family
+// models' in_proj, MLP fc1, head and embedding; NORM as ACT, default ACT): bf16 models whose
+// normed rows and those matrices fit f16's range take f16 there (rounding 2⁻¹¹, not 2⁻⁸).
+#ifndef NORM
+#define NORM ACT
+#endif
+#if NORM == 0
+typedef float norm_t;
+#elif NORM == 1
+typedef __nv_bfloat16 norm_t;
+#else
+typedef __half norm_t;
+#endif
+
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }

@@ -41,24 +41,24 @@ __device__ float block_sum(float v) {
 }
 
 // out[r, :] = table[tokens[r], :] in f32. One block per row.
-extern "C" __global__ void fam_embed(const unsigned* tokens, const act_t* table, float* out,
+extern "C" __global__ void fam_embed(const unsigned* tokens, const norm_t* table, float* out,
                                      int dm) {
     const int r = blockIdx.x;
-    const act_t* src = table + (size_t)tokens[r] * dm;
+    const norm_t* src = table + (size_t)tokens[r] * dm;
     for (int j = threadIdx.x; j < dm; j += blockDim.x) out[(size_t)r * dm + j] = to_f(src[j]);
 }
 
-// out[i, :] = x[row(i), :] / sqrt(mean(x²) + eps) ⊙ w, in the GEMM dtype; row(i) = rows[i],
+// out[i, :] = x[row(i), :] / sqrt(mean(x²) + eps) ⊙ w, in `norm_t`; row(i) = rows[i],
 // or i when `rows` is null. One block per output row.
 extern "C" __global__ void fam_rms_norm(const float* x, const int* rows, const float* w,
-                                        act_t* out, int dm, float eps) {
+                                        norm_t* out, int dm, float eps) {
     const int i = blockIdx.x;
     const float* xr = x + (size_t)(rows ? rows[i] : i) * dm;
     float ss = 0.f;
     for (int j = threadIdx.x; j < dm; j += blockDim.x) ss += xr[j] * xr[j];
     const float r = 1.f / sqrtf(block_sum(ss) / (float)dm + eps);
     for (int j = threadIdx.x; j < dm; j += blockDim.x)
-        out[(size_t)i * dm + j] = from_f<act_t>(xr[j] * r * w[j]);
+        out[(size_t)i * dm + j] = from_f<norm_t>(xr[j] * r * w[j]);
 }
 
 // x[r, c] += bias[c] for c < cols, rows `ld` apart. Grid (rows), block 256.

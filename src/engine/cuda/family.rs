@@ -17,6 +17,7 @@ use crate::cuda::gemm_spec::{ElemType, GemmSpec};
 use crate::cuda::kernels::{state_define, KernelConfig, Module};
 use crate::cuda::packed::{upload_matrix, Carve, LayerRun, PackedPass, Scratch};
 use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
+use crate::engine::cuda::weights::F16_SAFE;
 use crate::engine::logits::{HostBuf, StepLogits};
 use crate::engine::state::StateData;
 use crate::engine::LogitsWant;
@@ -78,7 +79,7 @@ struct LmDevice {
 }
 
 impl LmDevice {
-    fn upload<M>(gpu: &Gpu, w: &LmWeights<M>) -> Result<LmDevice> {
+    fn upload<M>(gpu: &Gpu, w: &LmWeights<M>, normed: DType) -> Result<LmDevice> {
         let norms: Vec<&[f32]> = w.layers.iter().map(|b| b.norm.as_slice()).collect();
         let lm = LmParts {
             embedding: &w.embedding,
@@ -86,20 +87,20 @@ impl LmDevice {
             norms,
             norm_f: &w.norm_f,
             eps: w.config.norm_eps,
-            dtype: w.dtype,
+            dtype: normed,
         };
         lm.upload(gpu)
     }
 
     /// Mamba-3's LM (spec §2.7 of mamba3-spec: the same blocks, ε fixed).
-    fn upload_mimo(gpu: &Gpu, w: &mimo::MimoWeights) -> Result<LmDevice> {
+    fn upload_mimo(gpu: &Gpu, w: &mimo::MimoWeights, normed: DType) -> Result<LmDevice> {
         let lm = LmParts {
             embedding: &w.embedding,
             head: w.lm_head.as_ref(),
             norms: w.layers.iter().map(|l| l.norm.as_slice()).collect(),
             norm_f: &w.norm_f,
             eps: crate::model::config::NORM_EPS,
-            dtype: w.dtype,
+            dtype: normed,
         };
         lm.upload(gpu)
     }
@@ -108,7 +109,8 @@ impl LmDevice {
     }
 }
 
-/// The LM's parameters as every mixer's weights hold them.
+/// The LM's parameters as every mixer's weights hold them; the embedding and head are
+/// held in `dtype`, the normed rows' (`norm_t`).
 struct LmParts<'a> {
     embedding: &'a crate::model::weights::Matrix,
     head: Option<&'a crate::model::weights::Matrix>,
@@ -150,6 +152,8 @@ pub struct FamilyCuda {
     lt: Lt,
     dims: LmDims,
     act: ElemType,
+    /// the normed rows' dtype, and that of the matrices that read them ([`normed_dtype`])
+    norm: ElemType,
     lm: LmDevice,
     mixer: GpuMixer,
     embed: Kernel,
@@ -170,28 +174,44 @@ impl FamilyCuda {
         let layout = weights.state_layout().with_state_dtype(state_dtype)?;
         let gpu = Arc::new(Gpu::new(ordinal)?);
         let dtype = weights.dtype();
+        let normed = normed_dtype(weights);
         let with_state = |mut cfg: KernelConfig| {
             cfg.set("STATE", state_define(state_dtype));
+            cfg.set("NORM", mamba1::cuda::act_define(normed));
             cfg
         };
         let (lm, mixer, module_kernels) = match weights {
             MixerWeights::Mamba1(w) => {
                 let cfg = with_state(mamba1::cuda::kernel_config(w.mixer_config()?, dtype));
                 let (module, _) = Module::load(&gpu, mamba1::cuda::PROGRAM, &cfg)?;
-                let mixer = GpuMixer::Mamba1(mamba1::cuda::GpuMamba1::upload(&gpu, w, &module)?);
-                (LmDevice::upload(&gpu, w)?, mixer, lm_kernels(&module)?)
+                let mixer =
+                    GpuMixer::Mamba1(mamba1::cuda::GpuMamba1::upload(&gpu, w, &module, normed)?);
+                (
+                    LmDevice::upload(&gpu, w, normed)?,
+                    mixer,
+                    lm_kernels(&module)?,
+                )
             }
             MixerWeights::Mamba2(w) => {
                 let cfg = with_state(mamba2::cuda::kernel_config(w.mixer_config()?, dtype)?);
                 let (module, _) = Module::load(&gpu, mamba2::cuda::PROGRAM, &cfg)?;
-                let mixer = GpuMixer::Mamba2(mamba2::cuda::GpuMamba2::upload(&gpu, w, &module)?);
-                (LmDevice::upload(&gpu, w)?, mixer, lm_kernels(&module)?)
+                let mixer =
+                    GpuMixer::Mamba2(mamba2::cuda::GpuMamba2::upload(&gpu, w, &module, normed)?);
+                (
+                    LmDevice::upload(&gpu, w, normed)?,
+                    mixer,
+                    lm_kernels(&module)?,
+                )
             }
             MixerWeights::Mimo(w) => {
                 let cfg = with_state(mimo::cuda::kernel_config(&w.dims, dtype)?);
                 let (module, _) = Module::load(&gpu, mimo::cuda::PROGRAM, &cfg)?;
-                let mixer = GpuMixer::Mimo(mimo::cuda::GpuMimo::upload(&gpu, w, &module)?);
-                (LmDevice::upload_mimo(&gpu, w)?, mixer, lm_kernels(&module)?)
+                let mixer = GpuMixer::Mimo(mimo::cuda::GpuMimo::upload(&gpu, w, &module, normed)?);
+                (
+                    LmDevice::upload_mimo(&gpu, w, normed)?,
+                    mixer,
+                    lm_kernels(&module)?,
+                )
             }
             other => {
                 return Err(Error::Device(format!(
@@ -204,6 +224,7 @@ impl FamilyCuda {
         let (embed, rms_norm, add_bias) = module_kernels;
         Ok(FamilyCuda {
             act: ElemType::of(dtype),
+            norm: ElemType::of(normed),
             dims: weights.lm_dims(),
             gpu,
             lt,
@@ -335,7 +356,7 @@ impl FamilyCuda {
             b.picked_len,
             vp,
             dm,
-            self.act,
+            self.norm,
             ElemType::F32,
             vp,
             false,
@@ -538,6 +559,66 @@ struct DecodeGraph {
 }
 
 /// The LM row kernels of a Mamba-1/Mamba-2 program (lm_rows.cu).
+/// The dtype of the normed rows and of the matrices that read them (in_proj, the MLP's
+/// fc1, the head and the embedding): f16 for a bf16 model whose every such row and matrix
+/// stays inside f16's range — a normed row's entries are at most √d_model·max|w| — so that
+/// the GEMM input is rounded by 2⁻¹¹ rather than bf16's 2⁻⁸ (on `mimo-mlp-norm` the bf16
+/// rounding alone took the logits from 8.7e-3, the CPU's, to 1.08e-2 of the goldens); bf16→f16
+/// is exact for weights above 2⁻¹⁴. Otherwise the model's dtype.
+fn normed_dtype(weights: &MixerWeights) -> DType {
+    use crate::model::weights::Matrix;
+    let dtype = weights.dtype();
+    if dtype != DType::BF16 {
+        return dtype;
+    }
+    let (d_model, norms, mats): (usize, Vec<&[f32]>, Vec<&Matrix>) = match weights {
+        MixerWeights::Mamba1(w) => lm_reads(w, |m| vec![&m.in_proj]),
+        MixerWeights::Mamba2(w) => lm_reads(w, |m| vec![&m.in_proj]),
+        MixerWeights::Mimo(w) => {
+            let mut norms: Vec<&[f32]> = vec![&w.norm_f];
+            let mut mats: Vec<&Matrix> = vec![&w.embedding];
+            mats.extend(&w.lm_head);
+            for l in &w.layers {
+                norms.push(&l.norm);
+                mats.push(&l.in_proj);
+                if let Some(m) = &l.mlp {
+                    norms.push(&m.norm);
+                    mats.push(&m.fc1);
+                }
+            }
+            (w.dims.d_model, norms, mats)
+        }
+        _ => return dtype,
+    };
+    let max_abs = |v: &[f32]| v.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
+    let row_bound = (d_model as f64).sqrt() * norms.iter().map(|n| max_abs(n)).fold(0.0, f64::max);
+    let fits = row_bound < F16_SAFE && mats.iter().all(|m| m.data.max_abs() < F16_SAFE);
+    if fits {
+        DType::F16
+    } else {
+        dtype
+    }
+}
+
+/// The norms and the normed rows' matrices of a Mamba-1/2 LM, `mixer_mats` naming the mixer's.
+fn lm_reads<'a, M>(
+    w: &'a LmWeights<M>,
+    mixer_mats: impl Fn(&'a M) -> Vec<&'a crate::model::weights::Matrix>,
+) -> (
+    usize,
+    Vec<&'a [f32]>,
+    Vec<&'a crate::model::weights::Matrix>,
+) {
+    let mut norms: Vec<&[f32]> = vec![&w.norm_f];
+    let mut mats = vec![&w.embedding];
+    mats.extend(&w.lm_head);
+    for b in &w.layers {
+        norms.push(&b.norm);
+        mats.extend(mixer_mats(&b.mixer));
+    }
+    (w.embedding.cols, norms, mats)
+}
+
 fn lm_kernels(module: &Module) -> Result<(Kernel, Kernel, Kernel)> {
     Ok((
         module.kernel("fam_embed")?,

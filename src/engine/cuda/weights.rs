@@ -86,7 +86,7 @@ fn max_abs(v: &[f32]) -> f64 {
 }
 
 /// Largest normed value allowed on the f16 path (half of f16's maximum, for margin).
-const F16_SAFE: f64 = 32752.0;
+pub(crate) const F16_SAFE: f64 = 32752.0;
 
 /// The in_proj input of a 16-bit model (`None` for f32 models) of kind `kind`.
 fn in_proj_input(

@@ -115,7 +115,13 @@ pub fn chunk_len(rows: usize) -> usize {
 impl GpuMamba1 {
     /// Upload the mixers of `w` and take their kernels from `module` (compiled from
     /// [`PROGRAM`] with [`kernel_config`]).
-    pub fn upload(gpu: &Gpu, w: &Mamba1Weights, module: &Module) -> Result<GpuMamba1> {
+    /// `normed` is the dtype of the normed rows and of the matrices that read them (`norm_t`).
+    pub fn upload(
+        gpu: &Gpu,
+        w: &Mamba1Weights,
+        module: &Module,
+        normed: DType,
+    ) -> Result<GpuMamba1> {
         let cfg = w.mixer_config()?.clone();
         let dt = w.dtype;
         let layers = w
@@ -125,7 +131,7 @@ impl GpuMamba1 {
                 let m = &b.mixer;
                 let a: Vec<f32> = m.a_log.iter().map(|&v| -v.exp()).collect();
                 Ok(Layer {
-                    in_proj: DevLinear::upload(gpu, &m.in_proj, m.in_proj_bias.as_deref(), dt)?,
+                    in_proj: DevLinear::upload(gpu, &m.in_proj, m.in_proj_bias.as_deref(), normed)?,
                     conv_w: gpu.upload(&m.conv_weight)?,
                     conv_b: upload_opt(gpu, m.conv_bias.as_deref())?,
                     x_proj: DevLinear::upload(gpu, &m.x_proj, None, dt)?,
@@ -170,7 +176,7 @@ impl GpuMamba1 {
         c.used()
     }
 
-    /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, its output
+    /// Layer `l` on the pass: `normed` (`norm_t`, `[rows, d_model]`) in, its output
     /// added to `residual` (f32); `scratch` holds [`Self::scratch_bytes`].
     pub fn layer(
         &self,

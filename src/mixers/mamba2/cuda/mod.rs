@@ -187,7 +187,13 @@ impl GpuMamba2 {
     /// Upload the mixers of `w` and take their kernels from `module` (compiled from
     /// [`PROGRAM`] with [`kernel_config`]); an error when the chunked scan's shared memory
     /// does not fit `gpu`.
-    pub fn upload(gpu: &Gpu, w: &Mamba2Weights, module: &Module) -> Result<GpuMamba2> {
+    /// `normed` is the dtype of the normed rows and of the matrices that read them (`norm_t`).
+    pub fn upload(
+        gpu: &Gpu,
+        w: &Mamba2Weights,
+        module: &Module,
+        normed: DType,
+    ) -> Result<GpuMamba2> {
         let cfg = w.mixer_config()?.clone();
         let lanes = state_lanes(cfg.d_state).unwrap_or(1);
         let channels = channels_per_block(cfg.headdim, lanes);
@@ -204,7 +210,7 @@ impl GpuMamba2 {
                     (0..cfg.d_ssm).map(|c| m.d[c / cfg.headdim]).collect()
                 };
                 Ok(Layer {
-                    in_proj: DevLinear::upload(gpu, &m.in_proj, m.in_proj_bias.as_deref(), dt)?,
+                    in_proj: DevLinear::upload(gpu, &m.in_proj, m.in_proj_bias.as_deref(), normed)?,
                     conv_w: gpu.upload(&m.conv_weight)?,
                     conv_b: upload_opt(gpu, m.conv_bias.as_deref())?,
                     dt_bias: gpu.upload(&m.dt_bias)?,
@@ -314,7 +320,7 @@ impl GpuMamba2 {
         )
     }
 
-    /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, its output
+    /// Layer `l` on the pass: `normed` (`norm_t`, `[rows, d_model]`) in, its output
     /// added to `residual` (f32); `scratch` holds [`Self::scratch_bytes`].
     pub fn layer(
         &self,

@@ -182,7 +182,8 @@ struct Bufs {
 impl GpuMimo {
     /// Upload the mixers of `w` and take their kernels from `module` (compiled from
     /// [`PROGRAM`] with [`kernel_config`]).
-    pub fn upload(gpu: &Gpu, w: &MimoWeights, module: &Module) -> Result<GpuMimo> {
+    /// `normed` is the dtype of the normed rows and of the matrices that read them (`norm_t`).
+    pub fn upload(gpu: &Gpu, w: &MimoWeights, module: &Module, normed: DType) -> Result<GpuMimo> {
         let d = w.dims;
         let lanes = state_lanes(d.d_state).unwrap_or(1);
         let dt = w.dtype;
@@ -196,13 +197,13 @@ impl GpuMimo {
                     .map(|m| -> Result<Mlp> {
                         Ok(Mlp {
                             norm: gpu.upload(&m.norm)?,
-                            fc1: DevLinear::upload(gpu, &m.fc1, None, dt)?,
+                            fc1: DevLinear::upload(gpu, &m.fc1, None, normed)?,
                             fc2: DevLinear::upload(gpu, &m.fc2, None, dt)?,
                         })
                     })
                     .transpose()?;
                 Ok(Layer {
-                    in_proj: DevLinear::upload(gpu, &l.in_proj, None, dt)?,
+                    in_proj: DevLinear::upload(gpu, &l.in_proj, None, normed)?,
                     dt_bias: gpu.upload(&l.dt_bias)?,
                     b_bias: gpu.upload(&l.b_bias)?,
                     c_bias: gpu.upload(&l.c_bias)?,
@@ -307,7 +308,7 @@ impl GpuMimo {
         }
     }
 
-    /// Layer `l` on the pass: `normed` (model dtype, `[rows, d_model]`) in, the mixer's
+    /// Layer `l` on the pass: `normed` (`norm_t`, `[rows, d_model]`) in, the mixer's
     /// output (and the GatedMLP's, when the block has one) added to `residual` (f32);
     /// `scratch` holds [`Self::scratch_bytes`].
     pub fn layer(
