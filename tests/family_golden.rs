@@ -252,8 +252,8 @@ fn random_model_writes_a_loadable_official_folder() {
 /// tensor, as a Mamba-3 one is.
 #[test]
 fn non_finite_family_weights_are_refused() {
-    use mamba3::model::family_synthetic::{official_config, synthetic};
-    use mamba3::model::family_weights::FamilyWeights;
+    use mamba3::mixers::family::FamilyWeights;
+    use mamba3::mixers::family_synthetic::{official_config, synthetic};
     use mamba3::model::TensorData;
     let dir = tempfile::tempdir().unwrap();
     for layer in ["Mamba1", "Mamba2"] {

@@ -13,11 +13,11 @@
 mod gpu;
 use gpu::*;
 use mamba3::engine::GpuOptions;
+use mamba3::mixers::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::mixers::mamba3::Weights;
 use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use mamba3::mixers::MixerWeights;
 use mamba3::model::family_config::Mamba1Config;
-use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::model::DType;
 use mamba3::{Device, LogitsWant, Model, State};
 use std::sync::Arc;

@@ -10,10 +10,10 @@
 mod common;
 use common::family::goldens_through_the_engine;
 use common::*;
+use mamba3::mixers::family_synthetic::{mamba1, mamba2, mamba2_config, Gen};
 use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use mamba3::mixers::MixerWeights;
 use mamba3::model::family_config::{Mamba1Config, Mamba2Config};
-use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config, Gen};
 use mamba3::{DType, Device, LogitsWant, MixerKind, Model, State};
 use std::sync::Arc;
 

@@ -23,13 +23,13 @@ mod probe_kernels;
 use mamba3::cuda::kernels::{
     compile_cubin, nvrtc_available, nvrtc_version, state_define, KernelConfig, ScanMath, SAMPLING,
 };
+use mamba3::mixers::family_synthetic::official_config;
 use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
 use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
 use mamba3::mixers::mamba3::cuda::program::{INFERENCE, KERNEL_NAMES, TRAINING};
 use mamba3::mixers::mimo::cuda::{kernel_config as mimo_kernel_config, PROGRAM as MIMO_PROGRAM};
 use mamba3::mixers::mimo::{mimo_config_from_json_str, mimo_dims};
 use mamba3::model::family_config::{FamilyConfig, MixerConfig};
-use mamba3::model::family_synthetic::official_config;
 use mamba3::model::DType;
 use std::path::PathBuf;
 

@@ -8,10 +8,10 @@ mod gpu;
 use gpu::state16::narrow_state_follows_f32;
 use gpu::{primed, rel_l2, to_f64};
 use mamba3::engine::GpuOptions;
+use mamba3::mixers::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::mixers::mamba3::Weights;
 use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use mamba3::model::family_config::Mamba1Config;
-use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::{DType, Device, MixerWeights, Model, State};
 use std::sync::Arc;
 

@@ -4,9 +4,9 @@
 mod common;
 use common::state16::{narrow_state_follows_f32, ssm_values};
 use common::*;
+use mamba3::mixers::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use mamba3::model::family_config::Mamba1Config;
-use mamba3::model::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::model::state_layout::round_slice;
 use mamba3::{DType, Device, LogitsWant, MixerWeights, Model};
 use std::sync::Arc;

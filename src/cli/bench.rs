@@ -5,11 +5,11 @@
 use super::{PathArg, RunOpts};
 use crate::engine::{LogitsWant, Model, State, StepLogits};
 use crate::error::{Error, Result};
+use crate::mixers::family::FamilyWeights;
+use crate::mixers::family_synthetic::{official_config, synthetic};
 use crate::mixers::mamba3::Weights;
 use crate::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
 use crate::mixers::MixerWeights;
-use crate::model::family_synthetic::{official_config, synthetic};
-use crate::model::family_weights::FamilyWeights;
 use crate::model::rng::Rng;
 use crate::model::Config;
 use std::sync::Arc;

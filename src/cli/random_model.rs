@@ -5,10 +5,10 @@
 
 use super::PathArg;
 use crate::error::{Error, Result};
+use crate::mixers::family::FamilyWeights;
+use crate::mixers::family_synthetic::{official_config_json, synthetic};
 use crate::mixers::MixerWeights;
 use crate::model::family_config::FamilyConfig;
-use crate::model::family_synthetic::{official_config_json, synthetic};
-use crate::model::family_weights::FamilyWeights;
 use crate::model::DType;
 use std::sync::Arc;
 

@@ -9,15 +9,19 @@
 //! is registered; the engine's backends (`engine/cpu*.rs`, `engine/cuda/`) say which
 //! mixers each runs.
 
+pub mod family;
+pub mod family_synthetic;
 pub mod mamba1;
 pub mod mamba2;
 pub mod mamba3;
 pub mod mimo;
 
 use crate::error::{Error, Result};
+use crate::mixers::family::FamilyWeights;
+use crate::mixers::mamba1::weights::Mamba1Weights;
+use crate::mixers::mamba2::weights::Mamba2Weights;
 use crate::mixers::mamba3::Weights;
 use crate::model::family_config::{detect_family, parse_json_lenient, FamilyKind};
-use crate::model::family_weights::{FamilyWeights, Mamba1Weights, Mamba2Weights};
 use crate::model::state_layout::StateLayout;
 use crate::model::tensor_file::{write_safetensors, RawTensor};
 use crate::model::weights::{fingerprint_tensor, fingerprint_values, Fnv};

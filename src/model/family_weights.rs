@@ -1,6 +1,8 @@
-//! Parameters of a Mamba-1 (or FalconMamba) or Mamba-2 language model, read from the
-//! official or the transformers layout (spec §2.2, §3.2, §4, §5.2) and checked against the
-//! config, each mismatch an error naming the tensor, the shape expected and the one found.
+//! The language model around a Mamba-1 (or FalconMamba) or Mamba-2 mixer, read from the
+//! official or the transformers layout (spec §4, §5.2) and checked against the config, each
+//! mismatch an error naming the tensor, the shape expected and the one found; each mixer
+//! reads its own tensors through [`TensorReader`] (`crate::mixers::mamba1::weights`,
+//! `crate::mixers::mamba2::weights`), and `crate::mixers::family` loads either.
 //!
 //! Names: the embedding is `backbone.embedding.weight` (official) or
 //! `backbone.embeddings.weight` (transformers); everything else is named alike. A tied head
@@ -15,7 +17,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::dtype::DType;
-use crate::model::family_config::{FamilyConfig, Mamba1Config, Mamba2Config, MixerConfig};
+use crate::model::family_config::FamilyConfig;
 use crate::model::shards::TensorSource;
 use crate::model::tensor_file::DiskDType;
 use crate::model::weights::Matrix;
@@ -52,105 +54,8 @@ impl<M> LmWeights<M> {
     }
 }
 
-/// Mamba-1 mixer parameters (spec §2.2), `in_proj`/`out_proj`/`x_proj`/`dt_proj` as
-/// PyTorch `[out, in]` matrices.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Mamba1Mixer {
-    /// `[2·D_i, D_m]`: rows `0..D_i` give x, `D_i..2·D_i` give z
-    pub in_proj: Matrix,
-    pub in_proj_bias: Option<Vec<f32>>,
-    /// `conv1d.weight` `[D_i, 1, K]` as `[D_i, K]`
-    pub conv_weight: Vec<f32>,
-    /// `[D_i]`
-    pub conv_bias: Option<Vec<f32>>,
-    /// `[R + 2N, D_i]`: δ rows, then B, then C
-    pub x_proj: Matrix,
-    /// `[D_i, R]`
-    pub dt_proj: Matrix,
-    /// `dt_proj.bias` `[D_i]`, the Δ bias
-    pub dt_bias: Vec<f32>,
-    /// `[D_i, N]`
-    pub a_log: Vec<f32>,
-    /// `[D_i]`
-    pub d: Vec<f32>,
-    /// `[D_m, D_i]`
-    pub out_proj: Matrix,
-    pub out_proj_bias: Option<Vec<f32>>,
-}
-
-/// Mamba-2 mixer parameters (spec §3.2).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Mamba2Mixer {
-    /// `[d_in_proj, D_m]`: rows z0, x0 (d_mlp each), z (d_ssm), x, B, C, dt
-    pub in_proj: Matrix,
-    pub in_proj_bias: Option<Vec<f32>>,
-    /// `conv1d.weight` `[C_d, 1, K]` as `[C_d, K]`
-    pub conv_weight: Vec<f32>,
-    /// `[C_d]`
-    pub conv_bias: Option<Vec<f32>>,
-    /// `[H]`
-    pub dt_bias: Vec<f32>,
-    /// `[H]`
-    pub a_log: Vec<f32>,
-    /// `[H]`, or `[d_ssm]` with `D_has_hdim`
-    pub d: Vec<f32>,
-    /// gated norm weight `[d_ssm]`, present iff `rmsnorm`
-    pub norm: Option<Vec<f32>>,
-    /// `[D_m, D_i]`
-    pub out_proj: Matrix,
-    pub out_proj_bias: Option<Vec<f32>>,
-}
-
-pub type Mamba1Weights = LmWeights<Mamba1Mixer>;
-pub type Mamba2Weights = LmWeights<Mamba2Mixer>;
-
-/// Either family, as loaded from a folder.
-#[derive(Clone, Debug, PartialEq)]
-pub enum FamilyWeights {
-    Mamba1(Mamba1Weights),
-    Mamba2(Mamba2Weights),
-}
-
-impl FamilyWeights {
-    /// Load a model folder (config.json + weights of either layout, possibly sharded), or a
-    /// weights file / shard index with `config.json` beside it.
-    pub fn load(path: &Path, dtype: DType) -> Result<FamilyWeights> {
-        let (config_path, weights_path) = locate(path)?;
-        let config = FamilyConfig::from_file(&config_path)?;
-        let src = TensorSource::open(&weights_path)?;
-        Self::from_source(config, &src, dtype)
-    }
-
-    pub fn from_source(
-        config: FamilyConfig,
-        src: &TensorSource,
-        dtype: DType,
-    ) -> Result<FamilyWeights> {
-        let dm = config.d_model;
-        Ok(match config.mixer.clone() {
-            MixerConfig::Mamba1(m) => {
-                FamilyWeights::Mamba1(load_lm(config, src, dtype, |r, l| {
-                    mamba1_mixer(r, l, dm, &m)
-                })?)
-            }
-            MixerConfig::Mamba2(m) => {
-                FamilyWeights::Mamba2(load_lm(config, src, dtype, |r, l| {
-                    mamba2_mixer(r, l, dm, &m)
-                })?)
-            }
-        })
-    }
-
-    pub fn config(&self) -> &FamilyConfig {
-        match self {
-            FamilyWeights::Mamba1(w) => &w.config,
-            FamilyWeights::Mamba2(w) => &w.config,
-        }
-    }
-}
-
 /// `(config.json, weights)` for a folder or a file given directly.
-fn locate(path: &Path) -> Result<(PathBuf, PathBuf)> {
+pub fn locate(path: &Path) -> Result<(PathBuf, PathBuf)> {
     if path.is_file() {
         let dir = path.parent().unwrap_or(Path::new("."));
         return Ok((dir.join("config.json"), path.to_path_buf()));
@@ -316,7 +221,8 @@ impl<'a> TensorReader<'a> {
 /// Official and transformers names of the embedding (spec §5.2).
 pub const EMBEDDING_NAMES: [&str; 2] = ["backbone.embedding.weight", "backbone.embeddings.weight"];
 
-fn layer(i: usize, suffix: &str) -> String {
+/// A layer's tensor name.
+pub fn layer(i: usize, suffix: &str) -> String {
     format!("backbone.layers.{i}.{suffix}")
 }
 
@@ -373,101 +279,3 @@ pub fn load_lm<M>(
         lm_head,
     })
 }
-
-fn mamba1_mixer(
-    r: &mut TensorReader,
-    i: usize,
-    dm: usize,
-    m: &Mamba1Config,
-) -> Result<Mamba1Mixer> {
-    let l = |s: &str| layer(i, &format!("mixer.{s}"));
-    let (di, n, k, rk) = (m.d_inner, m.d_state, m.d_conv, m.dt_rank);
-    Ok(Mamba1Mixer {
-        in_proj: r.matrix(&l("in_proj.weight"), 2 * di, dm)?,
-        in_proj_bias: r.optional_vector(m.proj_bias, &l("in_proj.bias"), &[2 * di], "bias")?,
-        conv_weight: r.vector(&l("conv1d.weight"), &[di, 1, k])?,
-        conv_bias: r.optional_vector(m.conv_bias, &l("conv1d.bias"), &[di], "conv_bias")?,
-        x_proj: r.matrix(&l("x_proj.weight"), rk + 2 * n, di)?,
-        dt_proj: r.matrix(&l("dt_proj.weight"), di, rk)?,
-        dt_bias: r.vector(&l("dt_proj.bias"), &[di])?,
-        a_log: r.vector(&l("A_log"), &[di, n])?,
-        d: r.vector(&l("D"), &[di])?,
-        out_proj: r.matrix(&l("out_proj.weight"), dm, di)?,
-        out_proj_bias: r.optional_vector(m.proj_bias, &l("out_proj.bias"), &[dm], "bias")?,
-    })
-}
-
-fn mamba2_mixer(
-    r: &mut TensorReader,
-    i: usize,
-    dm: usize,
-    m: &Mamba2Config,
-) -> Result<Mamba2Mixer> {
-    let l = |s: &str| layer(i, &format!("mixer.{s}"));
-    let (cd, k, h) = (m.conv_dim(), m.d_conv, m.nheads);
-    let d_len = if m.d_has_hdim { m.d_ssm } else { h };
-    Ok(Mamba2Mixer {
-        in_proj: r.matrix(&l("in_proj.weight"), m.d_in_proj(), dm)?,
-        in_proj_bias: r.optional_vector(
-            m.proj_bias,
-            &l("in_proj.bias"),
-            &[m.d_in_proj()],
-            "bias",
-        )?,
-        conv_weight: r.vector(&l("conv1d.weight"), &[cd, 1, k])?,
-        conv_bias: r.optional_vector(m.conv_bias, &l("conv1d.bias"), &[cd], "conv_bias")?,
-        dt_bias: r.vector(&l("dt_bias"), &[h])?,
-        a_log: r.vector(&l("A_log"), &[h])?,
-        d: r.vector(&l("D"), &[d_len])?,
-        norm: r.optional_vector(m.rmsnorm, &l("norm.weight"), &[m.d_ssm], "rmsnorm")?,
-        out_proj: r.matrix(&l("out_proj.weight"), dm, m.d_inner)?,
-        out_proj_bias: r.optional_vector(m.proj_bias, &l("out_proj.bias"), &[dm], "bias")?,
-    })
-}
-
-impl LmWeights<Mamba1Mixer> {
-    /// The Mamba-1 mixer config (an error if `config` describes another family: the fields
-    /// are public, so the pairing is checked where it is relied on).
-    pub fn mixer_config(&self) -> Result<&Mamba1Config> {
-        self.config
-            .mamba1()
-            .ok_or_else(|| wrong_family("Mamba2", "Mamba1"))
-    }
-
-    /// [`FamilyWeights::load`] for a folder that must hold a Mamba-1 model.
-    pub fn load(path: &Path, dtype: DType) -> Result<Mamba1Weights> {
-        match FamilyWeights::load(path, dtype)? {
-            FamilyWeights::Mamba1(w) => Ok(w),
-            FamilyWeights::Mamba2(_) => Err(wrong_family("Mamba2", "Mamba1")),
-        }
-    }
-}
-
-impl LmWeights<Mamba2Mixer> {
-    /// The Mamba-2 mixer config (an error if `config` describes another family).
-    pub fn mixer_config(&self) -> Result<&Mamba2Config> {
-        self.config
-            .mamba2()
-            .ok_or_else(|| wrong_family("Mamba1", "Mamba2"))
-    }
-
-    /// [`FamilyWeights::load`] for a folder that must hold a Mamba-2 model.
-    pub fn load(path: &Path, dtype: DType) -> Result<Mamba2Weights> {
-        match FamilyWeights::load(path, dtype)? {
-            FamilyWeights::Mamba2(w) => Ok(w),
-            FamilyWeights::Mamba1(_) => Err(wrong_family("Mamba1", "Mamba2")),
-        }
-    }
-}
-
-fn wrong_family(found: &str, want: &str) -> Error {
-    Error::Unsupported {
-        field: "mixer family (ssm_cfg.layer / model_type)".into(),
-        found: found.into(),
-        supported: want.into(),
-    }
-}
-
-#[cfg(test)]
-#[path = "family_weights_tests.rs"]
-mod tests;

@@ -6,7 +6,6 @@ mod config_shape;
 pub mod default_model;
 pub mod dtype;
 pub mod family_config;
-pub mod family_synthetic;
 pub mod family_weights;
 pub mod finite;
 pub mod raw_tensor;

@@ -5,9 +5,10 @@
 use super::golden_tests::{rel_l2, to64};
 use crate::cpu::Real;
 use crate::error::Result;
+use crate::mixers::family_synthetic::Gen;
+use crate::mixers::mamba1::weights::Mamba1Weights;
+use crate::mixers::mamba2::weights::Mamba2Weights;
 use crate::mixers::{mamba2, LogitsWant};
-use crate::model::family_synthetic::Gen;
-use crate::model::family_weights::{Mamba1Weights, Mamba2Weights};
 use crate::model::state_layout::StateBuf;
 
 /// What the shared checks need of a family's weights.

@@ -5,8 +5,9 @@ use super::lm::TokenOut;
 use super::reference::Reference;
 use super::State;
 use crate::cpu::Real;
+use crate::mixers::family::FamilyWeights;
+use crate::mixers::mamba1::weights::Mamba1Weights;
 use crate::model::dtype::DType;
-use crate::model::family_weights::{FamilyWeights, Mamba1Weights};
 use crate::model::tensor_file::TensorFile;
 use std::path::{Path, PathBuf};
 

@@ -28,6 +28,7 @@ pub mod lm;
 pub mod prefill;
 pub mod reference;
 pub mod step;
+pub mod weights;
 
 #[cfg(test)]
 pub(crate) mod fast_tests;

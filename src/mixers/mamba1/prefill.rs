@@ -11,9 +11,9 @@ use super::{check_state, layer, layout, State};
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
 use crate::error::Result;
+use crate::mixers::mamba1::weights::{Mamba1Mixer, Mamba1Weights};
 use crate::mixers::LogitsWant;
 use crate::model::family_config::Mamba1Config;
-use crate::model::family_weights::{Mamba1Mixer, Mamba1Weights};
 use rayon::prelude::*;
 
 /// Channels per scan block: a 16-wide block of a 16-state layer is 256 state values, and

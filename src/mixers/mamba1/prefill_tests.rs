@@ -7,11 +7,11 @@ use super::prefill::prefill;
 use super::reference::Reference;
 use super::step::step;
 use super::{zero_state, State};
+use crate::mixers::family_synthetic::{mamba1, Gen};
+use crate::mixers::mamba1::weights::Mamba1Weights;
 use crate::mixers::LogitsWant;
 use crate::model::dtype::DType;
 use crate::model::family_config::Mamba1Config;
-use crate::model::family_synthetic::{mamba1, Gen};
-use crate::model::family_weights::Mamba1Weights;
 
 fn against_reference(w: &Mamba1Weights, tokens: &[u32], what: &str) {
     let r = Reference::<f64>::new(w).unwrap();

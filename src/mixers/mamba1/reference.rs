@@ -7,8 +7,8 @@ use super::{check_state, layer, layout, zero_state, LayerState, State};
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
 use crate::error::Result;
+use crate::mixers::mamba1::weights::{Mamba1Mixer, Mamba1Weights};
 use crate::model::family_config::Mamba1Config;
-use crate::model::family_weights::{Mamba1Mixer, Mamba1Weights};
 
 struct RefLayer<F> {
     in_proj: Dense<F>,

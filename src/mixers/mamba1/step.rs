@@ -8,8 +8,8 @@ use super::prefill::{gate_rows, scan_rows, ssm_inputs, taps};
 use super::{check_state, layer, layout, State};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::mamba1::weights::Mamba1Weights;
 use crate::mixers::LogitsWant;
-use crate::model::family_weights::Mamba1Weights;
 use crate::model::state_layout::StateLayout;
 use rayon::prelude::*;
 

@@ -3,12 +3,13 @@
 use super::reference::Reference;
 use super::State;
 use crate::cpu::Real;
+use crate::mixers::family::FamilyWeights;
 use crate::mixers::mamba1::golden_tests::{
     against_golden, conv_ssm_parts, fixture, Golden, Oracle, LAYOUTS,
 };
 use crate::mixers::mamba1::lm::TokenOut;
+use crate::mixers::mamba2::weights::Mamba2Weights;
 use crate::model::dtype::DType;
-use crate::model::family_weights::{FamilyWeights, Mamba2Weights};
 
 impl<F: Real> Oracle<F> for Reference<'_, F> {
     type State = State<F>;

@@ -26,6 +26,7 @@ pub mod cuda;
 pub mod prefill;
 pub mod reference;
 pub mod step;
+pub mod weights;
 
 #[cfg(test)]
 mod golden_tests;

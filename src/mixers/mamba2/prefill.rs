@@ -15,9 +15,9 @@ use crate::mixers::mamba1::check_state;
 use crate::mixers::mamba1::lm::{
     conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps,
 };
+use crate::mixers::mamba2::weights::{Mamba2Mixer, Mamba2Weights};
 use crate::mixers::LogitsWant;
 use crate::model::family_config::Mamba2Config;
-use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 use rayon::prelude::*;
 
 /// Run `tokens` from `state` (advancing it); returns the logits rows asked for, flattened

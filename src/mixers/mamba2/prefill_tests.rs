@@ -6,17 +6,17 @@ use super::prefill::prefill;
 use super::reference::Reference;
 use super::step::step;
 use super::{zero_state, State};
+use crate::mixers::family_synthetic::{mamba2, mamba2_config, Gen};
 use crate::mixers::mamba1::fast_tests::{
     batched_step_matches_the_reference, state_err, windows, FastFamily,
 };
 use crate::mixers::mamba1::golden_tests::{
     conv_ssm_parts, fixture, rel_l2, to64, Golden, LAYOUTS, TOL,
 };
+use crate::mixers::mamba2::weights::Mamba2Weights;
 use crate::mixers::LogitsWant;
 use crate::model::dtype::DType;
 use crate::model::family_config::{Mamba2Config, MixerConfig};
-use crate::model::family_synthetic::{mamba2, mamba2_config, Gen};
-use crate::model::family_weights::Mamba2Weights;
 
 fn with_chunk(w: &Mamba2Weights, chunk: usize) -> Mamba2Weights {
     let mut w = w.clone();

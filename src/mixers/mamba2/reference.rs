@@ -8,8 +8,8 @@ use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::lm::{rms_unit, Dense, LmRef, TokenOut};
 use crate::mixers::mamba1::{check_state, LayerState};
+use crate::mixers::mamba2::weights::{Mamba2Mixer, Mamba2Weights};
 use crate::model::family_config::Mamba2Config;
-use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 
 struct RefLayer<F> {
     in_proj: Dense<F>,

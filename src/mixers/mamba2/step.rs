@@ -9,9 +9,9 @@ use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project};
 use crate::mixers::mamba1::step::check_step;
+use crate::mixers::mamba2::weights::{Mamba2Mixer, Mamba2Weights};
 use crate::mixers::LogitsWant;
 use crate::model::family_config::Mamba2Config;
-use crate::model::family_weights::{Mamba2Mixer, Mamba2Weights};
 use rayon::prelude::*;
 
 /// Advance every `states[i]` by `tokens[i]`; returns the logits `[batch, vocab_padded]`.

@@ -9,8 +9,8 @@ use crate::cuda::context::{DevBuf, Gpu, Kernel};
 use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::Result;
+use crate::mixers::mamba1::weights::Mamba1Weights;
 use crate::model::family_config::Mamba1Config;
-use crate::model::family_weights::Mamba1Weights;
 use crate::model::DType;
 
 /// The LM row kernels every Mamba-1/Mamba-2 program starts with.

@@ -12,8 +12,8 @@ use crate::cuda::kernels::{check_smem, KernelConfig, Module, Program, DTYPES, SC
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
 use crate::mixers::mamba1::cuda::{act_define, ConvIo, ConvKernels, CONV, LM_ROWS};
+use crate::mixers::mamba2::weights::Mamba2Weights;
 use crate::model::family_config::Mamba2Config;
-use crate::model::family_weights::Mamba2Weights;
 use crate::model::DType;
 
 pub const PROGRAM: Program = Program {
@@ -423,7 +423,7 @@ impl GpuMamba2 {
 #[cfg(test)]
 mod tests {
     use super::{chunk_len, kernel_config, state_lanes};
-    use crate::model::family_synthetic::mamba2_config;
+    use crate::mixers::family_synthetic::mamba2_config;
     use crate::model::DType;
 
     #[test]

@@ -3,13 +3,13 @@
 //! widths), and for `mamba3 bench --family` on a shape without a checkpoint. Every
 //! parameter is drawn away from any special value.
 
+use crate::mixers::mamba1::weights::{Mamba1Mixer, Mamba1Weights};
+use crate::mixers::mamba2::weights::{Mamba2Mixer, Mamba2Weights};
 use crate::model::dtype::TensorData;
 use crate::model::family_config::{
     ConfigLayout, FamilyConfig, Mamba1Config, Mamba2Config, MixerConfig,
 };
-use crate::model::family_weights::{
-    Block, LmWeights, Mamba1Mixer, Mamba1Weights, Mamba2Mixer, Mamba2Weights,
-};
+use crate::model::family_weights::{Block, LmWeights};
 use crate::model::rng::Rng;
 use crate::model::weights::Matrix;
 use crate::model::DType;
@@ -163,8 +163,8 @@ pub fn synthetic(
     config: &FamilyConfig,
     dtype: DType,
     seed: u64,
-) -> crate::model::family_weights::FamilyWeights {
-    use crate::model::family_weights::FamilyWeights;
+) -> crate::mixers::family::FamilyWeights {
+    use crate::mixers::family::FamilyWeights;
     let (dm, nl, v) = (config.d_model, config.n_layer, config.vocab_padded);
     let mut w = match &config.mixer {
         MixerConfig::Mamba1(c) => {

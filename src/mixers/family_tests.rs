@@ -1,6 +1,7 @@
 //! Loading Mamba-1/Mamba-2 parameters: every bad file is an error naming the tensor.
 
 use super::*;
+use std::path::PathBuf;
 use crate::model::dtype::TensorData;
 use crate::model::tensor_file::{write_safetensors, RawTensor};
 
