@@ -377,12 +377,14 @@ pub fn data_parallel(
     }
     #[cfg(feature = "cuda")]
     {
-        let ordinals: Vec<usize> = (devices.iter())
+        let ordinals = (devices.iter())
             .map(|d| match d {
-                Device::Cuda(n) => *n,
-                Device::Cpu => unreachable!("one kind, checked by DeviceList::resolve"),
+                Device::Cuda(n) => Ok(*n),
+                Device::Cpu => Err(Error::input(
+                    "--devices: expected CPU workers only or GPUs only, found both",
+                )),
             })
-            .collect();
+            .collect::<Result<Vec<usize>>>()?;
         crate::train::cuda::replica::data_parallel(config, dtype, &ordinals, bytes)
     }
     #[cfg(not(feature = "cuda"))]

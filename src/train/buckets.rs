@@ -3,12 +3,13 @@
 //! layers N−1 … 0, the embedding last) — the order in which the backward finishes them, so
 //! that a bucket could be reduced as soon as its layers are done. Each bucket is a set of
 //! element ranges of the flat gradient (`super::flat::FlatLayout`), reduced as one
-//! operation; ranges that touch, or are parted only by a layout's zero-filled alignment
-//! gap, are merged into one.
+//! operation; ranges that touch, or are parted only by the zero padding after a tensor,
+//! are merged into one.
 
 use super::flat::{FlatLayout, ALIGN};
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::Params;
+use std::collections::HashSet;
 use std::ops::Range;
 
 /// The default bucket size of `--bucket-mb`.
@@ -46,6 +47,8 @@ pub fn plan(shape: &Params<f32>, layout: &FlatLayout, bucket_bytes: usize) -> Ve
     let names: Vec<String> = shape.tensors().into_iter().map(|(n, _)| n).collect();
     let mut order: Vec<usize> = (0..names.len()).rev().collect();
     order.sort_by_key(|&i| std::cmp::Reverse(stage(&names[i], n_layer)));
+    // where a tensor ends, the layout's zero padding runs to the next multiple of ALIGN
+    let ends: HashSet<usize> = layout.spans.iter().map(|&(off, len)| off + len).collect();
     let mut buckets = Vec::new();
     let mut pieces: Vec<Range<usize>> = Vec::new();
     let mut room = cap;
@@ -57,25 +60,32 @@ pub fn plan(shape: &Params<f32>, layout: &FlatLayout, bucket_bytes: usize) -> Ve
             off += take;
             room -= take;
             if room == 0 {
-                buckets.push(merged(std::mem::take(&mut pieces)));
+                buckets.push(merged(std::mem::take(&mut pieces), &ends));
                 room = cap;
             }
         }
     }
     if !pieces.is_empty() {
-        buckets.push(merged(pieces));
+        buckets.push(merged(pieces, &ends));
     }
     buckets
 }
 
-/// Sorted, with neighbours merged across a gap shorter than the layout's alignment.
-fn merged(mut pieces: Vec<Range<usize>>) -> Bucket {
+/// Sorted, with neighbours merged where they touch or where only a tensor's padding
+/// parts them.
+fn merged(mut pieces: Vec<Range<usize>>, ends: &HashSet<usize>) -> Bucket {
     let params = pieces.iter().map(|r| r.len()).sum();
     pieces.sort_by_key(|r| r.start);
     let mut ranges: Vec<Range<usize>> = Vec::new();
     for p in pieces {
         match ranges.last_mut() {
-            Some(last) if p.start >= last.end && p.start - last.end < ALIGN => last.end = p.end,
+            Some(last)
+                if p.start == last.end
+                    || (ends.contains(&last.end)
+                        && p.start == last.end.next_multiple_of(ALIGN)) =>
+            {
+                last.end = p.end
+            }
             _ => ranges.push(p),
         }
     }
