@@ -241,3 +241,65 @@ fn an_uneven_deal_and_direct_gradients_are_refused() {
     assert!(e.contains("inside an optimiser step"), "{e}");
     assert!(DataParallel::host(&cfg, 0, 4096).is_err());
 }
+
+#[test]
+fn the_command_trains_on_cpu_workers_and_refuses_bad_device_lists() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("text.txt");
+    std::fs::write(
+        &data,
+        "In the beginning God created the heaven and the earth. ".repeat(400),
+    )
+    .unwrap();
+    let out = tmp.path().join("run");
+    let run = |extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_mamba3"))
+            .args(["train", "--data"])
+            .arg(&data)
+            .arg("--out")
+            .arg(&out)
+            .args([
+                "--d-model",
+                "32",
+                "--n-layer",
+                "1",
+                "--d-state",
+                "16",
+                "--headdim",
+                "16",
+            ])
+            .args(["--batch", "2", "--seq-len", "16", "--eval-every", "1000"])
+            .args(["--eval-windows", "2", "--warmup", "1", "--threads", "1"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    for (args, needle) in [
+        (vec!["--devices", "cpu,cpu", "--accum", "3"], "--accum 3"),
+        (vec!["--devices", "cpu,gpu:x"], "`gpu:x` is not a device"),
+        (vec!["--devices", "cpu,cuda:0"], "found both"),
+        (
+            vec!["--devices", "cpu,cpu", "--accum", "2", "--bucket-mb", "0"],
+            "--bucket-mb 0",
+        ),
+    ] {
+        let (code, err) = run(&args);
+        // an error (1, or clap's 2 for a value it cannot parse), not a panic (101)
+        assert!(
+            matches!(code, Some(1) | Some(2)),
+            "{args:?}: {code:?} {err}"
+        );
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    let (code, err) = run(&["--devices", "cpu,cpu", "--accum", "2", "--steps", "2"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("2 devices"), "{err}");
+    // the checkpoint is a one-device run's: it resumes on one CPU
+    let (code, err) = run(&["--resume", "--steps", "3"]);
+    assert_eq!(code, Some(0), "{err}");
+}

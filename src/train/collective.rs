@@ -205,7 +205,7 @@ mod tests {
         let mut c = HostCollective::group(1).unwrap().pop().unwrap();
         let mut buf = vec![0f32; 4];
         let e = c
-            .all_reduce_sum(FlatBuf::Host(&mut buf), &[2..5])
+            .all_reduce_sum(FlatBuf::Host(&mut buf), &[0..1, 2..5])
             .unwrap_err();
         assert!(e.to_string().contains("outside the buffer of 4"), "{e}");
         let e = c
@@ -215,7 +215,7 @@ mod tests {
                     len: 4,
                     stream: std::ptr::null_mut(),
                 },
-                &[0..4],
+                &[0..2, 2..4],
             )
             .unwrap_err();
         assert!(e.to_string().contains("NCCL"), "{e}");
