@@ -180,6 +180,16 @@ impl GpuOptions {
     }
 }
 
+/// NCCL's own variable for NVLink multicast (NVLS): off unless the user set it, before a
+/// communicator is made. The GPU machines this project measures on must never use NVLink
+/// multicast, and a one-host all-reduce of gradient buckets has no need of it.
+pub fn nccl_without_nvlink_multicast() {
+    const NVLS: &str = "NCCL_NVLS_ENABLE";
+    if std::env::var_os(NVLS).is_none() {
+        std::env::set_var(NVLS, "0");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::VARIABLES;

@@ -1,9 +1,10 @@
 //! `mamba3 bench-train`: the wall time of one optimiser step (forward, backward, global-norm
 //! clipping, AdamW) on a synthetic model of a given shape, with random byte tokens, on the
 //! CPU or a GPU (a MIMO model, `--mimo-rank R`, on the CPU only). Median over the timed
-//! steps, warm-up excluded.
+//! steps, warm-up excluded. With `--devices` (N > 1), data-parallel: N micro-batches per
+//! step, one per device, so tokens/s at a fixed per-device batch shows the scaling.
 
-use crate::cli::train::MAX_MIMO_RANK;
+use crate::cli::train::{data_parallel, DeviceList, MAX_MIMO_RANK};
 use crate::engine::{Device, DeviceChoice};
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::validate_trainable;
@@ -46,6 +47,14 @@ pub struct Args {
     /// Device: cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
+    /// Data-parallel over these devices (`cuda:0,cuda:1`, `all`, `cpu,cpu`): each device
+    /// takes one micro-batch of --batch × --seq-len tokens per step (a fixed per-device
+    /// batch), gradients all-reduced. Replaces --device.
+    #[arg(long)]
+    pub devices: Option<DeviceList>,
+    /// Data-parallel gradient buckets: MiB of gradient per all-reduce.
+    #[arg(long, default_value_t = crate::train::buckets::DEFAULT_BUCKET_MB)]
+    pub bucket_mb: f64,
     /// f32, or bf16 / f16 mixed precision (GPU).
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
@@ -78,49 +87,69 @@ pub fn run(a: Args) -> Result<()> {
         cfg.ssm_cfg.mimo_rank = r;
     }
     validate_trainable(&cfg)?;
-    let device = a.device.resolve();
+    let devices = match &a.devices {
+        Some(list) => list.resolve()?,
+        None => vec![a.device.resolve()],
+    };
+    let device = devices[0];
     if a.mimo_rank.is_some() && device != Device::Cpu {
         return Err(Error::input(
             "--mimo-rank: MIMO training runs on the CPU only (no GPU MIMO backward yet); use \
              --device cpu",
         ));
     }
+    if devices.len() > 1 {
+        let dp = data_parallel(&devices, &cfg, a.dtype, a.bucket_mb)?;
+        let name = Backend::name(&dp);
+        return bench(&a, &cfg, dp, name, devices.len());
+    }
     match device {
         Device::Cpu => {
             if a.dtype != DType::F32 {
                 return Err(Error::input("the CPU trains in f32 only"));
             }
-            bench(&a, &cfg, CpuBackend, "cpu".into())
+            bench(&a, &cfg, CpuBackend, "cpu".into(), 1)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(n) => {
             let t = crate::train::cuda::CudaTrainer::new(&cfg, a.dtype, n)?;
             let name = t.device_name();
-            bench(&a, &cfg, t, name)
+            bench(&a, &cfg, t, name, 1)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(Error::Device("this build has no CUDA support".into())),
     }
 }
 
-fn bench<B: Backend>(a: &Args, cfg: &Config, mut backend: B, device: String) -> Result<()> {
+/// Time steps of `ranks` micro-batches of `a.batch` sequences each (one per device).
+fn bench<B: Backend>(
+    a: &Args,
+    cfg: &Config,
+    mut backend: B,
+    device: String,
+    ranks: usize,
+) -> Result<()> {
     let mut params = Params::<f32>::init(cfg, 0)?;
     let mut opt = AdamW::new(AdamWConfig::default(), &params);
     let mut rng = Rng::new(1);
     let mut times = Vec::with_capacity(a.steps);
     let mut last_loss = f64::NAN;
     for i in 0..a.warmup + a.steps.max(1) {
-        let windows: Vec<Vec<u32>> = (0..a.batch)
+        let batches: Vec<Batch> = (0..ranks)
             .map(|_| {
-                (0..=a.seq_len)
-                    .map(|_| rng.below(a.vocab as u64) as u32)
-                    .collect()
+                let windows: Vec<Vec<u32>> = (0..a.batch)
+                    .map(|_| {
+                        (0..=a.seq_len)
+                            .map(|_| rng.below(a.vocab as u64) as u32)
+                            .collect()
+                    })
+                    .collect();
+                let refs: Vec<&[u32]> = windows.iter().map(|w| w.as_slice()).collect();
+                Batch::from_windows(&refs)
             })
             .collect();
-        let refs: Vec<&[u32]> = windows.iter().map(|w| w.as_slice()).collect();
-        let batch = Batch::from_windows(&refs);
         let t0 = Instant::now();
-        let (loss, _) = backend.step(&mut params, &mut opt, &[batch], 1.0, 1e-3)?;
+        let (loss, _) = backend.step(&mut params, &mut opt, &batches, 1.0, 1e-3)?;
         let dt = t0.elapsed().as_secs_f64();
         if !loss.is_finite() {
             return Err(Error::Other(format!("loss became {loss} at step {i}")));
@@ -132,7 +161,7 @@ fn bench<B: Backend>(a: &Args, cfg: &Config, mut backend: B, device: String) -> 
     }
     times.sort_by(|x, y| x.total_cmp(y));
     let med = times[times.len() / 2];
-    let tokens = (a.batch * a.seq_len) as f64;
+    let tokens = (ranks * a.batch * a.seq_len) as f64;
     if a.json {
         println!(
             "{}",
@@ -140,11 +169,12 @@ fn bench<B: Backend>(a: &Args, cfg: &Config, mut backend: B, device: String) -> 
                 "device": device, "dtype": a.dtype.to_string(), "d_model": a.d_model,
                 "layers": a.layers, "d_state": a.d_state, "headdim": a.headdim,
                 "mimo_rank": a.mimo_rank,
-                "vocab": a.vocab, "batch": a.batch, "seq_len": a.seq_len,
+                "vocab": a.vocab, "batch": a.batch, "seq_len": a.seq_len, "devices": ranks,
                 "params": params.numel(), "steps": times.len(),
                 "step_ms": med * 1e3, "step_ms_min": times[0] * 1e3,
                 "step_ms_max": times[times.len() - 1] * 1e3,
-                "tokens_per_s": tokens / med, "last_loss": last_loss,
+                "tokens_per_s": tokens / med, "tokens_per_s_per_device": tokens / med / ranks as f64,
+                "last_loss": last_loss,
             })
         );
     } else {
@@ -153,20 +183,22 @@ fn bench<B: Backend>(a: &Args, cfg: &Config, mut backend: B, device: String) -> 
             .map_or("SISO".into(), |r| format!("MIMO rank {r}"));
         println!(
             "train step on {device} ({}), {mixer} · d_model {} · {} layers · d_state {} · \
-             headdim {} · {} × {} tokens: median {:.2} ms (min {:.2}, max {:.2}) over {} steps, \
-             {:.0} tokens/s",
+             headdim {} · {} × {} × {} tokens: median {:.2} ms (min {:.2}, max {:.2}) over {} \
+             steps, {:.0} tokens/s ({:.0} per device)",
             a.dtype,
             a.d_model,
             a.layers,
             a.d_state,
             a.headdim,
+            ranks,
             a.batch,
             a.seq_len,
             med * 1e3,
             times[0] * 1e3,
             times[times.len() - 1] * 1e3,
             times.len(),
-            tokens / med
+            tokens / med,
+            tokens / med / ranks as f64
         );
     }
     Ok(())

@@ -116,6 +116,14 @@ pub struct Args {
     /// Device: cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
+    /// Data-parallel training: one worker per device of a list (`cuda:0,cuda:1`, `all`: every
+    /// GPU; `cpu,cpu`: CPU workers over the host collective, for tests). Replaces --device;
+    /// --accum must be a multiple of the device count.
+    #[arg(long)]
+    pub devices: Option<DeviceList>,
+    /// Data-parallel gradient buckets: MiB of gradient per all-reduce.
+    #[arg(long, default_value_t = crate::train::buckets::DEFAULT_BUCKET_MB)]
+    pub bucket_mb: f64,
     /// Arithmetic: f32, or (on a GPU) bf16 / f16 mixed precision with f32 master weights.
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
@@ -297,10 +305,105 @@ fn check_numbers(a: &Args) -> Result<()> {
     Ok(())
 }
 
-pub fn run(a: Args) -> Result<()> {
+/// `--devices`: a comma-separated list of `cpu`, `cuda`, `cuda:N`, or `all` (every GPU).
+#[derive(Clone, Debug, PartialEq)]
+pub enum DeviceList {
+    All,
+    List(Vec<Device>),
+}
+
+impl std::str::FromStr for DeviceList {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        if s.trim().eq_ignore_ascii_case("all") {
+            return Ok(DeviceList::All);
+        }
+        let list = (s.split(','))
+            .map(|d| match d.parse::<DeviceChoice>() {
+                Ok(DeviceChoice::Exact(d)) => Ok(d),
+                _ => Err(Error::input(format!(
+                    "--devices {s}: `{}` is not a device; expected a comma-separated list of \
+                     cpu, cuda or cuda:N, or `all`",
+                    d.trim()
+                ))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DeviceList::List(list))
+    }
+}
+
+impl DeviceList {
+    /// The devices, with `all` resolved; one kind only (all CPU or all CUDA).
+    pub fn resolve(&self) -> Result<Vec<Device>> {
+        let list = match self {
+            DeviceList::List(l) => l.clone(),
+            DeviceList::All => {
+                let n = crate::engine::cuda_device_count();
+                if n == 0 {
+                    return Err(Error::Device(
+                        "--devices all: no CUDA device is visible (or this build has no CUDA \
+                         support)"
+                            .into(),
+                    ));
+                }
+                (0..n).map(Device::Cuda).collect()
+            }
+        };
+        let cpus = list.iter().filter(|d| **d == Device::Cpu).count();
+        if cpus != 0 && cpus != list.len() {
+            return Err(Error::input(
+                "--devices: expected CPU workers only or GPUs only, found both",
+            ));
+        }
+        Ok(list)
+    }
+}
+
+/// A backend for the devices of `--devices` (N > 1): data-parallel workers.
+pub fn data_parallel(
+    devices: &[Device],
+    config: &Config,
+    dtype: DType,
+    bucket_mb: f64,
+) -> Result<crate::train::parallel::DataParallel> {
+    let bytes = crate::train::buckets::bucket_bytes(bucket_mb)?;
+    if devices.iter().all(|d| *d == Device::Cpu) {
+        if dtype != DType::F32 {
+            return Err(Error::input(format!(
+                "training on the CPU runs in f32; --dtype {dtype} needs GPUs in --devices"
+            )));
+        }
+        return crate::train::parallel::DataParallel::host(config, devices.len(), bytes);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let ordinals = (devices.iter())
+            .map(|d| match d {
+                Device::Cuda(n) => Ok(*n),
+                Device::Cpu => Err(Error::input(
+                    "--devices: expected CPU workers only or GPUs only, found both",
+                )),
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        crate::train::cuda::replica::data_parallel(config, dtype, &ordinals, bytes)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(Error::Device(
+        "this build has no CUDA support (build with --features cuda)".into(),
+    ))
+}
+
+pub fn run(mut a: Args) -> Result<()> {
     check_numbers(&a)?;
     super::init_threads(a.threads);
-    let device = a.device.resolve();
+    let devices = match &a.devices {
+        Some(list) => list.resolve()?,
+        None => vec![a.device.resolve()],
+    };
+    if devices.len() == 1 {
+        a.device = DeviceChoice::Exact(devices[0]);
+    }
+    let device = devices[0];
     if device == Device::Cpu && a.dtype != DType::F32 {
         return Err(Error::input(format!(
             "training on the CPU runs in f32; --dtype {} needs --device cuda",
@@ -358,6 +461,15 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         Some(fresh_run(&a)?)
     };
+    if devices.len() > 1 {
+        let run = match &fresh {
+            Some((run, _)) => run.clone(),
+            None => crate::train::trainer::saved_run(&a.out)?,
+        };
+        crate::train::parallel::check_accum(run.accum, devices.len())?;
+        let backend = data_parallel(&devices, &run.model, a.dtype, a.bucket_mb)?;
+        return train_with(a, fresh, backend);
+    }
     match device {
         Device::Cpu => train_with(a, fresh, CpuBackend),
         #[cfg(feature = "cuda")]

@@ -42,11 +42,7 @@ pub trait Backend {
             loss += self.loss_and_grad(params, b, &mut grad)?;
         }
         let accum = batches.len();
-        if accum > 1 {
-            scale(&mut grad, (1.0 / accum as f64) as f32);
-        }
-        let norm = clip_global_norm(&mut grad, clip);
-        opt.update(params, &grad, lr);
+        let norm = host_apply(params, opt, &mut grad, accum, clip, lr);
         Ok((loss / accum as f64, norm))
     }
     /// Bring `params` and `opt` up to date with what the backend holds (a no-op for
@@ -54,6 +50,26 @@ pub trait Backend {
     fn sync(&mut self, _params: &mut Params<f32>, _opt: &mut AdamW) -> Result<()> {
         Ok(())
     }
+}
+
+/// The end of a step on the host: the gradient summed over `accum` micro-batches scaled
+/// by `1 / accum`, clipped to the global norm `clip` (when positive), then AdamW at `lr`.
+/// Returns the norm before clipping. (The data-parallel replicas on the host end their
+/// steps here too, which keeps them bit for bit with one device.)
+pub fn host_apply(
+    params: &mut Params<f32>,
+    opt: &mut AdamW,
+    grad: &mut Params<f32>,
+    accum: usize,
+    clip: f64,
+    lr: f64,
+) -> f64 {
+    if accum > 1 {
+        scale(grad, (1.0 / accum as f64) as f32);
+    }
+    let norm = clip_global_norm(grad, clip);
+    opt.update(params, grad, lr);
+    norm
 }
 
 /// The CPU backend: f32 arithmetic on rayon's pool.

@@ -15,14 +15,22 @@
 //! - [`data`]: the train/validation split of the text's bytes, its tokens, deterministic
 //!   batches.
 //! - [`trainer`]: the loop, gradient accumulation, checkpoints and bit-exact resume.
+//! - [`parallel`]: data-parallel training, one worker thread and replica per device
+//!   ([`parallel::DataParallel`], a [`backend::Backend`]); [`collective`]: the all-reduce
+//!   its ranks sum gradients with (the host stand-in here, NCCL in `cuda::nccl`);
+//!   [`buckets`]: the reduction's buckets; [`flat`]: the flat layout of the tensors.
 //! - [`plot`]: the loss-curve PNG.
 
 pub mod backend;
+pub mod buckets;
+pub mod collective;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
+pub mod flat;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod plot;
 pub mod tokenizer;
 pub mod trainer;

@@ -1,47 +1,10 @@
-//! The trainable tensors on the device: four flat f32 buffers of one layout (parameters,
-//! gradients, AdamW's two moments), the tensors that take weight decay first so that
-//! AdamW is one launch with one boundary, and typed addresses into any of them.
+//! Typed device addresses into the flat f32 buffers of `crate::train::flat::FlatLayout`
+//! (parameters, gradients, AdamW's two moments, and the 16-bit copies of the matrices).
 
-use crate::mixers::mamba3::params::{decays, Params};
-
-/// Every tensor starts at a multiple of this many elements (16-byte aligned GEMM operands,
-/// also in 16-bit copies); the gaps stay zero.
-const ALIGN: usize = 8;
-
-/// Where each tensor of [`Params::tensors`] lives in a flat buffer (element offsets).
-pub struct FlatLayout {
-    /// (offset, length) per tensor, in `Params::tensors` order
-    pub spans: Vec<(usize, usize)>,
-    pub len: usize,
-    /// elements of the weight-decayed tensors (they come first)
-    pub n_decay: usize,
-}
+use crate::mixers::mamba3::params::Params;
+pub use crate::train::flat::FlatLayout;
 
 impl FlatLayout {
-    pub fn new(p: &Params<f32>) -> FlatLayout {
-        let tensors = p.tensors();
-        let mut spans = vec![(0, 0); tensors.len()];
-        let mut at = 0;
-        for pass in [true, false] {
-            for (i, (name, t)) in tensors.iter().enumerate() {
-                if decays(name) == pass {
-                    spans[i] = (at, t.len());
-                    at += t.len().next_multiple_of(ALIGN);
-                }
-            }
-        }
-        let n_decay = tensors
-            .iter()
-            .filter(|(n, _)| decays(n))
-            .map(|(_, t)| t.len().next_multiple_of(ALIGN))
-            .sum();
-        FlatLayout {
-            spans,
-            len: at,
-            n_decay,
-        }
-    }
-
     /// Typed device addresses of the tensors in the flat buffer at `base` whose elements
     /// are `elem` bytes.
     pub fn addrs(&self, p: &Params<f32>, base: u64, elem: usize) -> Addrs {
@@ -141,27 +104,12 @@ mod tests {
     use crate::model::config::Config;
 
     #[test]
-    fn decayed_tensors_come_first_and_nothing_overlaps() {
+    fn addresses_follow_the_layout() {
         let mut cfg = Config::synthetic(32, 2, 16, 16, 2, 1, 256);
         cfg.d_intermediate = 64;
-        cfg.ssm_cfg.is_outproj_norm = true;
         cfg.tie_embeddings = false;
         let p = Params::<f32>::zeros(&cfg);
         let f = FlatLayout::new(&p);
-        assert!(f.len >= p.numel() && f.len < p.numel() + ALIGN * f.spans.len());
-        let mut spans = f.spans.clone();
-        spans.sort();
-        let mut at = 0;
-        for (off, len) in spans {
-            assert_eq!(off, at, "tensors in order, aligned, not overlapping");
-            assert_eq!(off % ALIGN, 0);
-            at += len.next_multiple_of(ALIGN);
-        }
-        assert_eq!(at, f.len);
-        for ((name, t), &(off, len)) in p.tensors().iter().zip(&f.spans) {
-            assert_eq!(t.len(), len);
-            assert_eq!(decays(name), off < f.n_decay, "{name}");
-        }
         let a = f.addrs(&p, 0, 4);
         assert_eq!(a.embedding, 4 * f.spans[0].0 as u64);
         assert_eq!(f.addrs(&p, 0, 2).embedding, 2 * f.spans[0].0 as u64);

@@ -13,12 +13,16 @@
 //! - `kernels`: the training program (forward, backward, optimiser kernels);
 //! - `flat`: where each tensor lives in the flat parameter, gradient and moment buffers;
 //! - `acts`: the activations kept for the backward and the backward's scratch;
-//! - `pass`: the forward and backward launch sequences.
+//! - `pass`: the forward and backward launch sequences;
+//! - `replica`: the trainer as one rank of data-parallel training; `nccl`: the ranks'
+//!   all-reduce.
 
 mod acts;
 pub mod flat;
 mod kernels;
+pub mod nccl;
 mod pass;
+pub mod replica;
 
 use crate::cuda::context::{DevBuf, Gpu};
 use crate::cuda::gemm::{ElemType, Lt};
@@ -282,6 +286,17 @@ impl CudaTrainer {
         Ok(losses.iter().map(|&l| l as f64).sum::<f64>() / a.rows as f64)
     }
 
+    /// Zero the gradient buffer and add the gradient of each batch's mean loss; the sum of
+    /// those losses.
+    fn accumulate(&mut self, batches: &[Batch]) -> Result<f64> {
+        self.zero_grads()?;
+        let mut loss = 0.0;
+        for b in batches {
+            loss += self.run(b, true)?;
+        }
+        Ok(loss)
+    }
+
     fn zero_grads(&self) -> Result<()> {
         self.gpu.zero(self.grads.ptr, self.flat.len * 4)
     }
@@ -355,6 +370,15 @@ impl CudaTrainer {
     }
 }
 
+/// The factor of a gradient summed over `accum` micro-batches.
+fn grad_scale(accum: usize) -> f32 {
+    if accum > 1 {
+        1.0 / accum as f32
+    } else {
+        1.0
+    }
+}
+
 /// Gradient elements per block of the norm's first pass (`NORM_PER_BLOCK` in train.cu).
 const NORM_PER_BLOCK: usize = 256 * 64;
 
@@ -400,14 +424,9 @@ impl Backend for CudaTrainer {
         if !self.moments_here {
             self.upload_moments(opt)?;
         }
-        self.zero_grads()?;
-        let mut loss = 0.0;
-        for b in batches {
-            loss += self.run(b, true)?;
-        }
+        let loss = self.accumulate(batches)?;
         let accum = batches.len();
-        let scale = if accum > 1 { 1.0 / accum as f32 } else { 1.0 };
-        let norm = self.update(opt, scale, clip, lr)?;
+        let norm = self.update(opt, grad_scale(accum), clip, lr)?;
         Ok((loss / accum as f64, norm))
     }
 
