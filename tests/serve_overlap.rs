@@ -80,8 +80,8 @@ fn server_run(h: &ServerHandle, b: &serde_json::Value) -> (Vec<u32>, String, Str
         read_stream(client::stream(h.addr, "/v1/completions", &[], &b).unwrap());
     let finish = chunks
         .iter()
-        .filter_map(|c| c["choices"].get(0)?["finish_reason"].as_str())
-        .last()
+        .rev()
+        .find_map(|c| c["choices"].get(0)?["finish_reason"].as_str())
         .unwrap_or("")
         .to_string();
     (ids, text, finish)
@@ -115,7 +115,7 @@ fn params(i: usize, stops: &[String]) -> GenParams {
         sampling,
         max_tokens: 20 + i,
         stop: stops.to_vec(),
-        ignore_eos: i % 2 == 0,
+        ignore_eos: i.is_multiple_of(2),
         ..Default::default()
     }
 }

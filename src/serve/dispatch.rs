@@ -33,8 +33,9 @@ pub struct Dispatch {
     branch_min_tokens: usize,
 }
 
-/// The engine thread(s) have stopped: the work comes back.
-pub struct Stopped(pub Work);
+/// The engine thread(s) have stopped (the work is dropped).
+#[derive(Debug)]
+pub struct Stopped;
 
 impl Dispatch {
     pub fn new(replicas: Vec<Replica>, branch_min_tokens: usize) -> Dispatch {
@@ -59,7 +60,7 @@ impl Dispatch {
                 for r in self.replicas.iter() {
                     sent |= r.work.send(Work::Shutdown).is_ok();
                 }
-                return if sent { Ok(()) } else { Err(Stopped(w)) };
+                return if sent { Ok(()) } else { Err(Stopped) };
             }
             Work::Generate(job) => self.pick(&job.prompt),
             Work::Embed(_) => self.least_loaded(),
@@ -69,11 +70,11 @@ impl Dispatch {
         if generate {
             replica.metrics.sent.fetch_add(1, Relaxed);
         }
-        replica.work.send(w).map_err(|e| {
+        replica.work.send(w).map_err(|_| {
             if generate {
                 replica.metrics.sent.fetch_sub(1, Relaxed);
             }
-            Stopped(e.0)
+            Stopped
         })
     }
 
