@@ -64,6 +64,10 @@ pub struct Args {
     pub suffix_len: usize,
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
+    /// In-process server: one replica per device (`cuda:0,cuda:1`, `all`), as
+    /// `serve --devices`.
+    #[arg(long)]
+    pub devices: Option<String>,
     /// Server slots (in-process server).
     #[arg(long, default_value_t = 64)]
     pub max_batch: usize,
@@ -138,13 +142,17 @@ fn stream_one(
     Ok((ttft, n, end, rate))
 }
 
-/// The engine thread's counters from `/metrics`: seconds per phase (admit, prefill,
-/// decode, sample, emit), decode steps, decode rows.
-#[derive(Clone, Copy, Default)]
+/// The engine threads' counters from `/metrics`: seconds per phase (admit, prefill,
+/// decode, sample, emit, emit_wait), decode steps, decode rows, seconds inside device
+/// calls (all replicas), and when they were read.
+#[derive(Clone, Copy)]
 struct Engine {
-    secs: [f64; 5],
+    secs: [f64; Phase::ALL.len()],
     steps: f64,
     rows: f64,
+    device_busy: f64,
+    replicas: usize,
+    at: std::time::Instant,
     /// Sum of the server's times to first token (queue arrival to the token's emission).
     ttft: f64,
 }
@@ -154,7 +162,23 @@ impl Engine {
         let m = client::get(addr, "/metrics")
             .map_err(|e| Error::Other(format!("{addr}/metrics: {e}")))?
             .text();
-        let mut e = Engine::default();
+        let mut e = Engine {
+            secs: [0.0; Phase::ALL.len()],
+            steps: 0.0,
+            rows: 0.0,
+            device_busy: 0.0,
+            replicas: 0,
+            at: std::time::Instant::now(),
+            ttft: 0.0,
+        };
+        // (one sample per replica, summed)
+        let busy: Vec<f64> = m
+            .lines()
+            .filter(|l| l.starts_with("mamba3_device_busy_seconds_total{"))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .collect();
+        e.device_busy = busy.iter().sum();
+        e.replicas = busy.len();
         for (i, p) in Phase::ALL.iter().enumerate() {
             let name = format!("mamba3_engine_seconds_total{{phase=\"{}\"}}", p.name());
             e.secs[i] = sample(&m, &name).unwrap_or(f64::NAN);
@@ -170,12 +194,22 @@ impl Engine {
             secs: std::array::from_fn(|i| self.secs[i] - before.secs[i]),
             steps: self.steps - before.steps,
             rows: self.rows - before.rows,
+            device_busy: self.device_busy - before.device_busy,
+            replicas: self.replicas,
+            at: self.at,
             ttft: self.ttft - before.ttft,
         }
     }
 
     fn phase(&self, p: Phase) -> f64 {
         self.secs[p as usize]
+    }
+
+    /// The share of the wall time from `before` to this reading the device(s) had work
+    /// (`mamba3_device_busy_seconds_total`, averaged over the replicas).
+    fn busy_share(&self, before: &Engine) -> f64 {
+        let wall = (self.at - before.at).as_secs_f64();
+        self.device_busy / wall.max(1e-9) / self.replicas.max(1) as f64
     }
 }
 
@@ -212,6 +246,11 @@ pub fn run(a: Args) -> Result<()> {
             };
             let mut cfg = ServeConfig::new(source.clone());
             cfg.device = a.run.device.resolve();
+            if let Some(list) = &a.devices {
+                cfg.devices =
+                    super::serve::parse_devices(list, crate::engine::cuda_device_count())?;
+                cfg.device = cfg.devices[0];
+            }
             cfg.dtype = a.run.dtype;
             cfg.addr = SocketAddr::from(([127, 0, 0, 1], 0));
             cfg.max_queue = 4096;
@@ -226,6 +265,7 @@ pub fn run(a: Args) -> Result<()> {
                 ModelSource::Dir(d) => config_vocab_size(d)?,
                 ModelSource::Synthetic { config, .. } => config.vocab_size,
             };
+            let on: Vec<String> = cfg.replicas().iter().map(|d| d.to_string()).collect();
             let h = crate::serve::spawn(cfg)?;
             let addr = h.addr;
             _server = Some(h);
@@ -238,7 +278,7 @@ pub fn run(a: Args) -> Result<()> {
                         a.d_model, a.layers, a.d_state, a.headdim, a.vocab
                     ),
                 },
-                a.run.device.resolve(),
+                on.join(", "),
                 a.run.dtype,
                 rayon::current_num_threads()
             );
@@ -311,7 +351,9 @@ pub fn run(a: Args) -> Result<()> {
         let dt = median(dps);
         let b = *base.get_or_insert(dt);
         // Server side, all repeats together: where a decode step's time goes.
-        let e = Engine::read(addr)?.since(before);
+        let now = Engine::read(addr)?;
+        let e = now.since(before);
+        let busy = e.busy_share(&before);
         let per_step = |p: Phase| e.phase(p) / e.steps.max(1.0) * 1e6;
         let (dec, smp, emit) = (
             per_step(Phase::Decode),
@@ -320,7 +362,7 @@ pub fn run(a: Args) -> Result<()> {
         );
         let mean_batch = e.rows / e.steps.max(1.0);
         println!(
-            "{:>8} {:>8} {:>14.1} {:>16.1} {:>10.1} {:>12.2}   step: {:.1} rows, model {:.0} us, sample {:.0} us, emit {:.0} us",
+            "{:>8} {:>8} {:>14.1} {:>16.1} {:>10.1} {:>12.2}   step: {:.1} rows, model {:.0} us, sample {:.0} us, emit {:.0} us; device busy {:.0} %",
             c,
             total,
             t,
@@ -330,7 +372,8 @@ pub fn run(a: Args) -> Result<()> {
             mean_batch,
             dec,
             smp,
-            emit
+            emit,
+            busy * 100.0
         );
         rows.push(json!({"test": "throughput", "clients": c, "tokens": total,
                          "aggregate_tokens_per_s": t, "aggregate_decode_tokens_per_s": dt,
@@ -338,7 +381,8 @@ pub fn run(a: Args) -> Result<()> {
                          "speedup_vs_first": dt / b, "max_tokens": a.max_tokens,
                          "prompt_len": a.prompt_len, "decode_steps": e.steps,
                          "mean_step_rows": mean_batch, "step_model_us": dec,
-                         "step_sample_us": smp, "step_emit_us": emit}));
+                         "step_sample_us": smp, "step_emit_us": emit,
+                         "device_busy_share": busy}));
     }
 
     if a.prefix_len > 0 {

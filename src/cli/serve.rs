@@ -1,6 +1,7 @@
 //! `mamba3 serve`: the OpenAI-compatible HTTP server (see [`crate::serve`]).
 
 use super::{PathArg, RunOpts};
+use crate::engine::{Device, DeviceChoice};
 use crate::error::{Error, Result};
 use crate::serve::scheduler::SchedulerConfig;
 use crate::serve::ServeConfig;
@@ -26,13 +27,19 @@ pub struct Args {
     /// The model name clients send (default: the model directory's name).
     #[arg(long)]
     pub model_name: Option<String>,
-    /// Sequences decoded together at most.
+    /// Serve from several devices, one model replica on each: `cuda:0,cuda:1`, `all` (every
+    /// GPU), or `cpu,cpu` (for tests). A prompt goes where its cached prefix is, else to
+    /// the least loaded replica. Overrides --device.
+    #[arg(long)]
+    pub devices: Option<String>,
+    /// Sequences decoded together at most (per replica).
     #[arg(long, default_value_t = 64)]
     pub max_batch: usize,
     /// Sequences waiting for a slot at most; past it requests get 429.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
-    /// Prompt tokens prefilled per scheduler turn (between two decode steps).
+    /// Prompt tokens prefilled per scheduler turn (between two decode steps): a running
+    /// stream waits at most one such chunk's prefill for its next token.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
     /// Prefix-state cache budget in MiB (0 disables it).
@@ -64,6 +71,10 @@ impl Args {
         let mut cfg = ServeConfig::new(source);
         cfg.tokenizer = self.tokenizer.clone();
         cfg.device = self.run.device.resolve();
+        if let Some(list) = &self.devices {
+            cfg.devices = parse_devices(list, crate::engine::cuda_device_count())?;
+            cfg.device = cfg.devices[0];
+        }
         cfg.dtype = self.run.dtype;
         cfg.addr = SocketAddr::new(ip, self.port);
         cfg.api_key = self.api_key.clone().filter(|k| !k.is_empty());
@@ -89,7 +100,85 @@ impl Args {
     }
 }
 
+/// `--devices`: a comma-separated list of cpu, cuda, cuda:N, or `all` (the `cuda_count`
+/// GPUs of this machine). A GPU may be named once; `cpu` any number of times.
+pub fn parse_devices(list: &str, cuda_count: usize) -> Result<Vec<Device>> {
+    if list.trim().eq_ignore_ascii_case("all") {
+        if cuda_count == 0 {
+            return Err(Error::input(
+                "--devices all: this machine (or build) has no CUDA device; name them (cpu,cpu)",
+            ));
+        }
+        return Ok((0..cuda_count).map(Device::Cuda).collect());
+    }
+    let mut out = Vec::new();
+    for item in list.split(',') {
+        let d = match item.trim().parse::<DeviceChoice>() {
+            Ok(DeviceChoice::Exact(d)) => d,
+            Ok(DeviceChoice::Auto) => {
+                return Err(Error::input(format!(
+                    "--devices {list}: `auto` is not a device here; expected cpu, cuda:N or all"
+                )))
+            }
+            Err(_) => {
+                return Err(Error::input(format!(
+                    "--devices {list}: `{}` is not a device; expected a comma-separated list \
+                     of cpu, cuda:N, or all",
+                    item.trim()
+                )))
+            }
+        };
+        if let Device::Cuda(n) = d {
+            if out.contains(&d) {
+                return Err(Error::input(format!(
+                    "--devices {list}: cuda:{n} is named twice (one replica per GPU)"
+                )));
+            }
+            if n >= cuda_count {
+                return Err(Error::input(format!(
+                    "--devices {list}: cuda:{n} does not exist ({cuda_count} CUDA devices here)"
+                )));
+            }
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
+
 pub fn run(a: Args) -> Result<()> {
     a.run.init_threads();
     crate::serve::run(a.config()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_lists_parse_or_say_what_was_expected() {
+        assert_eq!(parse_devices("cpu,cpu", 0).unwrap(), vec![Device::Cpu; 2]);
+        assert_eq!(
+            parse_devices("cuda:1, cuda:0", 2).unwrap(),
+            vec![Device::Cuda(1), Device::Cuda(0)]
+        );
+        assert_eq!(
+            parse_devices("ALL", 3).unwrap(),
+            vec![Device::Cuda(0), Device::Cuda(1), Device::Cuda(2)]
+        );
+        let err = |s: &str, n| parse_devices(s, n).unwrap_err().to_string();
+        assert!(
+            err("all", 0).contains("no CUDA device"),
+            "{}",
+            err("all", 0)
+        );
+        assert!(err("cuda:0,cuda:0", 2).contains("named twice"));
+        assert!(err("cuda:2", 2).contains("does not exist (2 CUDA devices"));
+        let e = err("cpu,tpu", 0);
+        assert!(
+            e.contains("`tpu` is not a device") && e.contains("cpu, cuda:N"),
+            "{e}"
+        );
+        assert!(err("", 0).contains("is not a device"));
+        assert!(err("auto", 1).contains("`auto` is not a device here"));
+    }
 }

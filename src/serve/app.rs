@@ -1,9 +1,10 @@
 //! What the HTTP handlers share: the server's configuration ([`ServeConfig`]), the
 //! application state ([`App`]) and what is known once the model has loaded ([`Ready`]).
 
+use super::dispatch::Dispatch;
 use super::listen;
 use super::metrics::Metrics;
-use super::scheduler::{SchedulerConfig, Shared, Work};
+use super::scheduler::{SchedulerConfig, Shared};
 use crate::engine::Device;
 use crate::model::DType;
 use crate::text::{ChatTemplate, ModelSource, Tokenizer};
@@ -15,7 +16,11 @@ use std::sync::{Arc, OnceLock};
 pub struct ServeConfig {
     pub source: ModelSource,
     pub tokenizer: Option<PathBuf>,
+    /// The device of a server of one replica…
     pub device: Device,
+    /// …or the devices of several, one model replica (engine thread, prefix cache) on
+    /// each (`--devices`); empty: `device` alone.
+    pub devices: Vec<Device>,
     pub dtype: DType,
     pub addr: SocketAddr,
     pub api_key: Option<String>,
@@ -43,6 +48,7 @@ impl ServeConfig {
             source,
             tokenizer: None,
             device: Device::Cpu,
+            devices: Vec::new(),
             dtype: DType::F32,
             addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
             api_key: None,
@@ -55,6 +61,17 @@ impl ServeConfig {
             timeouts: listen::Timeouts::default(),
             scheduler: SchedulerConfig::default(),
             debug_routes: false,
+        }
+    }
+}
+
+impl ServeConfig {
+    /// The device of each replica.
+    pub fn replicas(&self) -> Vec<Device> {
+        if self.devices.is_empty() {
+            vec![self.device]
+        } else {
+            self.devices.clone()
         }
     }
 }
@@ -77,7 +94,10 @@ pub struct App {
     pub created: u64,
     pub metrics: Arc<Metrics>,
     pub shared: Arc<Shared>,
-    pub work: std::sync::mpsc::Sender<Work>,
+    /// Hands work to the replicas' engine threads.
+    pub work: Dispatch,
     pub ready: OnceLock<Ready>,
+    /// Replicas still loading their model (ready when none is).
+    pub loading: std::sync::atomic::AtomicUsize,
     pub load_error: OnceLock<String>,
 }

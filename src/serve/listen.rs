@@ -42,7 +42,7 @@ pub async fn serve(
     listener: TcpListener,
     router: Router,
     timeouts: Timeouts,
-    work: std::sync::mpsc::Sender<Work>,
+    work: super::dispatch::Dispatch,
     shutdown: impl Future<Output = ()>,
 ) {
     let mut http = hyper::server::conn::http1::Builder::new();

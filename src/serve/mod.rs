@@ -8,6 +8,8 @@
 pub mod api;
 pub mod app;
 pub mod client;
+pub mod dispatch;
+pub mod emitter;
 pub mod error;
 pub mod listen;
 pub mod metrics;
@@ -20,10 +22,13 @@ use crate::error::{Error, Result};
 pub use app::{App, Ready, ServeConfig};
 use axum::routing::{get, post};
 use axum::Router;
+use dispatch::{Dispatch, Replica};
 use metrics::Metrics;
+use prefix_cache::PrefixCache;
 use scheduler::{Scheduler, Shared, Work};
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub fn router(app: Arc<App>) -> Router {
     let mut r = Router::new()
@@ -47,25 +52,29 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// Start the engine thread: it loads the model, marks the app ready and serves `rx`.
-/// `on_loaded` hears the outcome of the load.
+/// Start replica `r`'s engine thread: it loads the model on the replica's device, marks
+/// the app ready once every replica has, and serves `rx`. `on_loaded` hears the outcome
+/// of the load (of every replica: called by the last one to finish, or the first to fail).
 fn start_engine(
     app: Arc<App>,
+    r: usize,
     rx: std::sync::mpsc::Receiver<Work>,
-    on_loaded: impl FnOnce(std::result::Result<(), String>) + Send + 'static,
+    cache: Arc<Mutex<PrefixCache>>,
+    on_loaded: Arc<dyn Fn(std::result::Result<(), String>) + Send + Sync>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
-        .name("mamba3-engine".into())
+        .name(format!("mamba3-engine-{r}"))
         .spawn(move || {
             let cfg = &app.cfg;
-            let loaded = cfg
-                .source
-                .load(cfg.device, cfg.dtype, cfg.tokenizer.as_deref());
+            let device = cfg.replicas()[r];
+            let loaded = cfg.source.load(device, cfg.dtype, cfg.tokenizer.as_deref());
             let loaded = match loaded {
                 Ok(l) => l,
                 Err(e) => {
-                    let _ = app.load_error.set(e.to_string());
-                    on_loaded(Err(e.to_string()));
+                    let e = format!("{device}: {e}");
+                    if app.load_error.set(e.clone()).is_ok() {
+                        on_loaded(Err(e));
+                    }
                     return;
                 }
             };
@@ -78,44 +87,74 @@ fn start_engine(
                 let s = &cfg.scheduler;
                 let seqs = s.max_batch.max(1);
                 if let Err(e) = loaded.model.reserve_passes(s.prefill_chunk.max(seqs), seqs) {
-                    eprintln!("mamba3 serve: work buffers not reserved ({e}); they grow on demand");
+                    eprintln!("mamba3 serve: {device}: work buffers not reserved ({e}); they grow on demand");
                 }
                 for bucket in [1usize, 2, 4, 8, 16, 32, 64] {
                     if bucket > cfg.scheduler.max_batch.max(1).next_power_of_two() {
                         break;
                     }
                     if let Err(e) = loaded.model.capture_decode_graph(bucket) {
-                        eprintln!("mamba3 serve: no decode graph for batch {bucket} ({e}); decoding eagerly");
+                        eprintln!("mamba3 serve: {device}: no decode graph for batch {bucket} ({e}); decoding eagerly");
                         break;
                     }
                 }
             }
-            let d = loaded.model.dims();
-            let _ = app.ready.set(Ready {
-                vocab_size: d.vocab_size,
-                d_model: d.d_model,
-                max_token_bytes: loaded
-                    .tokenizer
-                    .as_ref()
-                    .map_or(usize::MAX, |t| t.max_token_bytes()),
-                tokenizer: loaded.tokenizer.clone(),
-                chat: loaded.chat,
-            });
-            on_loaded(Ok(()));
             let sched = Scheduler::new(
                 loaded.model,
-                loaded.tokenizer,
+                loaded.tokenizer.clone(),
                 cfg.scheduler.clone(),
                 app.shared.clone(),
+                app.metrics.devices[r].clone(),
+                cache,
             );
+            let sched = match sched {
+                Ok(s) => s,
+                Err(e) => {
+                    let e = format!("{device}: starting the emitter thread failed: {e}");
+                    if app.load_error.set(e.clone()).is_ok() {
+                        on_loaded(Err(e));
+                    }
+                    return;
+                }
+            };
+            if app.loading.fetch_sub(1, Relaxed) == 1 && app.load_error.get().is_none() {
+                let d = sched.dims();
+                let _ = app.ready.set(Ready {
+                    vocab_size: d.vocab_size,
+                    d_model: d.d_model,
+                    max_token_bytes: loaded
+                        .tokenizer
+                        .as_ref()
+                        .map_or(usize::MAX, |t| t.max_token_bytes()),
+                    tokenizer: loaded.tokenizer.clone(),
+                    chat: loaded.chat,
+                });
+                on_loaded(Ok(()));
+            }
             drop(app);
             sched.run(rx);
         })
 }
 
-fn make_app(cfg: ServeConfig) -> (Arc<App>, std::sync::mpsc::Receiver<Work>) {
-    let metrics = Arc::new(Metrics::new());
-    let (tx, rx) = std::sync::mpsc::channel();
+/// The app and the work queue of each replica with its prefix cache.
+type Queues = Vec<(std::sync::mpsc::Receiver<Work>, Arc<Mutex<PrefixCache>>)>;
+
+fn make_app(cfg: ServeConfig) -> (Arc<App>, Queues) {
+    let devices = cfg.replicas();
+    let names: Vec<String> = devices.iter().map(|d| d.to_string()).collect();
+    let metrics = Arc::new(Metrics::for_devices(&names));
+    let mut replicas = Vec::new();
+    let mut queues = Vec::new();
+    for r in 0..devices.len() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cache = Arc::new(Mutex::new(PrefixCache::new(cfg.scheduler.cache_bytes)));
+        replicas.push(Replica {
+            work: tx,
+            cache: cache.clone(),
+            metrics: metrics.devices[r].clone(),
+        });
+        queues.push((rx, cache));
+    }
     let name = cfg.model_name.clone().unwrap_or_else(|| cfg.source.name());
     let app = Arc::new(App {
         name,
@@ -128,12 +167,27 @@ fn make_app(cfg: ServeConfig) -> (Arc<App>, std::sync::mpsc::Receiver<Work>) {
             queued: Default::default(),
         }),
         metrics,
-        work: tx,
+        work: Dispatch::new(replicas, cfg.scheduler.branch_min_tokens),
         ready: OnceLock::new(),
         load_error: OnceLock::new(),
+        loading: devices.len().into(),
         cfg,
     });
-    (app, rx)
+    (app, queues)
+}
+
+/// Start every replica's engine thread.
+fn start_engines(
+    app: &Arc<App>,
+    queues: Queues,
+    on_loaded: impl Fn(std::result::Result<(), String>) + Send + Sync + 'static,
+) -> Result<()> {
+    let on_loaded: Arc<dyn Fn(std::result::Result<(), String>) + Send + Sync> = Arc::new(on_loaded);
+    for (r, (rx, cache)) in queues.into_iter().enumerate() {
+        start_engine(app.clone(), r, rx, cache, on_loaded.clone())
+            .map_err(|e| Error::Other(format!("starting the engine thread failed: {e}")))?;
+    }
+    Ok(())
 }
 
 /// A server running on a background thread (tests, benchmarks).
@@ -183,16 +237,15 @@ fn runtime(device: Device) -> Result<tokio::runtime::Runtime> {
 
 /// Bind `cfg.addr` (port 0 picks a free one) and serve on a background thread.
 pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
-    let rt = runtime(cfg.device)?;
+    let rt = runtime(cfg.replicas()[0])?;
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(cfg.addr))
         .map_err(|e| Error::Other(format!("cannot listen on {}: {e}", cfg.addr)))?;
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Other(e.to_string()))?;
-    let (app, rx) = make_app(cfg);
-    start_engine(app.clone(), rx, |_| {})
-        .map_err(|e| Error::Other(format!("starting the engine thread failed: {e}")))?;
+    let (app, queues) = make_app(cfg);
+    start_engines(&app, queues, |_| {})?;
     let (tx, stop) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("mamba3-http".into())
@@ -216,7 +269,7 @@ pub fn spawn(cfg: ServeConfig) -> Result<ServerHandle> {
 /// Serve in the foreground until Ctrl-C (the `mamba3 serve` command). Fails if the
 /// address cannot be bound or the model cannot be loaded.
 pub fn run(cfg: ServeConfig) -> Result<()> {
-    let rt = runtime(cfg.device)?;
+    let rt = runtime(cfg.replicas()[0])?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(cfg.addr)
             .await
@@ -224,14 +277,20 @@ pub fn run(cfg: ServeConfig) -> Result<()> {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::Other(e.to_string()))?;
-        let (app, rx) = make_app(cfg);
+        let (app, queues) = make_app(cfg);
         let (load_tx, load_rx) = tokio::sync::oneshot::channel();
+        let load_tx = Mutex::new(Some(load_tx));
         let name = app.name.clone();
-        start_engine(app.clone(), rx, move |r| {
-            let _ = load_tx.send(r);
-        })
-        .map_err(|e| Error::Other(format!("starting the engine thread failed: {e}")))?;
-        eprintln!("mamba3 serve: listening on http://{addr} (model `{name}` loading)");
+        start_engines(&app, queues, move |r| {
+            if let Some(tx) = load_tx.lock().ok().and_then(|mut t| t.take()) {
+                let _ = tx.send(r);
+            }
+        })?;
+        let on: Vec<String> = app.cfg.replicas().iter().map(|d| d.to_string()).collect();
+        eprintln!(
+            "mamba3 serve: listening on http://{addr} (model `{name}` loading on {})",
+            on.join(", ")
+        );
         let (timeouts, work) = (app.cfg.timeouts, app.work.clone());
         let server = listen::serve(listener, router(app), timeouts, work, async move {
             shutdown_signal().await;

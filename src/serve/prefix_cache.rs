@@ -120,9 +120,9 @@ impl PrefixCache {
         self.lru.insert(self.tick, e);
     }
 
-    /// The longest cached prefix of `tokens` (marked as just used) and how far `tokens`
-    /// agrees with any cached key.
-    pub fn lookup(&mut self, tokens: &[u32]) -> Lookup {
+    /// The entry of the longest cached prefix of `tokens`, and how far `tokens` agrees
+    /// with any cached key.
+    fn walk(&self, tokens: &[u32]) -> (Option<usize>, usize) {
         let (mut node, mut pos) = (0usize, 0usize);
         let mut best = None;
         let shared = loop {
@@ -143,6 +143,13 @@ impl PrefixCache {
             pos += m;
             node = child;
         };
+        (best, shared)
+    }
+
+    /// The longest cached prefix of `tokens` (marked as just used) and how far `tokens`
+    /// agrees with any cached key.
+    pub fn lookup(&mut self, tokens: &[u32]) -> Lookup {
+        let (best, shared) = self.walk(tokens);
         let hit = best.map(|e| {
             self.touch(e);
             let entry = self.entries[e].as_ref().expect("live entry");
@@ -153,6 +160,15 @@ impl PrefixCache {
             }
         });
         Lookup { hit, shared }
+    }
+
+    /// [`PrefixCache::lookup`]'s lengths without taking anything or marking it used: the
+    /// tokens of the longest cached prefix of `tokens` (0: none), and how far `tokens`
+    /// agrees with any cached key. (Where a server of several replicas sends a prompt.)
+    pub fn peek(&self, tokens: &[u32]) -> (usize, usize) {
+        let (best, shared) = self.walk(tokens);
+        let len = best.map_or(0, |e| self.entries[e].as_ref().expect("live entry").len);
+        (len, shared)
     }
 
     /// What an entry for `key` with this state and logits costs.
@@ -304,6 +320,8 @@ mod tests {
         let l = c.lookup(&[1, 2, 3, 4, 5]);
         assert_eq!(l.hit.map(|h| h.len), Some(4));
         assert_eq!(l.shared, 4);
+        assert_eq!(c.peek(&[1, 2, 3, 7]), (2, 3));
+        assert_eq!(c.peek(&[5]), (0, 0));
         let l = c.lookup(&[1, 2, 3, 7]);
         assert_eq!(l.hit.map(|h| h.len), Some(2));
         assert_eq!(l.shared, 3, "agrees with [1,2,3,4] and [1,2,3,9,9] up to 3");

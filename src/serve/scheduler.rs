@@ -13,25 +13,32 @@
 //!    that a long prompt never stalls the running sequences for long; a window ends at each
 //!    cache point (where this prompt branches from a cached one, and its end), and the state
 //!    there goes into the prefix cache;
-//! 4. decodes one token for every running sequence in one batched step, samples, streams
-//!    the text out, and lets finished sequences leave at once (their slot is free for the
-//!    next turn);
-//! 5. reads at most `prefill_chunk` tokens of the oldest embedding request (each input
+//! 4. decodes one token for every running sequence in one batched step (sampled where
+//!    the logits are: on a GPU only the ids come back);
+//! 5. takes the emitter's answer for the previous turn's tokens (sequences a stop string
+//!    ended leave now, one step late: the token decoded for them in step 4 is never sent,
+//!    and the state cached for them is the one after their last sent token), applies the
+//!    id rules (stop ids, `max_tokens`) to this turn's tokens, lets the sequences they end
+//!    leave at once (their slot is free for the next turn), and hands the turn's tokens to
+//!    the emitter ([`super::emitter`]), which detokenizes, checks stop strings and streams
+//!    them out while the next turn's device work runs;
+//! 6. reads at most `prefill_chunk` tokens of the oldest embedding request (each input
 //!    from a fresh state: the whole-page, stateless read) and answers it when done.
 //!
 //! A panic inside a turn fails the sequences of that turn with an error event and the
 //! thread carries on.
 
-use super::metrics::{Metrics, Phase};
+use super::emitter::{self, Emit, Outcome, TokenOut};
+use super::metrics::{DeviceMetrics, Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
-use crate::engine::{LogitsWant, Model, SampleStep, State};
+use crate::engine::{Device, LogitsWant, Model, SampleStep, State};
 use crate::text::generate::{all_finite, non_finite_logits};
-use crate::text::{Continuation, FinishReason, GenParams, Sampler, StepOut, Tokenizer};
+use crate::text::{FinishReason, GenParams, Sampler, TextRules, TokenRules, Tokenizer};
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -118,8 +125,11 @@ pub struct Shared {
 }
 
 struct Seq {
+    /// Names the sequence to the emitter.
+    id: u64,
     job: GenJob,
-    cont: Continuation,
+    /// The id side of its continuation (the text side is the emitter's).
+    tokens: TokenRules,
     state: State,
     /// Prompt tokens already in the state.
     fed: usize,
@@ -127,7 +137,8 @@ struct Seq {
     cache_points: Vec<usize>,
     /// Token to feed at the next decode step.
     next: Option<u32>,
-    last_emit: Option<Instant>,
+    /// Its row in this turn's decode step (whose logits a late stop caches).
+    step_row: Option<usize>,
     closed: bool,
 }
 
@@ -135,8 +146,12 @@ pub struct Scheduler {
     model: Model,
     tokenizer: Option<Arc<Tokenizer>>,
     cfg: SchedulerConfig,
-    cache: PrefixCache,
+    /// The prefix cache (locked only briefly: a server of several replicas looks into it
+    /// to send a prompt where its prefix is, see `serve::dispatch`).
+    cache: Arc<Mutex<PrefixCache>>,
     shared: Arc<Shared>,
+    /// This replica's counters.
+    device: Arc<DeviceMetrics>,
     waiting: VecDeque<GenJob>,
     active: Vec<Seq>,
     embeds: VecDeque<EmbedTask>,
@@ -145,6 +160,14 @@ pub struct Scheduler {
     sampled: SampleStep,
     step_rows: Vec<usize>,
     step_tokens: Vec<u32>,
+    /// The tokens of this turn, for the emitter.
+    batch: Vec<TokenOut>,
+    emitter: Sender<Emit>,
+    outcomes: Receiver<Outcome>,
+    emitter_thread: Option<std::thread::JoinHandle<()>>,
+    /// A batch was handed to the emitter and its outcome not yet taken.
+    emitting: bool,
+    next_id: u64,
     /// Set by [`Work::Shutdown`].
     stopping: bool,
 }
@@ -163,30 +186,48 @@ struct EmbedTask {
 }
 
 impl Scheduler {
+    /// A scheduler of `model` with its prefix cache `cache` (of `cfg.cache_bytes`), whose
+    /// counters go to `device` (one of `shared.metrics`'s replicas); starts its emitter
+    /// thread.
     pub fn new(
         model: Model,
         tokenizer: Option<Arc<Tokenizer>>,
         cfg: SchedulerConfig,
         shared: Arc<Shared>,
-    ) -> Scheduler {
+        device: Arc<DeviceMetrics>,
+        cache: Arc<Mutex<PrefixCache>>,
+    ) -> std::io::Result<Scheduler> {
         shared
             .metrics
             .cache_budget
             .store(cfg.cache_bytes as u64, Relaxed);
-        Scheduler {
-            cache: PrefixCache::new(cfg.cache_bytes),
+        let (emitter, outcomes, thread) = emitter::spawn(shared.metrics.clone(), device.clone())?;
+        Ok(Scheduler {
+            cache,
             model,
             tokenizer,
             cfg,
             shared,
+            device,
             waiting: VecDeque::new(),
             active: Vec::new(),
             embeds: VecDeque::new(),
             sampled: SampleStep::new(),
             step_rows: Vec::new(),
             step_tokens: Vec::new(),
+            batch: Vec::new(),
+            emitter,
+            outcomes,
+            emitter_thread: Some(thread),
+            emitting: false,
+            next_id: 0,
             stopping: false,
-        }
+        })
+    }
+
+    /// The sizes of the model served.
+    pub fn dims(&self) -> crate::mixers::LmDims {
+        self.model.dims()
     }
 
     /// Serve until every sender of `rx` is gone.
@@ -195,21 +236,24 @@ impl Scheduler {
             if self.idle() {
                 match rx.recv() {
                     Ok(w) => self.take(w),
-                    Err(_) => return,
+                    Err(_) => break,
                 }
             }
+            let mut gone = false;
             loop {
                 match rx.try_recv() {
                     Ok(w) => self.take(w),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
-                        if self.idle() {
-                            return;
-                        }
+                        gone = true;
                         break;
                     }
                 }
             }
+            if gone && self.idle() {
+                break;
+            }
+            let t = Instant::now();
             let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn()));
             if let Err(panic) = turn {
                 let msg = panic
@@ -217,11 +261,15 @@ impl Scheduler {
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "unknown panic".into());
-                for s in self.active.drain(..) {
-                    let _ = s.job.events.send(Event::Error {
-                        index: s.job.index,
-                        message: format!("internal error in the engine: {msg}"),
-                    });
+                self.batch.clear();
+                for s in std::mem::take(&mut self.active) {
+                    self.end(
+                        &s,
+                        Some(Event::Error {
+                            index: s.job.index,
+                            message: format!("internal error in the engine: {msg}"),
+                        }),
+                    );
                 }
                 if let Some(t) = self.embeds.pop_front() {
                     let _ = t
@@ -230,32 +278,44 @@ impl Scheduler {
                         .send(Err(format!("internal error in the engine: {msg}")));
                 }
             }
+            self.device.engine_busy.since(t);
             self.publish();
         }
+        // Let the emitter send what it holds, then stop it.
+        let (tx, _) = std::sync::mpsc::channel();
+        drop(std::mem::replace(&mut self.emitter, tx));
+        if let Some(t) = self.emitter_thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// End an admitted sequence with `event` (after the tokens the emitter holds).
+    fn end(&self, s: &Seq, event: Option<Event>) {
+        let _ = self.emitter.send(Emit::End { id: s.id, event });
     }
 
     fn take(&mut self, w: Work) {
         match w {
             Work::Shutdown => {
                 self.stopping = true;
-                let abort = |job: &GenJob| {
+                for s in std::mem::take(&mut self.active) {
+                    let reason = FinishReason::Abort;
+                    let index = s.job.index;
+                    self.end(&s, Some(Event::Finish { index, reason }));
+                }
+                for job in self.waiting.drain(..) {
+                    self.shared.queued.fetch_sub(1, Relaxed);
                     let _ = job.events.send(Event::Finish {
                         index: job.index,
                         reason: FinishReason::Abort,
                     });
-                };
-                for s in self.active.drain(..) {
-                    abort(&s.job);
-                }
-                for job in self.waiting.drain(..) {
-                    self.shared.queued.fetch_sub(1, Relaxed);
-                    abort(&job);
                 }
                 for t in self.embeds.drain(..) {
                     let _ = t.job.reply.send(Err("the server is shutting down".into()));
                 }
             }
             Work::Generate(job) if self.stopping => {
+                self.device.taken.fetch_add(1, Relaxed);
                 self.shared.queued.fetch_sub(1, Relaxed);
                 let _ = job.events.send(Event::Finish {
                     index: job.index,
@@ -265,7 +325,11 @@ impl Scheduler {
             Work::Embed(job) if self.stopping => {
                 let _ = job.reply.send(Err("the server is shutting down".into()));
             }
-            Work::Generate(job) => self.waiting.push_back(job),
+            Work::Generate(job) => {
+                self.device.held.fetch_add(1, Relaxed);
+                self.device.taken.fetch_add(1, Relaxed);
+                self.waiting.push_back(job);
+            }
             Work::Embed(job) => {
                 let d = self.model.dims().d_model;
                 self.embeds.push_back(EmbedTask {
@@ -289,6 +353,8 @@ impl Scheduler {
     /// running sequences; answer it when its last input is read.
     fn embed_step(&mut self) -> Result<(), String> {
         let mut budget = self.cfg.prefill_chunk.max(1);
+        // (the hidden states are computed on the CPU whatever the model's device)
+        let on_cpu = self.model.device() == Device::Cpu;
         while budget > 0 {
             let Some(task) = self.embeds.front_mut() else {
                 return Ok(());
@@ -306,10 +372,12 @@ impl Scheduler {
                 (Pooling::Last, false) => LogitsWant::None,
             };
             let state = task.state.get_or_insert_with(|| self.model.new_state());
-            let rows = self
-                .model
-                .hidden(&tokens[task.fed..end], state, want)
-                .map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            let rows = self.model.hidden(&tokens[task.fed..end], state, want);
+            if on_cpu {
+                self.device.device_busy.since(t);
+            }
+            let rows = rows.map_err(|e| e.to_string())?;
             let d = task.sum.len();
             for r in rows.chunks(d) {
                 task.sum
@@ -342,14 +410,19 @@ impl Scheduler {
     }
 
     fn publish(&self) {
-        let m = &self.shared.metrics;
-        m.active_sequences.store(self.active.len() as i64, Relaxed);
-        m.queue_depth
+        let d = &self.device;
+        d.active_sequences.store(self.active.len() as i64, Relaxed);
+        d.queue_depth.store(self.waiting.len() as i64, Relaxed);
+        d.held
+            .store((self.waiting.len() + self.active.len()) as i64, Relaxed);
+        self.shared
+            .metrics
+            .queue_depth
             .store(self.shared.queued.load(Relaxed) as i64, Relaxed);
-        let st = self.cache.stats();
-        m.cache_bytes.store(st.bytes as u64, Relaxed);
-        m.cache_entries.store(st.entries as u64, Relaxed);
-        m.cache_evictions.store(st.evictions, Relaxed);
+        let st = lock(&self.cache).stats();
+        d.cache_bytes.store(st.bytes as u64, Relaxed);
+        d.cache_entries.store(st.entries as u64, Relaxed);
+        d.cache_evictions.store(st.evictions, Relaxed);
     }
 
     fn turn(&mut self) {
@@ -358,14 +431,17 @@ impl Scheduler {
         self.waiting.retain(|j| !j.events.is_closed());
         let gone = before - self.waiting.len();
         self.shared.queued.fetch_sub(gone, Relaxed);
-        let before = self.active.len();
-        self.active
-            .retain(|s| !s.closed && !s.job.events.is_closed());
-        let cancelled = (before - self.active.len()) + gone;
+        let (left, active): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
+            .into_iter()
+            .partition(|s| s.closed || s.job.events.is_closed());
+        self.active = active;
+        for s in &left {
+            self.end(s, None);
+        }
         self.shared
             .metrics
             .cancelled
-            .fetch_add(cancelled as u64, Relaxed);
+            .fetch_add((left.len() + gone) as u64, Relaxed);
 
         while self.active.len() < self.cfg.max_batch {
             let Some(job) = self.waiting.pop_front() else {
@@ -374,13 +450,14 @@ impl Scheduler {
             self.shared.queued.fetch_sub(1, Relaxed);
             let t = Instant::now();
             self.admit(job);
-            self.shared.metrics.spent(Phase::Admit, t);
+            self.device.spent(Phase::Admit, t);
         }
         self.publish();
         let t = Instant::now();
         self.prefill_step();
-        self.shared.metrics.spent(Phase::Prefill, t);
+        self.device.spent(Phase::Prefill, t);
         self.decode_step();
+        self.hand_to_emitter();
         if let Err(e) = self.embed_step() {
             if let Some(t) = self.embeds.pop_front() {
                 let _ = t.job.reply.send(Err(format!("embedding failed: {e}")));
@@ -390,10 +467,13 @@ impl Scheduler {
     }
 
     fn admit(&mut self, job: GenJob) {
-        let m = &self.shared.metrics;
-        m.prompt_tokens.fetch_add(job.prompt.len() as u64, Relaxed);
+        let m = &self.device;
+        self.shared
+            .metrics
+            .prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Relaxed);
         let lookup = if self.cfg.cache_bytes > 0 {
-            Some(self.cache.lookup(&job.prompt))
+            Some(lock(&self.cache).lookup(&job.prompt))
         } else {
             None
         };
@@ -401,7 +481,6 @@ impl Scheduler {
             Some(l) => (l.hit, l.shared),
             None => (None, 0),
         };
-        let cont = Continuation::new(&job.params, &job.prompt, self.tokenizer.clone());
         let plen = job.prompt.len();
         // A hit starts from the cached state as it is (shared until the first write); only a
         // miss needs a fresh one.
@@ -416,14 +495,27 @@ impl Scheduler {
                 (self.model.new_state(), 0, None)
             }
         };
+        let tokens = TokenRules::new(&job.params, &job.prompt, self.tokenizer.as_deref());
+        let text = TextRules::new(&job.params, self.tokenizer.clone());
+        let id = self.next_id;
+        self.next_id += 1;
+        let _ = self.emitter.send(Emit::Open {
+            id,
+            index: job.index,
+            events: job.events.clone(),
+            arrived: job.arrived,
+            text,
+            cached_tokens: fed,
+        });
         let mut seq = Seq {
+            id,
+            tokens,
             state,
             fed,
             cache_points: Vec::new(),
             next: None,
-            last_emit: None,
+            step_row: None,
             closed: false,
-            cont,
             job,
         };
         if self.cfg.cache_bytes > 0 {
@@ -434,13 +526,9 @@ impl Scheduler {
                 seq.cache_points.push(plen);
             }
         }
-        let _ = seq.job.events.send(Event::Started {
-            index: seq.job.index,
-            cached_tokens: seq.fed,
-        });
         if let Some(logits) = first_logits {
-            let out = seq.cont.step(&logits);
-            self.out().emit(&mut seq, out, || Some(logits.to_vec()));
+            let token = seq.tokens.sampler_mut().sample(&logits);
+            self.out().take(&mut seq, token, || Some(logits.to_vec()));
         }
         if !seq.closed {
             self.active.push(seq);
@@ -449,17 +537,18 @@ impl Scheduler {
 
     fn out(&mut self) -> Out<'_> {
         Out {
-            cache: &mut self.cache,
-            metrics: &self.shared.metrics,
+            cache: lock(&self.cache),
             cfg: &self.cfg,
             vocab: self.model.dims().vocab_size,
+            batch: &mut self.batch,
         }
     }
 
-    fn fail(seq: &mut Seq, message: String) {
-        let _ = seq.job.events.send(Event::Error {
-            index: seq.job.index,
-            message,
+    fn fail(emitter: &Sender<Emit>, seq: &mut Seq, message: String) {
+        let index = seq.job.index;
+        let _ = emitter.send(Emit::End {
+            id: seq.id,
+            event: Some(Event::Error { index, message }),
         });
         seq.closed = true;
     }
@@ -488,6 +577,7 @@ impl Scheduler {
             return;
         }
         let vocab = self.model.dims().vocab_size;
+        let t = Instant::now();
         let result = {
             let mut pieces: Vec<&[u32]> = Vec::new();
             let mut states: Vec<&mut State> = Vec::new();
@@ -504,20 +594,25 @@ impl Scheduler {
             self.model
                 .prefill_batch(&pieces, &mut states, LogitsWant::Last)
         };
+        self.device.device_busy.since(t);
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
                 for &(i, _) in &picked {
-                    Self::fail(&mut self.active[i], format!("prefill failed: {e}"));
+                    Self::fail(
+                        &self.emitter,
+                        &mut self.active[i],
+                        format!("prefill failed: {e}"),
+                    );
                 }
                 return;
             }
         };
         let mut o = Out {
-            cache: &mut self.cache,
-            metrics: &self.shared.metrics,
+            cache: lock(&self.cache),
             cfg: &self.cfg,
             vocab,
+            batch: &mut self.batch,
         };
         for (&(i, end), lg) in picked.iter().zip(logits) {
             let row = &lg.data[..vocab];
@@ -526,7 +621,7 @@ impl Scheduler {
             if !all_finite(row) {
                 // Never sampled from nor cached: the sequence fails naming the layer.
                 let e = non_finite_logits(&s.state, s.state.position());
-                Self::fail(s, e.to_string());
+                Self::fail(&self.emitter, s, e.to_string());
                 continue;
             }
             if s.cache_points.contains(&end) {
@@ -537,17 +632,20 @@ impl Scheduler {
                 );
             }
             if end == s.job.prompt.len() {
-                let out = s.cont.step(row);
-                o.emit(s, out, || Some(row.to_vec()));
+                let token = s.tokens.sampler_mut().sample(row);
+                o.take(s, token, || Some(row.to_vec()));
             }
         }
     }
 
+    /// One batched decode step of every running sequence; its ids stay in `sampled` until
+    /// [`Scheduler::hand_to_emitter`] takes them.
     fn decode_step(&mut self) {
         let (rows, tokens) = (&mut self.step_rows, &mut self.step_tokens);
         rows.clear();
         tokens.clear();
-        for (i, s) in self.active.iter().enumerate() {
+        for (i, s) in self.active.iter_mut().enumerate() {
+            s.step_row = None;
             if let (false, Some(t)) = (s.closed, s.next) {
                 rows.push(i);
                 tokens.push(t);
@@ -564,7 +662,7 @@ impl Scheduler {
             for (i, s) in self.active.iter_mut().enumerate() {
                 if it.peek() == Some(&&i) {
                     states.push(&mut s.state);
-                    samplers.push(s.cont.sampler_mut());
+                    samplers.push(s.tokens.sampler_mut());
                     it.next();
                 }
             }
@@ -573,83 +671,145 @@ impl Scheduler {
                 .decode_sample(tokens, &mut states, &mut samplers, &mut self.sampled)
                 .map(|_| ())
         };
-        let m = &self.shared.metrics;
-        let t = m.spent(Phase::Decode, t);
+        self.device.device_busy.since(t);
+        let m = &self.device;
+        m.spent(Phase::Decode, t);
         m.decode_steps.fetch_add(1, Relaxed);
         m.decode_rows.fetch_add(rows.len() as u64, Relaxed);
-        if let Err(e) = result {
-            for &i in rows.iter() {
-                Self::fail(&mut self.active[i], format!("decode failed: {e}"));
+        match result {
+            Ok(()) => {
+                for (b, &i) in rows.iter().enumerate() {
+                    self.active[i].step_row = Some(b);
+                }
             }
-            return;
+            Err(e) => {
+                for &i in rows.iter() {
+                    Self::fail(
+                        &self.emitter,
+                        &mut self.active[i],
+                        format!("decode failed: {e}"),
+                    );
+                }
+                rows.clear();
+            }
         }
+    }
+
+    /// Take the emitter's answer for the previous turn (ending the sequences a stop string
+    /// ended), take this turn's decoded ids, and hand the turn's tokens to the emitter.
+    fn hand_to_emitter(&mut self) {
+        let t = Instant::now();
+        if self.emitting {
+            self.emitting = false;
+            match self.outcomes.recv() {
+                Ok(outcome) => self.apply(outcome),
+                Err(_) => {
+                    // (the emitter is gone: nothing more can reach the clients)
+                    for s in &mut self.active {
+                        s.closed = true;
+                    }
+                }
+            }
+        }
+        let t = self.device.spent(Phase::EmitWait, t);
         let vocab = self.model.dims().vocab_size;
-        let t = self.shared.metrics.spent(Phase::Sample, t);
         let (model, sampled) = (&self.model, &self.sampled);
         let mut o = Out {
-            cache: &mut self.cache,
-            metrics: &self.shared.metrics,
+            cache: lock(&self.cache),
             cfg: &self.cfg,
             vocab,
+            batch: &mut self.batch,
         };
-        for (b, &i) in rows.iter().enumerate() {
+        for (b, &i) in self.step_rows.iter().enumerate() {
             let s = &mut self.active[i];
+            if s.closed {
+                // (ended by a stop string one step ago: this token is never sent)
+                continue;
+            }
             if sampled.finite(b) {
                 // (a row that was not finite is never sampled from nor cached)
-                let out = s.cont.push(sampled.ids()[b]);
                 // Only a sequence that ends here and is cached needs its row of logits:
                 // on a GPU that one row comes from the device.
-                o.emit(s, out, || model.step_logits_row(sampled, b).ok());
+                o.take(s, sampled.ids()[b], || {
+                    model.step_logits_row(sampled, b).ok()
+                });
             } else {
                 let e = non_finite_logits(&s.state, s.state.position());
-                Self::fail(s, e.to_string());
+                Self::fail(&self.emitter, s, e.to_string());
             }
         }
-        self.shared.metrics.spent(Phase::Emit, t);
+        drop(o);
+        self.step_rows.clear();
+        if !self.batch.is_empty() {
+            let batch = std::mem::take(&mut self.batch);
+            self.emitting = self.emitter.send(Emit::Tokens(batch)).is_ok();
+        }
+        self.device.spent(Phase::Emit, t);
+    }
+
+    /// The emitter's answer for the previous turn's tokens.
+    fn apply(&mut self, outcome: Outcome) {
+        let cancelled = &self.shared.metrics.cancelled;
+        for id in outcome.gone {
+            if let Some(s) = self.active.iter_mut().find(|s| s.id == id && !s.closed) {
+                s.closed = true;
+                cancelled.fetch_add(1, Relaxed);
+            }
+        }
+        let caching = self.cfg.cache_generated && self.cfg.cache_bytes > 0;
+        for id in outcome.stopped {
+            let Some(s) = self.active.iter_mut().find(|s| s.id == id && !s.closed) else {
+                continue;
+            };
+            s.closed = true;
+            // This turn's step fed the last sent token: the state holds the prompt and
+            // every sent token, and the step's row is the logits after them.
+            let Some(b) = s.step_row.filter(|_| caching) else {
+                continue;
+            };
+            if let Ok(mut row) = self.model.step_logits_row(&self.sampled, b) {
+                row.truncate(self.model.dims().vocab_size);
+                let mut key = s.job.prompt.clone();
+                key.extend_from_slice(s.tokens.generated());
+                lock(&self.cache).insert(&key, s.state.clone(), Arc::new(row));
+            }
+        }
     }
 }
 
-/// What streaming a token out needs, borrowed apart from the active list.
+/// The prefix cache, whole even if a thread panicked holding it (every change to it
+/// completes before anything can panic).
+fn lock(cache: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCache> {
+    cache.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What taking a sampled token needs, borrowed apart from the active list.
 struct Out<'a> {
-    cache: &'a mut PrefixCache,
-    metrics: &'a Metrics,
+    cache: std::sync::MutexGuard<'a, PrefixCache>,
     cfg: &'a SchedulerConfig,
     vocab: usize,
+    batch: &'a mut Vec<TokenOut>,
 }
 
 impl Out<'_> {
-    /// Stream one step of `seq` (`logits` gives the row it was sampled from, wanted only
-    /// when a finished sequence is cached: `vocab_size` entries or more); mark the
-    /// sequence closed when it is finished or its client is gone.
-    fn emit(&mut self, seq: &mut Seq, out: StepOut, logits: impl FnOnce() -> Option<Vec<f32>>) {
-        let now = Instant::now();
-        let m = self.metrics;
-        match seq.last_emit {
-            None => m.ttft.observe((now - seq.job.arrived).as_secs_f64()),
-            Some(t) => m.itl.observe((now - t).as_secs_f64()),
-        }
-        seq.last_emit = Some(now);
-        m.generated_tokens.fetch_add(1, Relaxed);
-        let finished = out.finish.is_some();
-        let sent = seq.job.events.send(Event::Token {
-            index: seq.job.index,
-            token: out.token,
-            text: out.text,
-            finish: out.finish,
+    /// Take `token` as `seq`'s next (`logits` gives the row it was sampled from, wanted
+    /// only when a finished sequence is cached: `vocab_size` entries or more) into the
+    /// turn's batch; a sequence whose id ends it is closed (and cached) now.
+    fn take(&mut self, seq: &mut Seq, token: u32, logits: impl FnOnce() -> Option<Vec<f32>>) {
+        let end = seq.tokens.push(token);
+        self.batch.push(TokenOut {
+            id: seq.id,
+            token,
+            end,
         });
-        if sent.is_err() {
-            m.cancelled.fetch_add(1, Relaxed);
-            seq.closed = true;
-            return;
-        }
-        if !finished {
-            seq.next = Some(out.token);
+        if end.is_none() {
+            seq.next = Some(token);
             return;
         }
         seq.closed = true;
         if self.cfg.cache_generated && self.cfg.cache_bytes > 0 {
             // The state has read the prompt and every generated token but the last.
-            let gen = seq.cont.generated();
+            let gen = seq.tokens.generated();
             if gen.len() > 1 {
                 let mut key = seq.job.prompt.clone();
                 key.extend_from_slice(&gen[..gen.len() - 1]);

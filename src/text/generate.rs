@@ -66,69 +66,94 @@ pub struct StepOut {
     pub finish: Option<FinishReason>,
 }
 
+/// One sequence's output side: [`TokenRules`] (sampling and the rules that look only at
+/// token ids) and [`TextRules`] (detokenizing and stop strings). The server runs the two
+/// halves on different threads (the text side one step behind, see `serve::emitter`);
+/// together they are this.
 pub struct Continuation {
-    sampler: Sampler,
-    stop: StopMatcher,
-    detok: Option<(Arc<Tokenizer>, StreamDecoder)>,
-    stop_ids: Vec<u32>,
-    max_tokens: usize,
-    generated: Vec<u32>,
+    tokens: TokenRules,
+    text: TextRules,
     finished: Option<FinishReason>,
 }
 
-impl Continuation {
-    /// `prompt` feeds the repetition penalty; `tokenizer` (if any) turns tokens into text
-    /// and gives the end-of-sequence ids.
-    pub fn new(params: &GenParams, prompt: &[u32], tokenizer: Option<Arc<Tokenizer>>) -> Self {
+/// How a token ends its sequence by its id alone, before its text is looked at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenEnd {
+    /// A stop token id or end-of-sequence: the token adds no text.
+    StopId,
+    /// `max_tokens` reached (unless the token's text completes a stop string).
+    Length,
+}
+
+/// The token side of a continuation: the sampler, stop ids and `max_tokens`.
+pub struct TokenRules {
+    sampler: Sampler,
+    stop_ids: Vec<u32>,
+    max_tokens: usize,
+    generated: Vec<u32>,
+}
+
+/// The text side of a continuation: streaming detokenization and stop strings.
+pub struct TextRules {
+    stop: StopMatcher,
+    detok: Option<(Arc<Tokenizer>, StreamDecoder)>,
+}
+
+impl TokenRules {
+    /// `prompt` feeds the repetition penalty; `tokenizer` (if any) gives the
+    /// end-of-sequence ids.
+    pub fn new(params: &GenParams, prompt: &[u32], tokenizer: Option<&Tokenizer>) -> Self {
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
-            if let Some(t) = &tokenizer {
+            if let Some(t) = tokenizer {
                 stop_ids.extend(&t.eos_ids);
             }
         }
-        Continuation {
+        TokenRules {
             sampler: Sampler::new(params.sampling.clone(), prompt),
-            stop: StopMatcher::new(&params.stop),
-            detok: tokenizer.map(|t| (t, StreamDecoder::new())),
             stop_ids,
             max_tokens: params.max_tokens,
             generated: Vec::new(),
-            finished: None,
         }
     }
 
     pub fn generated(&self) -> &[u32] {
         &self.generated
     }
-    pub fn finished(&self) -> Option<FinishReason> {
-        self.finished
-    }
-    /// Its sampler, for a decode step that samples ([`Model::decode_sample`]): the token
-    /// it picks goes to [`Continuation::push`].
     pub fn sampler_mut(&mut self) -> &mut Sampler {
         &mut self.sampler
     }
 
-    /// Whether the next token is the argmax (temperature 0), a cheap step.
-    pub fn is_greedy(&self) -> bool {
-        self.sampler.params().is_greedy()
-    }
-
-    /// Sample the next token from `logits` (exactly `vocab_size` entries), and say what
-    /// text it adds and whether the sequence is done.
-    pub fn step(&mut self, logits: &[f32]) -> StepOut {
-        let token = self.sampler.sample(logits);
-        self.push(token)
-    }
-
-    /// Take `token` as the next one (sampled elsewhere, or forced).
-    pub fn push(&mut self, token: u32) -> StepOut {
+    /// Take `token` as the next one (accepted into the sampler) and say whether its id
+    /// ends the sequence.
+    pub fn push(&mut self, token: u32) -> Option<TokenEnd> {
         self.sampler.accept(token);
         self.generated.push(token);
+        if self.stop_ids.contains(&token) {
+            Some(TokenEnd::StopId)
+        } else if self.generated.len() >= self.max_tokens {
+            Some(TokenEnd::Length)
+        } else {
+            None
+        }
+    }
+}
+
+impl TextRules {
+    pub fn new(params: &GenParams, tokenizer: Option<Arc<Tokenizer>>) -> Self {
+        TextRules {
+            stop: StopMatcher::new(&params.stop),
+            detok: tokenizer.map(|t| (t, StreamDecoder::new())),
+        }
+    }
+
+    /// The text `token` makes final and how the sequence ends, given how its id ends it
+    /// (`end`, from [`TokenRules::push`]).
+    pub fn push(&mut self, token: u32, end: Option<TokenEnd>) -> StepOut {
         let mut finish = None;
         let mut text = String::new();
         let mut cut = false;
-        if self.stop_ids.contains(&token) {
+        if end == Some(TokenEnd::StopId) {
             finish = Some(FinishReason::Stop);
         } else if let Some((tok, d)) = &mut self.detok {
             let r = self.stop.push(&d.push(tok, token));
@@ -138,7 +163,7 @@ impl Continuation {
                 finish = Some(FinishReason::Stop);
             }
         }
-        if finish.is_none() && self.generated.len() >= self.max_tokens {
+        if finish.is_none() && end == Some(TokenEnd::Length) {
             finish = Some(FinishReason::Length);
         }
         if finish.is_some() && !cut {
@@ -153,12 +178,55 @@ impl Continuation {
                 }
             }
         }
-        self.finished = finish;
         StepOut {
             token,
             text,
             finish,
         }
+    }
+}
+
+impl Continuation {
+    /// `prompt` feeds the repetition penalty; `tokenizer` (if any) turns tokens into text
+    /// and gives the end-of-sequence ids.
+    pub fn new(params: &GenParams, prompt: &[u32], tokenizer: Option<Arc<Tokenizer>>) -> Self {
+        Continuation {
+            tokens: TokenRules::new(params, prompt, tokenizer.as_deref()),
+            text: TextRules::new(params, tokenizer),
+            finished: None,
+        }
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        self.tokens.generated()
+    }
+    pub fn finished(&self) -> Option<FinishReason> {
+        self.finished
+    }
+    /// Its sampler, for a decode step that samples ([`Model::decode_sample`]): the token
+    /// it picks goes to [`Continuation::push`].
+    pub fn sampler_mut(&mut self) -> &mut Sampler {
+        self.tokens.sampler_mut()
+    }
+
+    /// Whether the next token is the argmax (temperature 0), a cheap step.
+    pub fn is_greedy(&self) -> bool {
+        self.tokens.sampler.params().is_greedy()
+    }
+
+    /// Sample the next token from `logits` (exactly `vocab_size` entries), and say what
+    /// text it adds and whether the sequence is done.
+    pub fn step(&mut self, logits: &[f32]) -> StepOut {
+        let token = self.tokens.sampler.sample(logits);
+        self.push(token)
+    }
+
+    /// Take `token` as the next one (sampled elsewhere, or forced).
+    pub fn push(&mut self, token: u32) -> StepOut {
+        let end = self.tokens.push(token);
+        let out = self.text.push(token, end);
+        self.finished = out.finish;
+        out
     }
 }
 
@@ -263,7 +331,7 @@ pub fn generate(
         prefill,
         ..Default::default()
     };
-    if cont.max_tokens == 0 {
+    if cont.tokens.max_tokens == 0 {
         // Nothing to generate: the state has read the prompt, and that is the result.
         stats.finish = Some(FinishReason::Length);
         return Ok(stats);

@@ -14,7 +14,9 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use generate::{Continuation, FinishReason, GenParams, StepOut};
+pub use generate::{
+    Continuation, FinishReason, GenParams, StepOut, TextRules, TokenEnd, TokenRules,
+};
 pub use sampling::{Sampler, SamplingParams};
 pub use source::{Loaded, ModelSource};
 pub use tokenizer::Tokenizer;
