@@ -1,9 +1,9 @@
 //! Loading Mamba-1/Mamba-2 parameters: every bad file is an error naming the tensor.
 
 use super::*;
-use std::path::PathBuf;
 use crate::model::dtype::TensorData;
 use crate::model::tensor_file::{write_safetensors, RawTensor};
+use std::path::PathBuf;
 
 fn fixture(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
