@@ -1,6 +1,6 @@
 //! `mamba3 bench-train`: the wall time of one optimiser step (forward, backward, global-norm
 //! clipping, AdamW) on a synthetic model of a given shape, with random byte tokens, on the
-//! CPU or a GPU (a MIMO model, `--mimo-rank R`, on the CPU only). Median over the timed
+//! CPU or a GPU (SISO, or MIMO with `--mimo-rank R`). Median over the timed
 //! steps, warm-up excluded.
 
 use crate::cli::train::MAX_MIMO_RANK;
@@ -29,7 +29,7 @@ pub struct Args {
     pub vocab: usize,
     #[arg(long, default_value_t = 64)]
     pub chunk: usize,
-    /// Time a Mamba-3 MIMO model of this rank instead of SISO (CPU only).
+    /// Time a Mamba-3 MIMO model of this rank instead of SISO.
     #[arg(long)]
     pub mimo_rank: Option<usize>,
     /// Sequences per step.
@@ -79,12 +79,6 @@ pub fn run(a: Args) -> Result<()> {
     }
     validate_trainable(&cfg)?;
     let device = a.device.resolve();
-    if a.mimo_rank.is_some() && device != Device::Cpu {
-        return Err(Error::input(
-            "--mimo-rank: MIMO training runs on the CPU only (no GPU MIMO backward yet); use \
-             --device cpu",
-        ));
-    }
     match device {
         Device::Cpu => {
             if a.dtype != DType::F32 {

@@ -59,6 +59,12 @@ impl FlatLayout {
                 let dt_bias = next();
                 let b_bias = next();
                 let c_bias = next();
+                let mimo = l.mimo.as_ref().map(|_| {
+                    let x = next();
+                    let z = next();
+                    let o = next();
+                    MimoAddrs { x, z, o }
+                });
                 let d = next();
                 let in_proj = next();
                 let b_norm = next();
@@ -76,6 +82,7 @@ impl FlatLayout {
                     dt_bias,
                     b_bias,
                     c_bias,
+                    mimo,
                     d,
                     in_proj,
                     b_norm,
@@ -104,12 +111,22 @@ pub struct MlpAddrs {
     pub fc2: u64,
 }
 
+/// A MIMO layer's per-rank projections `mimo_x`, `mimo_z`, `mimo_o`.
+#[derive(Clone, Copy)]
+pub struct MimoAddrs {
+    pub x: u64,
+    pub z: u64,
+    pub o: u64,
+}
+
 #[derive(Clone)]
 pub struct LayerAddrs {
     pub norm: u64,
     pub dt_bias: u64,
     pub b_bias: u64,
     pub c_bias: u64,
+    /// MIMO only
+    pub mimo: Option<MimoAddrs>,
     pub d: u64,
     pub in_proj: u64,
     pub b_norm: u64,
