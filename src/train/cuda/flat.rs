@@ -184,4 +184,27 @@ mod tests {
         assert_eq!(f.addrs(&p, 0, 2).embedding, 2 * f.spans[0].0 as u64);
         assert!(a.layers[1].mlp.is_some() && a.lm_head.is_some());
     }
+
+    #[test]
+    fn a_mimo_layer_addresses_its_rank_projections() {
+        let mut cfg = Config::synthetic(32, 2, 16, 16, 2, 1, 256);
+        cfg.ssm_cfg.is_mimo = true;
+        cfg.ssm_cfg.mimo_rank = 2;
+        let p = Params::<f32>::zeros(&cfg);
+        let f = FlatLayout::new(&p);
+        let a = f.addrs(&p, 0, 4);
+        let at = |suffix: &str, l: usize| {
+            let name = format!("backbone.layers.{l}.mixer.{suffix}");
+            let i = p.tensors().iter().position(|(n, _)| *n == name).unwrap();
+            4 * f.spans[i].0 as u64
+        };
+        for (l, la) in a.layers.iter().enumerate() {
+            let m = la.mimo.expect("a MIMO layer");
+            assert_eq!(
+                (m.x, m.z, m.o),
+                (at("mimo_x", l), at("mimo_z", l), at("mimo_o", l))
+            );
+            assert_eq!((la.b_bias, la.d), (at("B_bias", l), at("D", l)));
+        }
+    }
 }

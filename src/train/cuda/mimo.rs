@@ -286,6 +286,9 @@ struct MimoTrainArgs {
     eps: f32,
 }
 
+// The kernels' struct is 448 bytes (a static_assert in mimo_train.cu).
+const _: () = assert!(std::mem::size_of::<MimoTrainArgs>() == 448);
+
 impl KArg for MimoTrainArgs {
     fn ptr(&self) -> *mut std::ffi::c_void {
         self as *const MimoTrainArgs as *mut std::ffi::c_void
@@ -295,10 +298,19 @@ impl KArg for MimoTrainArgs {
 impl CudaTrainer {
     /// The kernels' arguments for layer `l` with parameters `lw`; `o` receives the head
     /// forward's output (f32 `[rows, D_i]`).
-    fn mimo_args(&self, m: &MimoTrain, ma: &MimoActs, a: &Acts, l: usize, lw: &LayerAddrs) -> MimoTrainArgs {
+    fn mimo_args(
+        &self,
+        m: &MimoTrain,
+        ma: &MimoActs,
+        a: &Acts,
+        l: usize,
+        lw: &LayerAddrs,
+    ) -> MimoTrainArgs {
         let d = &m.d;
         let la = &a.layers[l];
-        let mw = lw.mimo.expect("a MIMO model's layers have mimo_x, mimo_z and mimo_o");
+        let mw = lw
+            .mimo
+            .expect("a MIMO model's layers have mimo_x, mimo_z and mimo_o");
         let rows = a.rows;
         let mut row_at = ma.rows_saved[l].ptr;
         let mut row_next = row_sizes(d, rows).into_iter().map(move |len| {
@@ -307,7 +319,8 @@ impl CudaTrainer {
             p
         });
         let mut rn = || row_next.next().expect("eight per-row tensors");
-        let (bn, cn, rb, rc, delta, aval, lambda, theta) = (rn(), rn(), rn(), rn(), rn(), rn(), rn(), rn());
+        let (bn, cn, rb, rc, delta, aval, lambda, theta) =
+            (rn(), rn(), rn(), rn(), rn(), rn(), rn(), rn());
         let s = |off: usize| ma.scratch.at::<f32>(off);
         let at = &ma.at;
         let i = |v: usize| v as i32;
@@ -411,7 +424,13 @@ impl CudaTrainer {
 
     /// Layer `l`'s mixer backward from `a.d_o`: writes every column of `a.dproj` and adds
     /// the mixer's parameter gradients into `lg`.
-    pub(super) fn mimo_backward(&self, a: &Acts, l: usize, lw: &LayerAddrs, lg: &LayerAddrs) -> Result<()> {
+    pub(super) fn mimo_backward(
+        &self,
+        a: &Acts,
+        l: usize,
+        lw: &LayerAddrs,
+        lg: &LayerAddrs,
+    ) -> Result<()> {
         let (m, ma) = self.mimo_parts();
         let d = &m.d;
         let args = self.mimo_args(m, ma, a, l, lw);
@@ -430,7 +449,9 @@ impl CudaTrainer {
         self.col_sum_with(part, args.dk, rows, h * r * n, h * r * n, lg.b_bias)?;
         self.col_sum_with(part, args.dq, rows, h * r * n, h * r * n, lg.c_bias)?;
         self.col_sum_with(part, args.dd, b, h, h, lg.d)?;
-        let mg = lg.mimo.expect("a MIMO model's gradient has mimo_x, mimo_z and mimo_o");
+        let mg = lg
+            .mimo
+            .expect("a MIMO model's gradient has mimo_x, mimo_z and mimo_o");
         self.col_sum_with(part, args.dpsi, b, h * r * p, h * r * p, mg.x)?;
         self.col_sum_with(part, args.dzeta, b, h * r * p, h * r * p, mg.z)?;
         self.col_sum_with(part, args.domega, b, h * r * p, h * r * p, mg.o)?;

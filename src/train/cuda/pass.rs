@@ -454,7 +454,13 @@ impl CudaTrainer {
 
     /// The SISO mixer's backward of layer `l` from `a.d_o`: the gate, the scan, the
     /// per-token preprocessing into `a.dproj`, and the mixer's own parameters into `lg`.
-    fn siso_mixer_backward(&self, a: &Acts, l: usize, lw: &LayerAddrs, lg: &LayerAddrs) -> Result<()> {
+    fn siso_mixer_backward(
+        &self,
+        a: &Acts,
+        l: usize,
+        lw: &LayerAddrs,
+        lg: &LayerAddrs,
+    ) -> Result<()> {
         let d = &self.d;
         let (rows, di) = (a.rows, d.d_inner);
         let (h, n, s, gn) = (d.nheads, d.d_state, d.num_rope_angles, d.ngroups);

@@ -73,6 +73,8 @@ struct MimoTrainArgs {
     float a_floor;
     float eps;
 };
+// 46 pointers, 18 ints, 2 floats: the host's struct has the same size (checked there too).
+static_assert(sizeof(MimoTrainArgs) == 448, "MimoTrainArgs differs from the host's");
 
 #define MT_PI 3.14159265358979f
 
