@@ -5,7 +5,9 @@
 //! every parameter tensor's gradient in f32 equal the CPU's (reference: the CPU in f64;
 //! loss to 1e-5 relative, each tensor to 1e-4 relative L2 — the SISO GPU trainer's bounds);
 //! bf16 mixed precision stays close; optimiser steps on the GPU track the CPU's; two runs
-//! give the same weights bit for bit. Needs a CUDA device (run with `--include-ignored` on
+//! give the same weights bit for bit; a run on the GPU learns (tests/train_mimo_loop.rs's
+//! bounds), its checkpoint gives the trainer's logits in the engine, and a resumed run
+//! lands bit for bit on the unbroken one. Needs a CUDA device (run with `--include-ignored` on
 //! the GPU machine; scripts/gpu-check).
 #![cfg(feature = "cuda")]
 
@@ -15,8 +17,12 @@ use mamba3::mixers::mimo::MimoWeights;
 use mamba3::model::config::AActivation;
 use mamba3::model::{Config, DType};
 use mamba3::train::cuda::CudaTrainer;
+use mamba3::train::data::Dataset;
+use mamba3::train::model::logits;
 use mamba3::train::optim::{AdamW, AdamWConfig};
+use mamba3::train::trainer::{RunConfig, Trainer};
 use mamba3::train::{loss_and_grad, Backend, Batch, Params};
+use mamba3::{Device, LogitsWant, Model};
 
 /// A MIMO model of rank `rank` on the SISO shape `c`.
 fn mimo(mut c: Config, rank: usize) -> Config {
@@ -194,4 +200,92 @@ fn two_runs_give_the_same_weights_bit_for_bit() {
     assert_eq!(p1, p2, "parameters differ between two runs");
     assert_eq!((o1.m, o1.v), (o2.m, o2.v), "moments differ");
     println!("MIMO: two runs of 3 steps (2 micro-batches each): bit-identical");
+}
+
+fn text() -> Vec<u8> {
+    gpu::sentences_text(
+        &[
+            "In the beginning was the word. ",
+            "The quick brown fox jumps over the lazy dog. ",
+            "She sells sea shells by the sea shore.\n",
+            "All that glitters is not gold. ",
+        ],
+        30_000,
+    )
+}
+
+/// tests/train_mimo_loop.rs's run: a tiny MIMO model, windows of 30 tokens in chunks of 8.
+fn run_config(rank: usize, steps: u64, accum: usize) -> RunConfig {
+    let mut c = Config::synthetic(32, 2, 16, 16, 2, 1, 256);
+    c.ssm_cfg.is_mimo = true;
+    c.ssm_cfg.mimo_rank = rank;
+    c.ssm_cfg.chunk_size = 8;
+    gpu::short_run(c, steps, 4, accum, 30)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_gpu_run_learns_and_its_checkpoint_gives_the_trainers_logits() {
+    // tests/train_mimo_loop.rs's CPU run and bounds, on the GPU in f32
+    let dir = tempfile::tempdir().unwrap();
+    let data = Dataset::from_bytes(&text(), 5);
+    let rc = run_config(2, 60, 1);
+    let gpu = CudaTrainer::new(&rc.model, DType::F32, 0).unwrap();
+    let mut t = Trainer::with_data(rc, gpu, data).unwrap();
+    let before = t.validate().unwrap();
+    while t.progress.step < t.run.steps {
+        t.step().unwrap();
+    }
+    let after = t.validate().unwrap();
+    println!("MIMO R=2 on the GPU: validation loss {before:.3} -> {after:.3} nats/byte");
+    assert!(before > 5.0 && after < 2.0, "{before} -> {after}");
+    t.save(dir.path()).unwrap();
+    t.sync().unwrap();
+
+    let tokens: Vec<u32> = text()[..25].iter().map(|&b| b as u32).collect();
+    let mut window = tokens.clone();
+    window.push(0);
+    let ours = logits(&t.params, &Batch::from_windows(&[&window])).unwrap();
+    let m = Model::load(dir.path(), Device::Cpu, DType::F32).unwrap();
+    let got = m
+        .prefill(&tokens, &mut m.new_state(), LogitsWant::All)
+        .unwrap();
+    let vp = ours.len() / tokens.len();
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for i in 0..tokens.len() {
+        for (a, b) in got.row(i).iter().zip(&ours[i * vp..]) {
+            num += (*a as f64 - *b as f64).powi(2);
+            den += (*b as f64).powi(2);
+        }
+    }
+    let e = (num / den).sqrt();
+    assert!(e < 1e-5, "engine logits vs the trainer's: rel L2 {e:e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_resumed_gpu_run_equals_the_unbroken_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = || Dataset::from_bytes(&text(), 5);
+    let gpu = |rc: &RunConfig| CudaTrainer::new(&rc.model, DType::BF16, 0).unwrap();
+    let rc = run_config(4, 6, 2);
+    let mut full = Trainer::with_data(rc.clone(), gpu(&rc), data()).unwrap();
+    while full.progress.step < 6 {
+        full.step().unwrap();
+    }
+    full.sync().unwrap();
+    let mut first = Trainer::with_data(rc.clone(), gpu(&rc), data()).unwrap();
+    while first.progress.step < 2 {
+        first.step().unwrap();
+    }
+    first.save(dir.path()).unwrap();
+    drop(first);
+    let mut second = Trainer::resume(dir.path(), gpu(&rc), Some(data())).unwrap();
+    while second.progress.step < 6 {
+        second.step().unwrap();
+    }
+    second.sync().unwrap();
+    assert_eq!(second.params, full.params, "resumed run differs");
+    assert_eq!(second.opt.m, full.opt.m);
+    println!("MIMO bf16 on the GPU, resumed at step 2 of 6: bit-identical to the unbroken run");
 }
