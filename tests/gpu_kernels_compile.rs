@@ -27,7 +27,9 @@ use mamba3::mixers::family_synthetic::official_config;
 use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
 use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
 use mamba3::mixers::mamba3::cuda::program::{INFERENCE, KERNEL_NAMES, TRAINING};
-use mamba3::mixers::mimo::cuda::{kernel_config as mimo_kernel_config, PROGRAM as MIMO_PROGRAM};
+use mamba3::mixers::mimo::cuda::{
+    kernel_config as mimo_kernel_config, PROGRAM as MIMO_PROGRAM, TRAINING as MIMO_TRAINING,
+};
 use mamba3::mixers::mimo::{mimo_config_from_json_str, mimo_dims};
 use mamba3::model::family_config::{FamilyConfig, MixerConfig};
 use mamba3::model::DType;
@@ -238,6 +240,11 @@ fn every_kernel_compiles_under_nvrtc() {
                 }
             }
         }
+    }
+    // Mamba-3 MIMO training (f32, every size an argument), for Hopper and Ampere
+    for arch in ["sm_90a", "sm_80"] {
+        let kc = KernelConfig { defines: vec![] };
+        jobs.push(("MIMO training".into(), MIMO_TRAINING, kc, arch));
     }
     // the decode batch's sampling (no model constants), for Hopper and Ampere
     for arch in ["sm_90a", "sm_80"] {

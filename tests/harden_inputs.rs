@@ -277,10 +277,6 @@ fn training_numbers_are_checked_before_any_work() {
         (&["--lr", "inf"][..], "--lr inf"),
         (&["--mimo-rank", "0"][..], "--mimo-rank 0"),
         (&["--mimo-rank", "65"][..], "--mimo-rank 65"),
-        (
-            &["--mimo-rank", "2", "--device", "cuda"][..],
-            "MIMO model (--mimo-rank) runs on the CPU only",
-        ),
     ] {
         let o = run(&[&base[..], extra].concat());
         refused(&o, needle);
@@ -296,18 +292,6 @@ fn training_numbers_are_checked_before_any_work() {
         "1",
     ]);
     refused(&o, "--batch 0");
-    let o = run(&[
-        "bench-train",
-        "--mimo-rank",
-        "2",
-        "--device",
-        "cuda",
-        "--d-model",
-        "32",
-        "--layers",
-        "1",
-    ]);
-    refused(&o, "MIMO training runs on the CPU only");
 }
 
 #[test]

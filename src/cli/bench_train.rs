@@ -1,8 +1,8 @@
 //! `mamba3 bench-train`: the wall time of one optimiser step (forward, backward, global-norm
 //! clipping, AdamW) on a synthetic model of a given shape, with random byte tokens, on the
-//! CPU or a GPU (a MIMO model, `--mimo-rank R`, on the CPU only). Median over the timed
-//! steps, warm-up excluded. With `--devices` (N > 1), data-parallel: N micro-batches per
-//! step, one per device, so tokens/s at a fixed per-device batch shows the scaling.
+//! CPU or a GPU (SISO, or MIMO with `--mimo-rank R`). Median over the timed steps, warm-up
+//! excluded. With `--devices` (N > 1), data-parallel: N micro-batches per step, one per
+//! device, so tokens/s at a fixed per-device batch shows the scaling.
 
 use crate::cli::train::{data_parallel, DeviceList, MAX_MIMO_RANK};
 use crate::engine::{Device, DeviceChoice};
@@ -30,7 +30,7 @@ pub struct Args {
     pub vocab: usize,
     #[arg(long, default_value_t = 64)]
     pub chunk: usize,
-    /// Time a Mamba-3 MIMO model of this rank instead of SISO (CPU only).
+    /// Time a Mamba-3 MIMO model of this rank instead of SISO.
     #[arg(long)]
     pub mimo_rank: Option<usize>,
     /// Sequences per step.
@@ -92,12 +92,6 @@ pub fn run(a: Args) -> Result<()> {
         None => vec![a.device.resolve()],
     };
     let device = devices[0];
-    if a.mimo_rank.is_some() && device != Device::Cpu {
-        return Err(Error::input(
-            "--mimo-rank: MIMO training runs on the CPU only (no GPU MIMO backward yet); use \
-             --device cpu",
-        ));
-    }
     if devices.len() > 1 {
         let dp = data_parallel(&devices, &cfg, a.dtype, a.bucket_mb)?;
         let name = Backend::name(&dp);

@@ -1,5 +1,5 @@
 //! `mamba3 train`: train a Mamba-3 language model — SISO, or MIMO with `--mimo-rank R`
-//! (CPU only) — on text files (bytes, a BPE trained on the text, or a given
+//! — on text files (bytes, a BPE trained on the text, or a given
 //! tokenizer.json), with a progress bar, validation loss, checkpoints (resumable) and a
 //! loss plot.
 
@@ -62,7 +62,7 @@ pub struct Args {
     #[arg(long)]
     pub outproj_norm: bool,
     /// Train a Mamba-3 MIMO model of this rank (1..=64; the official kernels use 1, 2, 4
-    /// or 8) instead of SISO. CPU only.
+    /// or 8) instead of SISO.
     #[arg(long)]
     pub mimo_rank: Option<usize>,
     /// Separate lm_head instead of the tied embedding.
@@ -426,7 +426,7 @@ pub fn run(mut a: Args) -> Result<()> {
         )));
     }
     // A resumed run keeps its mixer; --mimo-rank may only repeat it.
-    let mimo = if a.resume {
+    if a.resume {
         let saved = &crate::train::trainer::saved_run(&a.out)?.model.ssm_cfg;
         let saved_rank = saved.is_mimo.then_some(saved.mimo_rank);
         if a.mimo_rank.is_some() && a.mimo_rank != saved_rank {
@@ -439,15 +439,6 @@ pub fn run(mut a: Args) -> Result<()> {
                 ))
             )));
         }
-        saved.is_mimo
-    } else {
-        a.mimo_rank.is_some()
-    };
-    if mimo && device != Device::Cpu {
-        return Err(Error::input(
-            "training a MIMO model (--mimo-rank) runs on the CPU only: the GPU has no MIMO \
-             backward yet; use --device cpu",
-        ));
     }
     let fresh = if a.resume {
         if a.tokenizer != "byte" || a.vocab_size.is_some() {

@@ -22,6 +22,12 @@ impl FlatLayout {
                 let dt_bias = next();
                 let b_bias = next();
                 let c_bias = next();
+                let mimo = l.mimo.as_ref().map(|_| {
+                    let x = next();
+                    let z = next();
+                    let o = next();
+                    MimoAddrs { x, z, o }
+                });
                 let d = next();
                 let in_proj = next();
                 let b_norm = next();
@@ -39,6 +45,7 @@ impl FlatLayout {
                     dt_bias,
                     b_bias,
                     c_bias,
+                    mimo,
                     d,
                     in_proj,
                     b_norm,
@@ -67,12 +74,22 @@ pub struct MlpAddrs {
     pub fc2: u64,
 }
 
+/// A MIMO layer's per-rank projections `mimo_x`, `mimo_z`, `mimo_o`.
+#[derive(Clone, Copy)]
+pub struct MimoAddrs {
+    pub x: u64,
+    pub z: u64,
+    pub o: u64,
+}
+
 #[derive(Clone)]
 pub struct LayerAddrs {
     pub norm: u64,
     pub dt_bias: u64,
     pub b_bias: u64,
     pub c_bias: u64,
+    /// MIMO only
+    pub mimo: Option<MimoAddrs>,
     pub d: u64,
     pub in_proj: u64,
     pub b_norm: u64,
@@ -114,5 +131,28 @@ mod tests {
         assert_eq!(a.embedding, 4 * f.spans[0].0 as u64);
         assert_eq!(f.addrs(&p, 0, 2).embedding, 2 * f.spans[0].0 as u64);
         assert!(a.layers[1].mlp.is_some() && a.lm_head.is_some());
+    }
+
+    #[test]
+    fn a_mimo_layer_addresses_its_rank_projections() {
+        let mut cfg = Config::synthetic(32, 2, 16, 16, 2, 1, 256);
+        cfg.ssm_cfg.is_mimo = true;
+        cfg.ssm_cfg.mimo_rank = 2;
+        let p = Params::<f32>::zeros(&cfg);
+        let f = FlatLayout::new(&p);
+        let a = f.addrs(&p, 0, 4);
+        let at = |suffix: &str, l: usize| {
+            let name = format!("backbone.layers.{l}.mixer.{suffix}");
+            let i = p.tensors().iter().position(|(n, _)| *n == name).unwrap();
+            4 * f.spans[i].0 as u64
+        };
+        for (l, la) in a.layers.iter().enumerate() {
+            let m = la.mimo.expect("a MIMO layer");
+            assert_eq!(
+                (m.x, m.z, m.o),
+                (at("mimo_x", l), at("mimo_z", l), at("mimo_o", l))
+            );
+            assert_eq!((la.b_bias, la.d), (at("B_bias", l), at("D", l)));
+        }
     }
 }

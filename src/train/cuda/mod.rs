@@ -16,10 +16,13 @@
 //! - `pass`: the forward and backward launch sequences;
 //! - `replica`: the trainer as one rank of data-parallel training; `nccl`: the ranks'
 //!   all-reduce.
+//! - `mimo`: the MIMO mixer's kernels, buffers and launches (`ssm_cfg.is_mimo`), in the
+//!   place of the SISO scan.
 
 mod acts;
 pub mod flat;
 mod kernels;
+mod mimo;
 pub mod nccl;
 mod pass;
 pub mod replica;
@@ -28,13 +31,14 @@ use crate::cuda::context::{DevBuf, Gpu};
 use crate::cuda::gemm::{ElemType, Lt};
 use crate::cuda::kernels::{KernelConfig, ScanMath};
 use crate::error::{Error, Result};
-use crate::mixers::mamba3::params::Params;
+use crate::mixers::mamba3::params::{param_dims, validate_trainable, Params};
 use crate::model::{Config, DType, Dims};
 use crate::train::optim::AdamW;
 use crate::train::{Backend, Batch};
 use acts::Acts;
 use flat::{Addrs, FlatLayout};
 use kernels::TrainKernels;
+use mimo::{MimoActs, MimoTrain};
 use std::sync::Arc;
 
 pub struct CudaTrainer {
@@ -56,6 +60,9 @@ pub struct CudaTrainer {
     /// same layout, only the matrices' spans written
     half: Option<DevBuf>,
     acts: Option<Acts>,
+    /// the MIMO mixer's kernels and buffers (a MIMO model only)
+    mimo: Option<MimoTrain>,
+    mimo_acts: Option<MimoActs>,
     norm_part: DevBuf,
     norm: DevBuf,
     /// the embedding gradient's table: {token, first, count} per distinct token, and the
@@ -76,8 +83,10 @@ fn is_matrix(name: &str) -> bool {
 impl CudaTrainer {
     /// A trainer for `config` on CUDA device `ordinal`, in f32 or 16-bit mixed precision.
     pub fn new(config: &Config, dtype: DType, ordinal: usize) -> Result<CudaTrainer> {
-        config.validate()?;
-        let d = config.dims();
+        validate_trainable(config)?;
+        // `d` has MIMO's in_proj width for a MIMO model; the shared kernels are compiled
+        // with the SISO sizes, which are the same everywhere else.
+        let d = param_dims(config);
         if !d.headdim.is_multiple_of(4) {
             return Err(Error::Device(format!(
                 "GPU training needs headdim to be a multiple of 4; this model has {}",
@@ -95,8 +104,13 @@ impl CudaTrainer {
             }
         };
         let gpu = Arc::new(Gpu::new(ordinal)?);
-        let kc = KernelConfig::new(config, &d, dtype, scan)?.with_embedding(DType::F32);
+        let kc = KernelConfig::new(config, &config.dims(), dtype, scan)?.with_embedding(DType::F32);
         let k = TrainKernels::load(&gpu, &kc)?;
+        let mimo = if config.ssm_cfg.is_mimo {
+            Some(MimoTrain::load(&gpu, config)?)
+        } else {
+            None
+        };
         let lt = Lt::new(&gpu)?;
         let shape = Params::<f32>::zeros(config);
         let flat = FlatLayout::new(&shape);
@@ -118,6 +132,8 @@ impl CudaTrainer {
                 Some(gpu.alloc::<u16>(flat.len)?)
             },
             acts: None,
+            mimo,
+            mimo_acts: None,
             norm_part: gpu.alloc::<f64>(norm_blocks)?,
             norm: gpu.alloc::<f64>(1)?,
             groups: gpu.alloc::<[i32; 4]>(1)?,
@@ -139,6 +155,14 @@ impl CudaTrainer {
 
     pub fn device_name(&self) -> String {
         self.gpu.name.clone()
+    }
+
+    /// The MIMO kernels and the current shape's MIMO buffers (a MIMO model, prepared).
+    fn mimo_parts(&self) -> (&MimoTrain, &MimoActs) {
+        match (&self.mimo, &self.mimo_acts) {
+            (Some(m), Some(ma)) => (m, ma),
+            _ => unreachable!("MIMO launches run only for a MIMO model after `prepare`"),
+        }
     }
 
     /// Addresses into one of the f32 flat buffers.
@@ -228,7 +252,12 @@ impl CudaTrainer {
         if !same {
             self.acts = None;
             let act = self.act.size();
+            self.mimo_acts = None;
             self.acts = Some(Acts::new(&self.gpu, d, act, batch.batch, batch.seq_len)?);
+            if let Some(m) = &self.mimo {
+                let ma = MimoActs::new(&self.gpu, m, batch.batch, batch.seq_len)?;
+                self.mimo_acts = Some(ma);
+            }
             let rows = batch.tokens();
             self.groups = self.gpu.alloc::<[i32; 4]>(rows)?;
             self.rows_of = self.gpu.alloc::<i32>(rows)?;

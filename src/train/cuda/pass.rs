@@ -72,7 +72,7 @@ impl KArg for ScanBwdArgs {
 type Mat = (u64, usize);
 
 impl CudaTrainer {
-    fn launch(
+    pub(super) fn launch(
         &self,
         k: &Kernel,
         grid: (u32, u32, u32),
@@ -179,6 +179,20 @@ impl CudaTrainer {
         ld: usize,
         dst: u64,
     ) -> Result<()> {
+        self.col_sum_with(a.colsum.ptr, src, rows, cols, ld, dst)
+    }
+
+    /// [`Self::col_sum`] with its partials in `part` (`rows.div_ceil(COLSUM_ROWS)·cols`
+    /// floats).
+    pub(super) fn col_sum_with(
+        &self,
+        part: u64,
+        src: u64,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        dst: u64,
+    ) -> Result<()> {
         let parts = rows.div_ceil(COLSUM_ROWS);
         let (rows_i, cols_i, ld_i, parts_i, acc) =
             (rows as i32, cols as i32, ld as i32, parts as i32, 1i32);
@@ -188,14 +202,14 @@ impl CudaTrainer {
             (tiles, parts as u32, 1),
             128,
             0,
-            &[&src, &rows_i, &cols_i, &ld_i, &a.colsum.ptr],
+            &[&src, &rows_i, &cols_i, &ld_i, &part],
         )?;
         self.launch(
             &self.k.col_sum_final,
             (tiles, 1, 1),
             128,
             0,
-            &[&a.colsum.ptr, &parts_i, &cols_i, &dst, &acc],
+            &[&part, &parts_i, &cols_i, &dst, &acc],
         )
     }
 
@@ -282,12 +296,16 @@ impl CudaTrainer {
                 (la.proj.ptr, proj_ld(d)),
                 false,
             )?;
-            let mixer = self.layer_scan(a, l, lw);
-            let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
-                self.launch(k, grid, threads, smem, args)
-            };
-            mixer.pre(d, &self.k.scan, &launch)?;
-            mixer.scan(d, &self.k.scan, &launch)?;
+            if self.mimo.is_some() {
+                self.mimo_forward(a, l, lw)?;
+            } else {
+                let mixer = self.layer_scan(a, l, lw);
+                let launch = |k: &Kernel, grid, threads, smem, args: &[&dyn KArg]| {
+                    self.launch(k, grid, threads, smem, args)
+                };
+                mixer.pre(d, &self.k.scan, &launch)?;
+                mixer.scan(d, &self.k.scan, &launch)?;
+            }
             let w_out = gw.layers[l].out_proj;
             self.gemm(
                 GemmOp::Linear,
@@ -368,7 +386,6 @@ impl CudaTrainer {
     pub(super) fn backward(&self, a: &Acts, p: &Addrs, gw: &Addrs, g: &Addrs) -> Result<()> {
         let d = &self.d;
         let (rows, dm, di, vp) = (a.rows, d.d_model, d.d_inner, d.vocab_padded);
-        let (h, n, s, gn) = (d.nheads, d.d_state, d.num_rope_angles, d.ngroups);
         let pl = proj_ld(d);
         // Head and final norm.
         let dl = (a.dlogits.ptr, 0);
@@ -413,73 +430,11 @@ impl CudaTrainer {
                 lg.out_proj,
                 a.d_o.ptr,
             )?;
-            self.launch(
-                &self.k.gate_bwd_rows,
-                (rows as u32, 1, 1),
-                256,
-                0,
-                &[
-                    &la.proj.ptr,
-                    &la.y_pre.ptr,
-                    &lw.out_norm.unwrap_or(0),
-                    &a.d_o.ptr,
-                    &a.dy.ptr,
-                    &a.dproj.ptr,
-                    &a.contrib.ptr,
-                ],
-            )?;
-            if let Some(on) = lg.out_norm {
-                self.col_sum(a, a.contrib.ptr, rows, di, di, on)?;
+            if self.mimo.is_some() {
+                self.mimo_backward(a, l, lw, lg)?;
+            } else {
+                self.siso_mixer_backward(a, l, lw, lg)?;
             }
-            // the scan
-            let args = ScanBwdArgs::new(&self.layer_scan(a, l, lw).args, a);
-            let nseq = a.layout.seqs.len() as u32;
-            self.launch(
-                &self.k.scan_bwd,
-                (nseq, h as u32, 1),
-                256,
-                self.k.bwd_smem,
-                &[&args],
-            )?;
-            let seq_len = a.seq_len as i32;
-            self.launch(
-                &self.k.phase_grad_pass,
-                (nseq, (h * s).div_ceil(128) as u32, 1),
-                128,
-                0,
-                &[&a.dphi.ptr, &seq_len],
-            )?;
-            let rows_i = rows as i32;
-            self.launch(
-                &self.k.mixer_pre_bwd,
-                (rows as u32, 1, 1),
-                256,
-                0,
-                &[
-                    &la.proj.ptr,
-                    &lw.dt_bias,
-                    &lw.b_norm,
-                    &lw.c_norm,
-                    &la.theta.ptr,
-                    &a.tokg.ptr,
-                    &a.dphi.ptr,
-                    &a.dk.ptr,
-                    &a.dq.ptr,
-                    &a.dproj.ptr,
-                    &a.bc_rows.ptr,
-                    &rows_i,
-                    &seq_len,
-                ],
-            )?;
-            // the mixer's own parameters
-            let dt_cols = a.dproj.ptr + 4 * d.dt_off() as u64;
-            self.col_sum(a, dt_cols, rows, h, pl, lg.dt_bias)?;
-            self.col_sum(a, a.dk.ptr, rows, h * n, h * n, lg.b_bias)?;
-            self.col_sum(a, a.dq.ptr, rows, h * n, h * n, lg.c_bias)?;
-            self.col_sum(a, a.dd_part.ptr, a.batch, h, h, lg.d)?;
-            self.col_sum(a, a.bc_rows.ptr, rows * gn, n, n, lg.b_norm)?;
-            let c_rows = a.bc_rows.ptr + 4 * (rows * gn * n) as u64;
-            self.col_sum(a, c_rows, rows * gn, n, n, lg.c_norm)?;
             // in_proj and the layer norm
             let dp = self.operand(a, a.dproj.ptr, pl, rows, d.d_in_proj)?;
             self.linear_bwd(
@@ -494,6 +449,90 @@ impl CudaTrainer {
             )?;
             self.norm_rows_bwd(a, la.r_in.ptr, lw.norm, a.dn.ptr, a.dres.ptr, lg.norm, true)?;
         }
+        Ok(())
+    }
+
+    /// The SISO mixer's backward of layer `l` from `a.d_o`: the gate, the scan, the
+    /// per-token preprocessing into `a.dproj`, and the mixer's own parameters into `lg`.
+    fn siso_mixer_backward(
+        &self,
+        a: &Acts,
+        l: usize,
+        lw: &LayerAddrs,
+        lg: &LayerAddrs,
+    ) -> Result<()> {
+        let d = &self.d;
+        let (rows, di) = (a.rows, d.d_inner);
+        let (h, n, s, gn) = (d.nheads, d.d_state, d.num_rope_angles, d.ngroups);
+        let pl = proj_ld(d);
+        let la = &a.layers[l];
+        self.launch(
+            &self.k.gate_bwd_rows,
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                &la.proj.ptr,
+                &la.y_pre.ptr,
+                &lw.out_norm.unwrap_or(0),
+                &a.d_o.ptr,
+                &a.dy.ptr,
+                &a.dproj.ptr,
+                &a.contrib.ptr,
+            ],
+        )?;
+        if let Some(on) = lg.out_norm {
+            self.col_sum(a, a.contrib.ptr, rows, di, di, on)?;
+        }
+        // the scan
+        let args = ScanBwdArgs::new(&self.layer_scan(a, l, lw).args, a);
+        let nseq = a.layout.seqs.len() as u32;
+        self.launch(
+            &self.k.scan_bwd,
+            (nseq, h as u32, 1),
+            256,
+            self.k.bwd_smem,
+            &[&args],
+        )?;
+        let seq_len = a.seq_len as i32;
+        self.launch(
+            &self.k.phase_grad_pass,
+            (nseq, (h * s).div_ceil(128) as u32, 1),
+            128,
+            0,
+            &[&a.dphi.ptr, &seq_len],
+        )?;
+        let rows_i = rows as i32;
+        self.launch(
+            &self.k.mixer_pre_bwd,
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                &la.proj.ptr,
+                &lw.dt_bias,
+                &lw.b_norm,
+                &lw.c_norm,
+                &la.theta.ptr,
+                &a.tokg.ptr,
+                &a.dphi.ptr,
+                &a.dk.ptr,
+                &a.dq.ptr,
+                &a.dproj.ptr,
+                &a.bc_rows.ptr,
+                &rows_i,
+                &seq_len,
+            ],
+        )?;
+        // the mixer's own parameters
+        let dt_cols = a.dproj.ptr + 4 * d.dt_off() as u64;
+        self.col_sum(a, dt_cols, rows, h, pl, lg.dt_bias)?;
+        self.col_sum(a, a.dk.ptr, rows, h * n, h * n, lg.b_bias)?;
+        self.col_sum(a, a.dq.ptr, rows, h * n, h * n, lg.c_bias)?;
+        self.col_sum(a, a.dd_part.ptr, a.batch, h, h, lg.d)?;
+        self.col_sum(a, a.bc_rows.ptr, rows * gn, n, n, lg.b_norm)?;
+        let c_rows = a.bc_rows.ptr + 4 * (rows * gn * n) as u64;
+        self.col_sum(a, c_rows, rows * gn, n, n, lg.c_norm)?;
         Ok(())
     }
 }

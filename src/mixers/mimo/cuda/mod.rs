@@ -25,6 +25,16 @@ pub const PROGRAM: Program = Program {
     parts: &[0],
 };
 
+/// Training (`crate::train::cuda`): the mixer's forward that keeps activations and its exact
+/// backward, token by token per (sequence, head) in f32 — a port of `super::train`.
+/// Standalone: every size is a kernel argument, so one compiled program serves every shape.
+pub const TRAINING: Program = Program {
+    name: "Mamba-3 MIMO training",
+    head: "",
+    sources: &[("mimo_train.cu", include_str!("kernels/mimo_train.cu"))],
+    parts: &[0],
+};
+
 /// The lanes that hold one channel's state in the scan (`MIMO_Q`): the largest power of two
 /// ≤ 32 dividing `N/2` (so that the rotation pairs `(n, n + N/2)` meet in one lane). `None`
 /// for an odd `N`, or when a lane would hold over 64 entries.
