@@ -55,7 +55,7 @@ fn widen(p: &Params<f32>) -> Params<f64> {
 
 /// Worst per-tensor relative L2 of the GPU gradient against the CPU's in f64 (the CPU's
 /// own f32 distance printed beside it), for `dtype` on the GPU; asserts the loss.
-fn compare(name: &str, cfg: &Config, b: &Batch, dtype: DType) -> f64 {
+fn compare(name: &str, cfg: &Config, b: &Batch, dtype: DType) -> (f64, f64) {
     let p = params(cfg, 7);
     let mut g64 = Params::<f64>::zeros(cfg);
     let l64 = loss_and_grad(&widen(&p), b, Some(&mut g64)).unwrap();
@@ -70,6 +70,9 @@ fn compare(name: &str, cfg: &Config, b: &Batch, dtype: DType) -> f64 {
         "{name}: loss {lg} vs {l64}"
     );
     let mut worst = 0.0f64;
+    // Each tensor's error over max(1e-4, 4 × the CPU f32 gradient's own distance from f64)
+    // (see `gradients_match_the_cpu_in_f32`): at most 1 when within that bound.
+    let mut over_bound = 0.0f64;
     for (((tn, a), (_, c)), (_, c32)) in gg.tensors().iter().zip(g64.tensors()).zip(g32.tensors()) {
         let a64: Vec<f64> = a.iter().map(|&x| x as f64).collect();
         let c32: Vec<f64> = c32.iter().map(|&x| x as f64).collect();
@@ -78,9 +81,10 @@ fn compare(name: &str, cfg: &Config, b: &Batch, dtype: DType) -> f64 {
         println!("  {tn:40} gpu {e:.2e}   (cpu f32 {e32:.2e})");
         assert!(e.is_finite(), "{name}: {tn}: gradient rel L2 {e}");
         worst = worst.max(e);
+        over_bound = over_bound.max(e / (4.0 * e32).max(1e-4));
     }
     println!("{name} {dtype:?}: worst gradient rel L2 vs the CPU (f64) {worst:.3e}");
-    worst
+    (worst, over_bound)
 }
 
 fn cases() -> Vec<(&'static str, Config, Batch)> {
@@ -116,11 +120,14 @@ fn cases() -> Vec<(&'static str, Config, Batch)> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gradients_match_the_cpu_in_f32() {
+    // Within 1e-4 of the f64 gradient, or, on a config whose f32 arithmetic is itself that
+    // far off (R2-groups-rope-norm-mlp: the CPU's f32 gradients 3.5e-4 from f64, measured),
+    // within 4× the CPU's own f32 distance, tensor by tensor.
     for (name, cfg, b) in cases() {
-        let worst = compare(name, &cfg, &b, DType::F32);
+        let (worst, over_bound) = compare(name, &cfg, &b, DType::F32);
         assert!(
-            worst <= 1e-4,
-            "{name}: worst gradient rel L2 {worst:e} > 1e-4"
+            over_bound <= 1.0,
+            "{name}: a gradient over its bound ({over_bound:.2}× it; worst rel L2 {worst:e})"
         );
     }
 }
@@ -131,7 +138,7 @@ fn bf16_mixed_precision_gradients_stay_close() {
     // bf16 GEMM operands, the MIMO mixer itself in f32. The bound is the SISO trainer's
     // (tests/gpu_train.rs, measured there at 1–6e-2); a wrong gradient is off by O(1).
     for (name, cfg, b) in cases() {
-        let worst = compare(name, &cfg, &b, DType::BF16);
+        let (worst, _) = compare(name, &cfg, &b, DType::BF16);
         assert!(
             worst <= 1e-1,
             "{name}: worst gradient rel L2 {worst:e} > 1e-1"

@@ -14,6 +14,7 @@ pub mod error;
 pub mod listen;
 pub mod metrics;
 pub mod prefix_cache;
+mod reply;
 pub mod routes;
 pub mod scheduler;
 

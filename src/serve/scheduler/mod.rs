@@ -29,11 +29,16 @@
 //! thread carries on.
 
 use super::emitter::{self, Emit, Outcome, TokenOut};
+
+mod embed;
+mod handoff;
 use super::metrics::{DeviceMetrics, Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
 use crate::engine::{Device, LogitsWant, Model, SampleStep, State};
 use crate::text::generate::{all_finite, non_finite_logits};
 use crate::text::{FinishReason, GenParams, Sampler, TextRules, TokenRules, Tokenizer};
+use embed::EmbedTask;
+use handoff::Out;
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -170,19 +175,6 @@ pub struct Scheduler {
     next_id: u64,
     /// Set by [`Work::Shutdown`].
     stopping: bool,
-}
-
-/// An embedding request being read, one input after another.
-struct EmbedTask {
-    job: EmbedJob,
-    /// The input being read.
-    input: usize,
-    state: Option<State>,
-    /// Tokens of that input already read.
-    fed: usize,
-    /// Sum of its pooled rows so far (f64).
-    sum: Vec<f64>,
-    out: Vec<Vec<f32>>,
 }
 
 impl Scheduler {
@@ -346,67 +338,6 @@ impl Scheduler {
 
     fn idle(&self) -> bool {
         self.active.is_empty() && self.waiting.is_empty() && self.embeds.is_empty()
-    }
-
-    /// Read at most `prefill_chunk` tokens of the oldest embedding request (each input
-    /// from a fresh state, in continued windows), so that a long input does not stall the
-    /// running sequences; answer it when its last input is read.
-    fn embed_step(&mut self) -> Result<(), String> {
-        let mut budget = self.cfg.prefill_chunk.max(1);
-        // (the hidden states are computed on the CPU whatever the model's device)
-        let on_cpu = self.model.device() == Device::Cpu;
-        while budget > 0 {
-            let Some(task) = self.embeds.front_mut() else {
-                return Ok(());
-            };
-            if task.job.reply.is_closed() {
-                self.embeds.pop_front();
-                continue;
-            }
-            let tokens = &task.job.inputs[task.input];
-            let end = tokens.len().min(task.fed + budget);
-            let last = end == tokens.len();
-            let want = match (task.job.pooling, last) {
-                (Pooling::Mean, _) => LogitsWant::All,
-                (Pooling::Last, true) => LogitsWant::Last,
-                (Pooling::Last, false) => LogitsWant::None,
-            };
-            let state = task.state.get_or_insert_with(|| self.model.new_state());
-            let t = Instant::now();
-            let rows = self.model.hidden(&tokens[task.fed..end], state, want);
-            if on_cpu {
-                self.device.device_busy.since(t);
-            }
-            let rows = rows.map_err(|e| e.to_string())?;
-            let d = task.sum.len();
-            for r in rows.chunks(d) {
-                task.sum
-                    .iter_mut()
-                    .zip(r)
-                    .for_each(|(a, &b)| *a += b as f64);
-            }
-            budget -= end - task.fed;
-            task.fed = end;
-            if !last {
-                continue;
-            }
-            let n = match task.job.pooling {
-                Pooling::Mean => tokens.len(),
-                Pooling::Last => 1,
-            };
-            let v = task.sum.iter().map(|&x| (x / n as f64) as f32).collect();
-            task.out.push(v);
-            task.sum.iter_mut().for_each(|x| *x = 0.0);
-            task.state = None;
-            task.fed = 0;
-            task.input += 1;
-            if task.input == task.job.inputs.len() {
-                if let Some(t) = self.embeds.pop_front() {
-                    let _ = t.job.reply.send(Ok(t.out));
-                }
-            }
-        }
-        Ok(())
     }
 
     fn publish(&self) {
@@ -694,131 +625,10 @@ impl Scheduler {
             }
         }
     }
-
-    /// Take the emitter's answer for the previous turn (ending the sequences a stop string
-    /// ended), take this turn's decoded ids, and hand the turn's tokens to the emitter.
-    fn hand_to_emitter(&mut self) {
-        let t = Instant::now();
-        if self.emitting {
-            self.emitting = false;
-            match self.outcomes.recv() {
-                Ok(outcome) => self.apply(outcome),
-                Err(_) => {
-                    // (the emitter is gone: nothing more can reach the clients)
-                    for s in &mut self.active {
-                        s.closed = true;
-                    }
-                }
-            }
-        }
-        let t = self.device.spent(Phase::EmitWait, t);
-        let vocab = self.model.dims().vocab_size;
-        let (model, sampled) = (&self.model, &self.sampled);
-        let mut o = Out {
-            cache: lock(&self.cache),
-            cfg: &self.cfg,
-            vocab,
-            batch: &mut self.batch,
-        };
-        for (b, &i) in self.step_rows.iter().enumerate() {
-            let s = &mut self.active[i];
-            if s.closed {
-                // (ended by a stop string one step ago: this token is never sent)
-                continue;
-            }
-            if sampled.finite(b) {
-                // (a row that was not finite is never sampled from nor cached)
-                // Only a sequence that ends here and is cached needs its row of logits:
-                // on a GPU that one row comes from the device.
-                o.take(s, sampled.ids()[b], || {
-                    model.step_logits_row(sampled, b).ok()
-                });
-            } else {
-                let e = non_finite_logits(&s.state, s.state.position());
-                Self::fail(&self.emitter, s, e.to_string());
-            }
-        }
-        drop(o);
-        self.step_rows.clear();
-        if !self.batch.is_empty() {
-            let batch = std::mem::take(&mut self.batch);
-            self.emitting = self.emitter.send(Emit::Tokens(batch)).is_ok();
-        }
-        self.device.spent(Phase::Emit, t);
-    }
-
-    /// The emitter's answer for the previous turn's tokens.
-    fn apply(&mut self, outcome: Outcome) {
-        let cancelled = &self.shared.metrics.cancelled;
-        for id in outcome.gone {
-            if let Some(s) = self.active.iter_mut().find(|s| s.id == id && !s.closed) {
-                s.closed = true;
-                cancelled.fetch_add(1, Relaxed);
-            }
-        }
-        let caching = self.cfg.cache_generated && self.cfg.cache_bytes > 0;
-        for id in outcome.stopped {
-            let Some(s) = self.active.iter_mut().find(|s| s.id == id && !s.closed) else {
-                continue;
-            };
-            s.closed = true;
-            // This turn's step fed the last sent token: the state holds the prompt and
-            // every sent token, and the step's row is the logits after them.
-            let Some(b) = s.step_row.filter(|_| caching) else {
-                continue;
-            };
-            if let Ok(mut row) = self.model.step_logits_row(&self.sampled, b) {
-                row.truncate(self.model.dims().vocab_size);
-                let mut key = s.job.prompt.clone();
-                key.extend_from_slice(s.tokens.generated());
-                lock(&self.cache).insert(&key, s.state.clone(), Arc::new(row));
-            }
-        }
-    }
 }
 
 /// The prefix cache, whole even if a thread panicked holding it (every change to it
 /// completes before anything can panic).
 fn lock(cache: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCache> {
     cache.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What taking a sampled token needs, borrowed apart from the active list.
-struct Out<'a> {
-    cache: std::sync::MutexGuard<'a, PrefixCache>,
-    cfg: &'a SchedulerConfig,
-    vocab: usize,
-    batch: &'a mut Vec<TokenOut>,
-}
-
-impl Out<'_> {
-    /// Take `token` as `seq`'s next (`logits` gives the row it was sampled from, wanted
-    /// only when a finished sequence is cached: `vocab_size` entries or more) into the
-    /// turn's batch; a sequence whose id ends it is closed (and cached) now.
-    fn take(&mut self, seq: &mut Seq, token: u32, logits: impl FnOnce() -> Option<Vec<f32>>) {
-        let end = seq.tokens.push(token);
-        self.batch.push(TokenOut {
-            id: seq.id,
-            token,
-            end,
-        });
-        if end.is_none() {
-            seq.next = Some(token);
-            return;
-        }
-        seq.closed = true;
-        if self.cfg.cache_generated && self.cfg.cache_bytes > 0 {
-            // The state has read the prompt and every generated token but the last.
-            let gen = seq.tokens.generated();
-            if gen.len() > 1 {
-                let mut key = seq.job.prompt.clone();
-                key.extend_from_slice(&gen[..gen.len() - 1]);
-                // (a row the device no longer holds is not cached)
-                if let Some(mut row) = logits() {
-                    row.truncate(self.vocab);
-                    self.cache.insert(&key, seq.state.clone(), Arc::new(row));
-                }
-            }
-        }
-    }
 }
