@@ -116,6 +116,38 @@ pub(crate) fn fingerprint_values(h: Fnv, name: &str, n: usize, get: impl Fn(usiz
     h
 }
 
+/// Tensors [`read_expected`] checked, taken out by official name into typed fields.
+pub(crate) struct Checked(pub std::collections::HashMap<String, TensorData>);
+
+impl Checked {
+    fn take(&mut self, name: &str) -> TensorData {
+        self.0.remove(name).expect("checked by read_expected")
+    }
+    /// A vector, as f32.
+    pub fn vec32(&mut self, name: &str) -> Vec<f32> {
+        match self.take(name) {
+            TensorData::F32(v) => v,
+            other => other.to_f32_vec(),
+        }
+    }
+    /// A `[rows, cols]` matrix in its held dtype.
+    pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Matrix {
+        Matrix {
+            rows,
+            cols,
+            data: self.take(name),
+        }
+    }
+    /// Layer `i`'s GatedMLP block (`norm2`, `mlp.fc1`, `mlp.fc2`), when `hidden > 0`.
+    pub fn mlp(&mut self, i: usize, d_model: usize, hidden: usize) -> Option<MlpWeights> {
+        (hidden > 0).then(|| MlpWeights {
+            norm: self.vec32(&layer_name(i, "norm2.weight")),
+            fc1: self.matrix(&layer_name(i, "mlp.fc1.weight"), 2 * hidden, d_model),
+            fc2: self.matrix(&layer_name(i, "mlp.fc2.weight"), d_model, hidden),
+        })
+    }
+}
+
 /// Official names of a layer's tensors.
 pub fn layer_name(i: usize, suffix: &str) -> String {
     format!("backbone.layers.{i}.{suffix}")

@@ -14,7 +14,7 @@ use crate::model::dtype::{DType, TensorData};
 use crate::model::rng::Rng;
 use crate::model::tensor_file::{RawTensor, TensorFile};
 use crate::model::weights::{
-    fingerprint_tensor, layer_name, locate, read_expected, Fnv, Matrix, MlpWeights,
+    fingerprint_tensor, layer_name, locate, read_expected, Checked, Fnv, Matrix, MlpWeights,
 };
 use std::path::Path;
 
@@ -145,45 +145,36 @@ impl Weights {
     fn assemble(
         config: Config,
         dtype: DType,
-        mut t: std::collections::HashMap<String, TensorData>,
+        t: std::collections::HashMap<String, TensorData>,
         fingerprint: u64,
     ) -> Weights {
         let d = config.dims();
-        let mut take = |name: &str| t.remove(name).expect("checked by caller");
-        let vec32 = |data: TensorData| match data {
-            TensorData::F32(v) => v,
-            other => other.to_f32_vec(),
-        };
-        let mat = |data: TensorData, rows: usize, cols: usize| Matrix { rows, cols, data };
-        let embedding = mat(take("backbone.embedding.weight"), d.vocab_padded, d.d_model);
+        let mut t = Checked(t);
+        let embedding = t.matrix("backbone.embedding.weight", d.vocab_padded, d.d_model);
         let mut layers = Vec::with_capacity(d.n_layer);
         for i in 0..d.n_layer {
             let l = |s: &str| layer_name(i, s);
-            let mlp = (d.mlp_hidden > 0).then(|| MlpWeights {
-                norm: vec32(take(&l("norm2.weight"))),
-                fc1: mat(take(&l("mlp.fc1.weight")), 2 * d.mlp_hidden, d.d_model),
-                fc2: mat(take(&l("mlp.fc2.weight")), d.d_model, d.mlp_hidden),
-            });
+            let mlp = t.mlp(i, d.d_model, d.mlp_hidden);
             layers.push(LayerWeights {
-                norm: vec32(take(&l("norm.weight"))),
-                in_proj: mat(take(&l("mixer.in_proj.weight")), d.d_in_proj, d.d_model),
-                dt_bias: vec32(take(&l("mixer.dt_bias"))),
-                b_bias: vec32(take(&l("mixer.B_bias"))),
-                c_bias: vec32(take(&l("mixer.C_bias"))),
-                b_norm: vec32(take(&l("mixer.B_norm.weight"))),
-                c_norm: vec32(take(&l("mixer.C_norm.weight"))),
-                d: vec32(take(&l("mixer.D"))),
+                norm: t.vec32(&l("norm.weight")),
+                in_proj: t.matrix(&l("mixer.in_proj.weight"), d.d_in_proj, d.d_model),
+                dt_bias: t.vec32(&l("mixer.dt_bias")),
+                b_bias: t.vec32(&l("mixer.B_bias")),
+                c_bias: t.vec32(&l("mixer.C_bias")),
+                b_norm: t.vec32(&l("mixer.B_norm.weight")),
+                c_norm: t.vec32(&l("mixer.C_norm.weight")),
+                d: t.vec32(&l("mixer.D")),
                 out_norm: config
                     .ssm_cfg
                     .is_outproj_norm
-                    .then(|| vec32(take(&l("mixer.norm.weight")))),
-                out_proj: mat(take(&l("mixer.out_proj.weight")), d.d_model, d.d_inner),
+                    .then(|| t.vec32(&l("mixer.norm.weight"))),
+                out_proj: t.matrix(&l("mixer.out_proj.weight"), d.d_model, d.d_inner),
                 mlp,
             });
         }
-        let norm_f = vec32(take("backbone.norm_f.weight"));
-        let lm_head = (!config.tie_embeddings)
-            .then(|| mat(take("lm_head.weight"), d.vocab_padded, d.d_model));
+        let norm_f = t.vec32("backbone.norm_f.weight");
+        let lm_head =
+            (!config.tie_embeddings).then(|| t.matrix("lm_head.weight", d.vocab_padded, d.d_model));
         Weights {
             config,
             dims: d,
