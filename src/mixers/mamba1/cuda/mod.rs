@@ -252,10 +252,11 @@ impl GpuMamba1 {
                 pass.seq_nchunks(),
                 pass.at(Table::SeqState),
             );
-            let grid = (pass.seqs as u32, ch_blocks, 1);
+            // one thread per state entry (d, n)
+            let entry_blocks = (di * self.cfg.d_state).div_ceil(128) as u32;
             gpu.launch(
                 &self.k.scan_carry,
-                grid,
+                (pass.seqs as u32, entry_blocks, 1),
                 128,
                 0,
                 false,

@@ -14,6 +14,9 @@
 // (`direct`), reading and writing the states themselves. D_STATE (N) is compile-time: the
 // state of a channel lives in registers.
 
+// Chunks whose carry inputs are loaded at once (m1_scan_carry).
+#define CARRY_BATCH 8
+
 struct M1Scan {
     const float* u;        // [rows, D_i] conv output
     const float* dt;       // [rows, D_i] dt_proj output, before bias and softplus
@@ -56,31 +59,39 @@ extern "C" __global__ void m1_scan_local(M1Scan p, const int* chunk_row0, const 
 }
 
 // h_chunk[c] (a chunk's state from zero) is replaced by the chunk's incoming state.
+// One thread per state entry (d, n): coalesced over h_chunk's [chunk][D_i][N] rows. Each
+// batch of CARRY_BATCH chunks' local states and Δ sums is loaded before the walk through
+// them, so that the walk waits for memory once per batch, not once per chunk (the walk
+// itself is the same arithmetic, in the same order, as one chunk at a time).
 extern "C" __global__ void m1_scan_carry(M1Scan p, const int* seg_chunk0, const int* seg_nchunks,
                                          const unsigned long long* seg_state, float* h_chunk,
                                          const float* dt_sum) {
-    const int d = blockIdx.y * blockDim.x + threadIdx.x, s = blockIdx.x;
-    if (d >= p.d_inner) return;
-    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[s]) + p.ssm_off) + (size_t)d * D_STATE;
-    float h[D_STATE], a[D_STATE];
+    const int e = blockIdx.y * blockDim.x + threadIdx.x, s = blockIdx.x;
+    if (e >= p.d_inner * D_STATE) return;
+    const int d = e / D_STATE;
+    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[s]) + p.ssm_off) + e;
+    const float a = p.a[e];
+    float h = st_load(st);
+    const int c0 = seg_chunk0[s], n = seg_nchunks[s];
+    const size_t stride = (size_t)p.d_inner * D_STATE;
+    float* hc = h_chunk + (size_t)c0 * stride + e;
+    for (int k0 = 0; k0 < n; k0 += CARRY_BATCH) {
+        float local[CARRY_BATCH], sum[CARRY_BATCH];
 #pragma unroll
-    for (int n = 0; n < D_STATE; ++n) {
-        h[n] = st_load(st + n);
-        a[n] = p.a[(size_t)d * D_STATE + n];
-    }
-    for (int k = 0; k < seg_nchunks[s]; ++k) {
-        const int c = seg_chunk0[s] + k;
-        const float sum = dt_sum[(size_t)c * p.d_inner + d];
-        float* hc = h_chunk + ((size_t)c * p.d_inner + d) * D_STATE;
+        for (int i = 0; i < CARRY_BATCH; ++i) {
+            const int k = k0 + i;
+            local[i] = k < n ? hc[k * stride] : 0.f;
+            sum[i] = k < n ? dt_sum[(size_t)(c0 + k) * p.d_inner + d] : 0.f;
+        }
 #pragma unroll
-        for (int n = 0; n < D_STATE; ++n) {
-            const float local = hc[n];
-            hc[n] = h[n];
-            h[n] = expf(a[n] * sum) * h[n] + local;
+        for (int i = 0; i < CARRY_BATCH; ++i) {
+            const int k = k0 + i;
+            if (k >= n) break;
+            hc[k * stride] = h;
+            h = expf(a * sum[i]) * h + local[i];
         }
     }
-#pragma unroll
-    for (int n = 0; n < D_STATE; ++n) st_store(st + n, h[n]);
+    st_store(st, h);
 }
 
 // Outputs of each chunk, gated, in the GEMM dtype. `direct`: the chunk is its sequence's
