@@ -20,7 +20,9 @@
 
 use super::weights::{MimoDims, MimoWeights};
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
-use crate::cuda::kernels::{check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, SCAN_TILES};
+use crate::cuda::kernels::{
+    check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, SCAN_TILES,
+};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
 use crate::mixers::mamba1::cuda::{act_define, LM_ROWS};
@@ -175,21 +177,6 @@ struct MimoScan {
 }
 
 crate::cuda::context::karg!(MimoScan);
-
-/// The pass's tables the chunked scan reads (`ChunkTable` in chunk_scan.cuh: the same
-/// fields in the same order).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct ChunkTable {
-    row0: u64,
-    len: u64,
-    seq: u64,
-    seq_chunk0: u64,
-    seq_nchunks: u64,
-    seq_state: u64,
-}
-
-crate::cuda::context::karg!(ChunkTable);
 
 struct Mlp {
     norm: DevBuf,
@@ -395,14 +382,7 @@ impl GpuMimo {
     /// sequence's final state (one launch when every sequence is one chunk).
     fn chunked_scan(&self, run: &LayerRun, p: &MimoScan, b: &Bufs) -> Result<()> {
         let (gpu, pass, d) = (run.gpu, run.pass, &self.d);
-        let t = ChunkTable {
-            row0: pass.at(Table::ChunkRow0),
-            len: pass.at(Table::ChunkLen),
-            seq: pass.at(Table::ChunkSeq),
-            seq_chunk0: pass.at(Table::SeqChunk0),
-            seq_nchunks: pass.seq_nchunks(),
-            seq_state: pass.at(Table::SeqState),
-        };
+        let t = pass.chunk_table();
         let heads = d.nheads as u32;
         let grid = (pass.chunks as u32, heads, 1);
         let (threads, smem) = (self.k.chunk_threads, self.k.chunk_smem);
@@ -488,5 +468,57 @@ impl GpuMimo {
             m.fc2.apply(run, b.mlp_act, residual, true)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kernel_config;
+    use crate::mixers::mimo::{mimo_config_from_json_str, mimo_dims};
+    use crate::model::DType;
+
+    fn dims(d_state: usize, headdim: usize, rank: usize) -> super::MimoDims {
+        let json = format!(
+            r#"{{"d_model": 128, "n_layer": 1, "vocab_size": 100, "ssm_cfg": {{
+                "layer": "Mamba3", "d_state": {d_state}, "headdim": {headdim},
+                "is_mimo": true, "mimo_rank": {rank}}}}}"#
+        );
+        mimo_dims(&mimo_config_from_json_str(&json, "test").unwrap())
+    }
+
+    #[test]
+    fn kernel_config_picks_the_products_and_refuses_what_the_tiles_cannot_hold() {
+        let get = |dtype| {
+            let k = kernel_config(&dims(128, 64, 4), dtype).unwrap();
+            let d = |n: &str| k.define(n).unwrap().to_string();
+            (
+                d("SCAN_MMA"),
+                d("CHUNK"),
+                d("HEADDIM"),
+                d("DSTATE"),
+                d("MIMO_R"),
+            )
+        };
+        let s = |v: &str| v.to_string();
+        assert_eq!(
+            get(DType::F32),
+            (s("0"), s("32"), s("64"), s("128"), s("4"))
+        );
+        assert_eq!(
+            get(DType::BF16),
+            (s("2"), s("64"), s("64"), s("128"), s("4"))
+        );
+        assert_eq!(
+            get(DType::F16),
+            (s("2"), s("64"), s("64"), s("128"), s("4"))
+        );
+        let e = kernel_config(&dims(64, 256, 2), DType::BF16)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("headdim 256") && e.contains("up to 128"), "{e}");
+        let e = kernel_config(&dims(64, 16, 9), DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mimo_rank 9") && e.contains("at most 8"), "{e}");
     }
 }

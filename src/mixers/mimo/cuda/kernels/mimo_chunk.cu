@@ -67,6 +67,55 @@ __device__ __forceinline__ float mimo_fold_weight(const MimoScan& p, size_t row,
     return cf.w - cf.z;
 }
 
+// K̃ (and Q̃) of a tile's `rows` pseudo-rows from row r0: B̄ (C̄) of the head's group plus
+// the head's bias, the pairs (n, n + N/2) with n < S turned by the row's phase (§2.4); zero
+// past the pseudo-rows. A thread's loads go in batches of MIMO_LOAD_BATCH passes, all
+// issued before the batch's shared stores (which the compiler would not move them across).
+#define MIMO_LOAD_BATCH 4
+template <bool OUT>
+__device__ __forceinline__ void mimo_build_kq(const MimoScan& p, size_t r0, int rows, int h, int g, op_t* sK,
+                                              op_t* sQ) {
+    constexpr int NH = DSTATE / 2;
+    constexpr int IT = (CHP * NH + SCAN_THREADS - 1) / SCAN_THREADS;  // passes of the block
+    const int bcw = MIMO_R * p.groups * DSTATE;
+    for (int i0 = 0; i0 < IT; i0 += MIMO_LOAD_BATCH) {
+        float k[MIMO_LOAD_BATCH][2], q[MIMO_LOAD_BATCH][2];
+        float2 cs[MIMO_LOAD_BATCH];
+#pragma unroll
+        for (int u = 0; u < MIMO_LOAD_BATCH; ++u) {
+            const int e = (i0 + u) * SCAN_THREADS + threadIdx.x, i = e / NH, n = e % NH;
+            k[u][0] = k[u][1] = q[u][0] = q[u][1] = 0.f;
+            cs[u] = make_float2(1.f, 0.f);
+            if (i0 + u < IT && i < rows) {
+                const int j = i / MIMO_R, r = i % MIMO_R;
+                const size_t row = r0 + j;
+                const float* src = p.bcn + row * 2 * bcw + (r * p.groups + g) * DSTATE + n;
+                const float* kb = p.b_bias + (h * MIMO_R + r) * DSTATE + n;
+                k[u][0] = __ldg(src) + __ldg(kb);
+                k[u][1] = __ldg(src + NH) + __ldg(kb + NH);
+                if (OUT) {
+                    const float* qb = p.c_bias + (h * MIMO_R + r) * DSTATE + n;
+                    q[u][0] = __ldg(src + bcw) + __ldg(qb);
+                    q[u][1] = __ldg(src + bcw + NH) + __ldg(qb + NH);
+                }
+                if (n < p.angles) cs[u] = __ldg(p.cs + (row * p.heads + h) * p.angles + n);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MIMO_LOAD_BATCH; ++u) {
+            const int e = (i0 + u) * SCAN_THREADS + threadIdx.x, i = e / NH, n = e % NH;
+            if (i0 + u >= IT || i >= CHP) break;
+            const float c = cs[u].x, sn = cs[u].y;
+            sK[i * LDK + n] = from_f<op_t>(k[u][0] * c - k[u][1] * sn);
+            sK[i * LDK + n + NH] = from_f<op_t>(k[u][0] * sn + k[u][1] * c);
+            if (OUT) {
+                sQ[i * LDQ + n] = from_f<op_t>(q[u][0] * c - q[u][1] * sn);
+                sQ[i * LDQ + n + NH] = from_f<op_t>(q[u][0] * sn + q[u][1] * c);
+            }
+        }
+    }
+}
+
 template <bool OUT>
 __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTable& t, float* h_chunk,
                                                 float* log_decay, int direct, float* y) {
@@ -100,7 +149,6 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
     // the sequence's ssm state (of the storage type `state_t`, dtypes.cuh)
     state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(t.seq_state[sq]) + p.ssm_off) + head_at;
     float* hc = h_chunk + (size_t)c * heads * HEADDIM * DSTATE + head_at;
-    const int bcw = MIMO_R * p.groups * DSTATE;
     const float* x_h = p.proj + p.x_off + h * HEADDIM;  // x of this head at row·ld
     const float* psi = p.mimo_x + h * MIMO_R * HEADDIM; // ψ [R, P] of this head
     const float dskip = p.d_skip[h];
@@ -158,57 +206,38 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
             s_c[j] = cc;
         }
         if (OUT) state_operand(sacc, s, sS);
-        // K̃ (and Q̃): B̄ (C̄) of the head's group plus the head's bias, the pairs (n, n + N/2)
-        // with n < S turned by the row's phase (§2.4); zero past the tile's pseudo-rows.
-        constexpr int NH = DSTATE / 2;
-        for (int e = tid; e < CHP * NH; e += SCAN_THREADS) {
-            const int i = e / NH, n = e % NH;
-            float ka = 0.f, kb = 0.f, qa = 0.f, qb = 0.f;
-            if (i < rows) {
-                const int j = i / MIMO_R, r = i % MIMO_R;
-                const size_t row = r0 + j;
-                const float* bsrc = p.bcn + row * 2 * bcw + (r * p.groups + g) * DSTATE;
-                const float* bb = p.b_bias + (h * MIMO_R + r) * DSTATE;
-                ka = bsrc[n] + bb[n];
-                kb = bsrc[n + NH] + bb[n + NH];
-                if (OUT) {
-                    const float* cb = p.c_bias + (h * MIMO_R + r) * DSTATE;
-                    qa = bsrc[bcw + n] + cb[n];
-                    qb = bsrc[bcw + n + NH] + cb[n + NH];
-                }
-                if (n < p.angles) {
-                    const float2 cs = p.cs[(row * heads + h) * p.angles + n];
-                    const float k0 = ka, q0 = qa;
-                    ka = k0 * cs.x - kb * cs.y;
-                    kb = k0 * cs.y + kb * cs.x;
-                    qa = q0 * cs.x - qb * cs.y;
-                    qb = q0 * cs.y + qb * cs.x;
-                }
-            }
-            sK[i * LDK + n] = from_f<op_t>(ka);
-            sK[i * LDK + n + NH] = from_f<op_t>(kb);
-            if (OUT) {
-                sQ[i * LDQ + n] = from_f<op_t>(qa);
-                sQ[i * LDQ + n + NH] = from_f<op_t>(qb);
-            }
-        }
+        mimo_build_kq<OUT>(p, r0, rows, h, g, sK, sQ);
         __syncthreads();
         prefix_sum_warp0(s_lc);
         __syncthreads();
         const float lc_end = s_lc[len - 1];
-        // U and w ⊙ U, w_j = e^{Lc_end − Lc_j}·c_j, in pairs of channels.
-        for (int e = tid; e < CHP * (PP / 2); e += SCAN_THREADS) {
-            const int i = e / (PP / 2), pp = 2 * (e % (PP / 2));
-            const int j = i / MIMO_R, r = i % MIMO_R;
-            float u0 = 0.f, u1 = 0.f, w = 0.f;
-            if (i < rows && pp < HEADDIM) {
-                const float* xr = x_h + (r0 + j) * p.ld + pp;
-                u0 = xr[0] * psi[r * HEADDIM + pp];
-                if (pp + 1 < HEADDIM) u1 = xr[1] * psi[r * HEADDIM + pp + 1];
-                w = expf(lc_end - s_lc[j]) * s_c[j];
+        // U and w ⊙ U, w_j = e^{Lc_end − Lc_j}·c_j, in pairs of channels (loads batched as
+        // in mimo_build_kq).
+        {
+            constexpr int IT = (CHP * (PP / 2) + SCAN_THREADS - 1) / SCAN_THREADS;
+            for (int i0 = 0; i0 < IT; i0 += MIMO_LOAD_BATCH) {
+                float u[MIMO_LOAD_BATCH][2];
+#pragma unroll
+                for (int v = 0; v < MIMO_LOAD_BATCH; ++v) {
+                    const int e = (i0 + v) * SCAN_THREADS + tid, i = e / (PP / 2), pp = 2 * (e % (PP / 2));
+                    u[v][0] = u[v][1] = 0.f;
+                    if (i0 + v < IT && i < rows && pp < HEADDIM) {
+                        const int j = i / MIMO_R, r = i % MIMO_R;
+                        const float* xr = x_h + (r0 + j) * p.ld + pp;
+                        u[v][0] = __ldg(xr) * __ldg(psi + r * HEADDIM + pp);
+                        if (pp + 1 < HEADDIM) u[v][1] = __ldg(xr + 1) * __ldg(psi + r * HEADDIM + pp + 1);
+                    }
+                }
+#pragma unroll
+                for (int v = 0; v < MIMO_LOAD_BATCH; ++v) {
+                    const int e = (i0 + v) * SCAN_THREADS + tid, i = e / (PP / 2), pp = 2 * (e % (PP / 2));
+                    if (i0 + v >= IT || i >= CHP) break;
+                    const int j = i / MIMO_R;
+                    const float w = i < rows ? expf(lc_end - s_lc[j]) * s_c[j] : 0.f;
+                    if (OUT) put_pair(sU + i * LDX + pp, u[v][0], u[v][1]);
+                    put_pair(sW + i * LDW + pp, u[v][0] * w, u[v][1] * w);
+                }
             }
-            if (OUT) put_pair(sU + i * LDX + pp, u0, u1);
-            put_pair(sW + i * LDW + pp, u0 * w, u1 * w);
         }
         __syncthreads();
         if (OUT) {
