@@ -10,9 +10,9 @@
 //! rank), and the intra-chunk product `Q̃K̃ᵀ`, its product with the values, the readout of
 //! the entering state and the state update are warp-level matrix products on
 //! shared-memory tiles (`scan_tiles.cuh`, shared with Mamba-2's and SISO's scans): exact
-//! f32 FMA for f32 models, the model's bf16/f16 with f32 accumulation otherwise. Chunk
-//! states from zero, their carry along each sequence (seeded with the boundary fold), then
-//! the outputs — one launch when every sequence is one chunk. Passes of at most
+//! f32 FMA for f32 models, TF32 for bf16 ones, f16 for f16 ones, f32 accumulation
+//! (`scan_products`). Chunk states from zero, their carry along each sequence (seeded with
+//! the boundary fold), then the outputs — one launch when every sequence is one chunk. Passes of at most
 //! `RECURRENT_ROWS_PER_SEQ` rows per sequence, every sequence one chunk (decode steps),
 //! take the recurrent form instead (`mimo_scan_rows`), whose tiles would be mostly padding
 //! in the chunked one — except with `batch_invariant`, where every pass takes the chunked
@@ -103,13 +103,18 @@ pub fn kernel_config(d: &MimoDims, dtype: DType) -> Result<KernelConfig> {
 }
 
 /// The chunked scan's products (`SCAN_MMA`) and pseudo-rows per tile (`CHUNK`, `CHUNK / R`
-/// tokens): f32 models exact f32 FMA in tiles of 32 (64 would take the f32 operands over
-/// 110 KB of shared memory at d_state 128, one block per SM); bf16/f16 the model dtype's
-/// tensor cores with f32 accumulation, tiles of 64 (the official MIMO chunk of 64/R tokens).
+/// tokens). f32 models: exact f32 FMA. bf16 models: TF32 tensor cores — bf16 operands (8
+/// bits of mantissa) were what took a first MIMO tensor-core scan's states past the 3e-2
+/// the GPU is held to against the CPU (docs/decisions.md, "MIMO tensor-core scan"), and
+/// f16 ones would need SISO's per-chunk scaling against overflow. f16 models: their own
+/// f16 on the tensor cores, as Mamba-2's. f32 operands in tiles of 32 (64 would take them
+/// over 110 KB of shared memory at d_state 128, one block per SM), f16 ones in tiles of
+/// 64 (the official MIMO chunk of 64/R tokens); f32 accumulation in every mode.
 fn scan_products(dtype: DType) -> (&'static str, &'static str) {
     match dtype {
         DType::F32 | DType::F64 => ("0", "32"),
-        DType::BF16 | DType::F16 => ("2", "64"),
+        DType::BF16 => ("1", "32"),
+        DType::F16 => ("2", "64"),
     }
 }
 
@@ -506,7 +511,7 @@ mod tests {
         );
         assert_eq!(
             get(DType::BF16),
-            (s("2"), s("64"), s("64"), s("128"), s("4"))
+            (s("1"), s("32"), s("64"), s("128"), s("4"))
         );
         assert_eq!(
             get(DType::F16),

@@ -18,9 +18,9 @@
 // S_enter = h⁻ + Δ_0(1 − λ_0)·Σ_r outer(v⁻ ⊙ ψ_r, k⁻_r) (§3.4).
 //
 // Four warp-level products on shared-memory tiles (scan_tiles.cuh; SCAN_MMA 0 exact f32
-// FMA for f32 models, 2 the model's bf16/f16 with f32 accumulation): M = Q̃K̃ᵀ on the block
-// lower triangle, weighted and stored as an operand; Y = Q̃Sᵀ with rows scaled by e^{Lc_j};
-// Y += M·U; S ← e^{Lc_end}·S + (w ⊙ U)ᵀ·K̃. Three launches, as Mamba-2's (ssd_chunk.cu):
+// FMA for f32 models, 1 TF32 for bf16 ones, 2 the model's f16 for f16 ones; f32
+// accumulation): M = Q̃K̃ᵀ on the block lower triangle, weighted and stored as an operand;
+// Y = Q̃Sᵀ with rows scaled by e^{Lc_j}; Y += M·U; S ← e^{Lc_end}·S + (w ⊙ U)ᵀ·K̃. Three launches, as Mamba-2's (ssd_chunk.cu):
 //   mimo_chunk_states: each chunk's state from zero and its total log-decay, for every
 //                      chunk but a sequence's last;
 //   mimo_chunk_carry:  per (sequence, head), the state entering each chunk, seeded with the
@@ -106,11 +106,11 @@ __device__ __forceinline__ void mimo_build_kq(const MimoScan& p, size_t r0, int 
             const int e = (i0 + u) * SCAN_THREADS + threadIdx.x, i = e / NH, n = e % NH;
             if (i0 + u >= IT || i >= CHP) break;
             const float c = cs[u].x, sn = cs[u].y;
-            sK[i * LDK + n] = from_f<op_t>(k[u][0] * c - k[u][1] * sn);
-            sK[i * LDK + n + NH] = from_f<op_t>(k[u][0] * sn + k[u][1] * c);
+            put_one(&sK[i * LDK + n], k[u][0] * c - k[u][1] * sn);
+            put_one(&sK[i * LDK + n + NH], k[u][0] * sn + k[u][1] * c);
             if (OUT) {
-                sQ[i * LDQ + n] = from_f<op_t>(q[u][0] * c - q[u][1] * sn);
-                sQ[i * LDQ + n + NH] = from_f<op_t>(q[u][0] * sn + q[u][1] * c);
+                put_one(&sQ[i * LDQ + n], q[u][0] * c - q[u][1] * sn);
+                put_one(&sQ[i * LDQ + n + NH], q[u][0] * sn + q[u][1] * c);
             }
         }
     }
@@ -175,8 +175,8 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
 #if NP > DSTATE
     for (int e = tid; e < CHP * (NP - DSTATE); e += SCAN_THREADS) {
         const int i = e / (NP - DSTATE), n = DSTATE + e % (NP - DSTATE);
-        sK[i * LDK + n] = from_f<op_t>(0.f);
-        sQ[i * LDQ + n] = from_f<op_t>(0.f);
+        put_one(&sK[i * LDK + n], 0.f);
+        put_one(&sQ[i * LDQ + n], 0.f);
     }
 #endif
     float decay_sum = 0.f;
