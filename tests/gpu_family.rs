@@ -256,7 +256,11 @@ fn mimo_configs() -> Vec<String> {
 fn gpu_equals_cpu_on_random_mimo_configs() {
     for (i, json) in mimo_configs().into_iter().enumerate() {
         let cfg = mimo_config_from_json_str(&json, "test").unwrap();
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
+        // f16 (the scan's f16 tiles of 64 pseudo-rows) for the benchmark's sizes and for
+        // rank 8 in groups; bf16 and f32 for every config
+        let f16 = [0, 4].contains(&i);
+        let dtypes = [DType::F32, DType::BF16, DType::F16];
+        for dtype in dtypes.into_iter().filter(|&d| d != DType::F16 || f16) {
             let w = MimoWeights::synthetic(cfg.clone(), dtype, 60 + i as u64).unwrap();
             let tol = match dtype {
                 DType::F32 => 1e-5,
