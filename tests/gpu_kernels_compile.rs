@@ -241,6 +241,12 @@ fn every_kernel_compiles_under_nvrtc() {
                     let name = format!("MIMO N{d_state} R{rank} {dtype:?} state {state:?}");
                     jobs.push((name, MIMO_PROGRAM, kc, "sm_90a"));
                 }
+                // the scan in bf16 operands (`MAMBA3_GPU_DEFINES="SCAN_MMA=2 CHUNK=64"`)
+                let mut kc = kc.clone();
+                kc.set("SCAN_MMA", "2");
+                kc.set("CHUNK", "64");
+                let name = format!("MIMO N{d_state} R{rank} {dtype:?} bf16 scan");
+                jobs.push((name, MIMO_PROGRAM, kc, "sm_90a"));
             }
         }
     }

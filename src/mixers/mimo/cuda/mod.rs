@@ -99,7 +99,9 @@ pub fn kernel_config(d: &MimoDims, dtype: DType) -> Result<KernelConfig> {
     let (mma, tile) = scan_products(dtype);
     k.set("SCAN_MMA", mma);
     k.set("CHUNK", tile);
-    Ok(k)
+    // (`MAMBA3_GPU_DEFINES`, e.g. "SCAN_MMA=2 CHUNK=64" for bf16 operands, measures a
+    // variant without a rebuild)
+    Ok(k.tuned())
 }
 
 /// The chunked scan's products (`SCAN_MMA`) and pseudo-rows per tile (`CHUNK`, `CHUNK / R`
