@@ -207,7 +207,8 @@ fn every_kernel_compiles_under_nvrtc() {
             }
         }
     }
-    // Mamba-3 MIMO: the fixtures' and the benchmark's state sizes and ranks, every dtype
+    // Mamba-3 MIMO: the fixtures' and the benchmark's state sizes and ranks 1, 2, 3, 4, 8,
+    // every dtype
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         for (d_state, rank, headdim) in [
             (128, 4, 64),
@@ -215,6 +216,8 @@ fn every_kernel_compiles_under_nvrtc() {
             (64, 2, 8),
             (16, 1, 16),
             (64, 8, 16),
+            // a rank that does not divide the scan's tiles, a headdim of 128
+            (32, 3, 128),
         ] {
             let json = format!(
                 r#"{{"d_model": 128, "n_layer": 1, "vocab_size": 100, "ssm_cfg": {{
@@ -238,6 +241,12 @@ fn every_kernel_compiles_under_nvrtc() {
                     let name = format!("MIMO N{d_state} R{rank} {dtype:?} state {state:?}");
                     jobs.push((name, MIMO_PROGRAM, kc, "sm_90a"));
                 }
+                // the scan in bf16 operands (`MAMBA3_GPU_DEFINES="SCAN_MMA=2 CHUNK=64"`)
+                let mut kc = kc.clone();
+                kc.set("SCAN_MMA", "2");
+                kc.set("CHUNK", "64");
+                let name = format!("MIMO N{d_state} R{rank} {dtype:?} bf16 scan");
+                jobs.push((name, MIMO_PROGRAM, kc, "sm_90a"));
             }
         }
     }

@@ -30,6 +30,9 @@ pub const TRAIN: (&str, &str) = ("train.cu", include_str!("kernels/train.cu"));
 /// in the same layout), for the chunked scans: Mamba-3's (`mixers/mamba3/cuda/kernels/scan.cu`)
 /// and Mamba-2's (`mixers/mamba2/cuda/kernels/ssd_chunk.cu`).
 pub const SCAN_TILES: (&str, &str) = ("scan_tiles.cuh", include_str!("kernels/scan_tiles.cuh"));
+/// What the chunk-parallel scans of a packed pass (Mamba-2's, Mamba-3 MIMO's) share around
+/// [`SCAN_TILES`]: the chunk tables, the state a warp holds, the tile's running log-decay.
+pub const CHUNK_SCAN: (&str, &str) = ("chunk_scan.cuh", include_str!("kernels/chunk_scan.cuh"));
 
 /// An error unless `gpu` lets a block of `kern` take `bytes` of shared memory.
 pub fn check_smem(gpu: &Gpu, kern: &Kernel, bytes: u32) -> Result<()> {

@@ -114,7 +114,34 @@ impl PackedPass {
     pub fn seq_nchunks(&self) -> u64 {
         self.at(Table::SeqChunk0) + 4 * self.seqs as u64
     }
+
+    /// The tables a chunk-parallel scan reads, as one kernel argument.
+    pub fn chunk_table(&self) -> ChunkTable {
+        ChunkTable {
+            row0: self.at(Table::ChunkRow0),
+            len: self.at(Table::ChunkLen),
+            seq: self.at(Table::ChunkSeq),
+            seq_chunk0: self.at(Table::SeqChunk0),
+            seq_nchunks: self.seq_nchunks(),
+            seq_state: self.at(Table::SeqState),
+        }
+    }
 }
+
+/// A pass's tables for the chunk-parallel scans (`ChunkTable` in
+/// `kernels/chunk_scan.cuh`: the same fields in the same order).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ChunkTable {
+    pub row0: u64,
+    pub len: u64,
+    pub seq: u64,
+    pub seq_chunk0: u64,
+    pub seq_nchunks: u64,
+    pub seq_state: u64,
+}
+
+super::context::karg!(ChunkTable);
 
 /// Device scratch handed out in pieces, grown when a pass needs more (grown buffers are
 /// freed only when the model is).

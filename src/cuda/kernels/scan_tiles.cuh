@@ -292,6 +292,17 @@ __device__ __forceinline__ void put_pair(op_t* p, float a, float b) {
 #endif
 }
 
+// One op_t (rounded to TF32 in SCAN_MMA 1).
+__device__ __forceinline__ void put_one(op_t* p, float v) {
+#if SCAN_MMA >= 2
+    *p = from_f<op_t>(v);
+#elif SCAN_MMA == 1
+    *p = tf32_round(v);
+#else
+    *p = v;
+#endif
+}
+
 // Four consecutive op_t (8 or 16 bytes, aligned).
 __device__ __forceinline__ void put_quad(op_t* p, float4 v) {
 #if SCAN_MMA >= 2

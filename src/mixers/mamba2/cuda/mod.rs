@@ -8,7 +8,9 @@
 //! engine's (`crate::engine::cuda::family`).
 
 use crate::cuda::context::{DevBuf, Gpu, Kernel};
-use crate::cuda::kernels::{check_smem, KernelConfig, Module, Program, DTYPES, SCAN_TILES};
+use crate::cuda::kernels::{
+    check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, SCAN_TILES,
+};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
 use crate::mixers::mamba1::cuda::{act_define, ConvIo, ConvKernels, CONV, LM_ROWS};
@@ -25,6 +27,7 @@ pub const PROGRAM: Program = Program {
         CONV,
         ("ssd_scan.cu", include_str!("kernels/ssd_scan.cu")),
         SCAN_TILES,
+        CHUNK_SCAN,
         ("ssd_chunk.cu", include_str!("kernels/ssd_chunk.cu")),
     ],
     parts: &[0],
@@ -106,21 +109,6 @@ struct M2Scan {
 }
 
 crate::cuda::context::karg!(M2Scan);
-
-/// The pass's tables the chunked scan reads (`M2Chunks` in ssd_chunk.cu: the same fields
-/// in the same order).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct M2Chunks {
-    row0: u64,
-    len: u64,
-    seq: u64,
-    seq_chunk0: u64,
-    seq_nchunks: u64,
-    seq_state: u64,
-}
-
-crate::cuda::context::karg!(M2Chunks);
 
 /// Passes with at most this many rows per sequence, every sequence one chunk, take the
 /// recurrent scan (decode steps): the chunked scan's tiles would be mostly padding. (Not
@@ -269,14 +257,7 @@ impl GpuMamba2 {
     fn chunked_scan(&self, run: &LayerRun, p: &M2Scan, b: &Bufs) -> Result<()> {
         let (gpu, pass, cfg) = (run.gpu, run.pass, &self.cfg);
         let heads = cfg.nheads as u32;
-        let t = M2Chunks {
-            row0: pass.at(Table::ChunkRow0),
-            len: pass.at(Table::ChunkLen),
-            seq: pass.at(Table::ChunkSeq),
-            seq_chunk0: pass.at(Table::SeqChunk0),
-            seq_nchunks: pass.seq_nchunks(),
-            seq_state: pass.at(Table::SeqState),
-        };
+        let t = pass.chunk_table();
         let grid = (pass.chunks as u32, heads, 1);
         let (threads, smem) = (self.k.chunk_threads, self.k.chunk_smem);
         let direct = i32::from(pass.one_chunk_each);

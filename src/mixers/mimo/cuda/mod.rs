@@ -1,13 +1,28 @@
 //! Mamba-3 MIMO on the GPU (spec-MIMO §2, the maths in `super`'s module doc): one layer of a
 //! packed pass as launches — the in_proj, out_proj and GatedMLP products on cuBLASLt
 //! (model-dtype inputs, f32 outputs), and the mixer between them in `kernels/mimo.cu`:
-//! per-row preprocessing, the phases along each sequence, the chunk-parallel scan with the
-//! rank sums (local, carry, out), the state's last keys, the rank-combining gate. The LM
-//! around the layers is the engine's (`crate::engine::cuda::family`).
+//! per-row preprocessing, the phases along each sequence, the scan, the state's last keys,
+//! the rank-combining gate. The LM around the layers is the engine's
+//! (`crate::engine::cuda::family`).
+//!
+//! The scan is the chunked matrix form of `super::prefill` on the tensor cores
+//! (`kernels/mimo_chunk.cu`): a tile of `CHUNK / R` tokens is `CHUNK` pseudo-rows (token,
+//! rank), and the intra-chunk product `Q̃K̃ᵀ`, its product with the values, the readout of
+//! the entering state and the state update are warp-level matrix products on
+//! shared-memory tiles (`scan_tiles.cuh`, shared with Mamba-2's and SISO's scans): exact
+//! f32 FMA for f32 models, TF32 for bf16 ones, f16 for f16 ones, f32 accumulation
+//! (`scan_products`). Chunk states from zero, their carry along each sequence (seeded with
+//! the boundary fold), then the outputs — one launch when every sequence is one chunk. Passes of at most
+//! `RECURRENT_ROWS_PER_SEQ` rows per sequence, every sequence one chunk (decode steps),
+//! take the recurrent form instead (`mimo_scan_rows`), whose tiles would be mostly padding
+//! in the chunked one — except with `batch_invariant`, where every pass takes the chunked
+//! scan.
 
 use super::weights::{MimoDims, MimoWeights};
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
-use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
+use crate::cuda::kernels::{
+    check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, SCAN_TILES,
+};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
 use crate::mixers::mamba1::cuda::{act_define, LM_ROWS};
@@ -20,7 +35,10 @@ pub const PROGRAM: Program = Program {
     sources: &[
         DTYPES,
         LM_ROWS,
+        SCAN_TILES,
+        CHUNK_SCAN,
         ("mimo.cu", include_str!("kernels/mimo.cu")),
+        ("mimo_chunk.cu", include_str!("kernels/mimo_chunk.cu")),
     ],
     parts: &[0],
 };
@@ -35,7 +53,7 @@ pub const TRAINING: Program = Program {
     parts: &[0],
 };
 
-/// The lanes that hold one channel's state in the scan (`MIMO_Q`): the largest power of two
+/// The lanes that hold one channel's state in the recurrent scan (`MIMO_Q`): the largest power of two
 /// ≤ 32 dividing `N/2` (so that the rotation pairs `(n, n + N/2)` meet in one lane). `None`
 /// for an odd `N`, or when a lane would hold over 64 entries.
 pub fn state_lanes(d_state: usize) -> Option<usize> {
@@ -64,15 +82,51 @@ pub fn kernel_config(d: &MimoDims, dtype: DType) -> Result<KernelConfig> {
             d.rank
         )));
     }
+    // The chunked scan's tiles (src/cuda/kernels/scan_tiles.cuh) hold at most 128 channels.
+    if d.headdim > 128 {
+        return Err(Error::input(format!(
+            "headdim {}: the GPU MIMO scan supports headdim up to 128",
+            d.headdim
+        )));
+    }
     let mut k = KernelConfig { defines: vec![] };
     k.set("ACT", act_define(dtype));
-    k.set("D_STATE", &d.d_state.to_string());
+    k.set("DSTATE", &d.d_state.to_string());
+    k.set("HEADDIM", &d.headdim.to_string());
     k.set("MIMO_R", &d.rank.to_string());
     k.set("MIMO_Q", &lanes.to_string());
-    Ok(k)
+    k.set("NANGLES", "0"); // (the chunked scan rotates as it builds its tiles)
+    let (mma, tile) = scan_products(dtype);
+    k.set("SCAN_MMA", mma);
+    k.set("CHUNK", tile);
+    // (`MAMBA3_GPU_DEFINES`, e.g. "SCAN_MMA=2 CHUNK=64" for bf16 operands, measures a
+    // variant without a rebuild)
+    Ok(k.tuned())
 }
 
-/// Channels of a head per block of the scan: the largest divisor of `P` that keeps a block
+/// The chunked scan's products (`SCAN_MMA`) and pseudo-rows per tile (`CHUNK`, `CHUNK / R`
+/// tokens). f32 models: exact f32 FMA. bf16 models: TF32 tensor cores — bf16 operands (8
+/// bits of mantissa) were what took a first MIMO tensor-core scan's states past the 3e-2
+/// the GPU is held to against the CPU (docs/decisions.md, "MIMO tensor-core scan"), and
+/// f16 ones would need SISO's per-chunk scaling against overflow. f16 models: their own
+/// f16 on the tensor cores, as Mamba-2's. f32 operands in tiles of 32 (64 would take them
+/// over 110 KB of shared memory at d_state 128, one block per SM), f16 ones in tiles of
+/// 64 (the official MIMO chunk of 64/R tokens); f32 accumulation in every mode.
+fn scan_products(dtype: DType) -> (&'static str, &'static str) {
+    match dtype {
+        DType::F32 | DType::F64 => ("0", "32"),
+        DType::BF16 => ("1", "32"),
+        DType::F16 => ("2", "64"),
+    }
+}
+
+/// Passes with at most this many rows per sequence, every sequence one chunk, take the
+/// recurrent scan (decode steps): the chunked scan's tiles would be mostly padding. Not
+/// with `batch_invariant`: the two scans sum in different orders, and which one a sequence
+/// gets would follow the batch.
+const RECURRENT_ROWS_PER_SEQ: usize = 4;
+
+/// Channels of a head per block of the recurrent scan: the largest divisor of `P` that keeps a block
 /// at ≤ 256 threads.
 fn channels_per_block(headdim: usize, lanes: usize) -> usize {
     (1..=headdim.min(256 / lanes))
@@ -81,7 +135,8 @@ fn channels_per_block(headdim: usize, lanes: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// Rows per chunk of the scan (the chunk states of a long pass are `H·P·N` floats each).
+/// Rows (tokens) per chunk of the scan, a block of the chunked scan each, walked in tiles of
+/// `CHUNK / R` tokens (the chunk states of a long pass are `H·P·N` floats each).
 pub fn chunk_len(rows: usize) -> usize {
     if rows <= 16384 {
         64
@@ -155,13 +210,17 @@ struct Layer {
 struct Kernels {
     pre: Kernel,
     phase: Kernel,
-    scan_local: Kernel,
-    scan_carry: Kernel,
-    scan_out: Kernel,
+    scan_rows: Kernel,
+    chunk_states: Kernel,
+    chunk_carry: Kernel,
+    chunk_out: Kernel,
     tail: Kernel,
     gate: Kernel,
     glu: Kernel,
     rms_norm: Kernel,
+    /// threads and dynamic shared memory of a chunked-scan block
+    chunk_threads: u32,
+    chunk_smem: u32,
 }
 
 /// A MIMO model's mixers (and GatedMLPs) on the device.
@@ -183,7 +242,7 @@ struct Bufs {
     y: u64,
     gated: u64,
     h_chunk: u64,
-    a_sum: u64,
+    log_decay: u64,
     mlp_normed: u64,
     mlp_vg: u64,
     mlp_act: u64,
@@ -232,14 +291,21 @@ impl GpuMimo {
         let k = Kernels {
             pre: module.kernel("mimo_pre")?,
             phase: module.kernel("mimo_phase")?,
-            scan_local: module.kernel("mimo_scan_local")?,
-            scan_carry: module.kernel("mimo_scan_carry")?,
-            scan_out: module.kernel("mimo_scan_out")?,
+            scan_rows: module.kernel("mimo_scan_rows")?,
+            chunk_states: module.kernel("mimo_chunk_states")?,
+            chunk_carry: module.kernel("mimo_chunk_carry")?,
+            chunk_out: module.kernel("mimo_chunk_out")?,
             tail: module.kernel("mimo_tail")?,
             gate: module.kernel("mimo_gate")?,
             glu: module.kernel("mimo_glu")?,
             rms_norm: module.kernel("fam_rms_norm")?,
+            chunk_threads: module.global("mimo_chunk_threads")?,
+            chunk_smem: module.global("mimo_chunk_smem_bytes")?,
         };
+        for kern in [&k.chunk_states, &k.chunk_out] {
+            check_smem(gpu, kern, k.chunk_smem)?;
+            kern.allow_smem(k.chunk_smem as usize)?;
+        }
         Ok(GpuMimo {
             d,
             a_floor: w.config.ssm_cfg.a_floor as f32,
@@ -262,7 +328,7 @@ impl GpuMimo {
             y: c.take(rows * d.nheads * d.rank * d.headdim, 4),
             gated: c.take(rows * d.d_inner, act_bytes),
             h_chunk: c.take(chunks * state, 4),
-            a_sum: c.take(chunks * d.nheads, 4),
+            log_decay: c.take(chunks * d.nheads, 4),
             mlp_normed: c.take(rows * d.d_model * usize::from(d.mlp_hidden > 0), act_bytes),
             mlp_vg: c.take(rows * 2 * d.mlp_hidden, 4),
             mlp_act: c.take(rows * d.mlp_hidden, act_bytes),
@@ -318,6 +384,27 @@ impl GpuMimo {
         }
     }
 
+    /// The chunked scan of a layer: each chunk's state from zero, their carry along each
+    /// sequence (from the folded carried state), then every chunk's outputs and each
+    /// sequence's final state (one launch when every sequence is one chunk).
+    fn chunked_scan(&self, run: &LayerRun, p: &MimoScan, b: &Bufs) -> Result<()> {
+        let (gpu, pass, d) = (run.gpu, run.pass, &self.d);
+        let t = pass.chunk_table();
+        let heads = d.nheads as u32;
+        let grid = (pass.chunks as u32, heads, 1);
+        let (threads, smem) = (self.k.chunk_threads, self.k.chunk_smem);
+        let direct = i32::from(pass.one_chunk_each);
+        if !pass.one_chunk_each {
+            let args: [&dyn KArg; 4] = [p, &t, &b.h_chunk, &b.log_decay];
+            gpu.launch(&self.k.chunk_states, grid, threads, smem, false, &args)?;
+            let per_head = d.headdim * d.d_state;
+            let carry_grid = (pass.seqs as u32 * heads, per_head.div_ceil(256) as u32, 1);
+            gpu.launch(&self.k.chunk_carry, carry_grid, 256, 0, false, &args)?;
+        }
+        let args: [&dyn KArg; 5] = [p, &t, &b.h_chunk, &direct, &b.y];
+        gpu.launch(&self.k.chunk_out, grid, threads, smem, false, &args)
+    }
+
     /// Layer `l` on the pass: `normed` (`norm_t`, `[rows, d_model]`) in, the mixer's
     /// output (and the GatedMLP's, when the block has one) added to `residual` (f32);
     /// `scratch` holds [`Self::scratch_bytes`].
@@ -340,11 +427,6 @@ impl GpuMimo {
             pass.at(Table::SeqLen),
             pass.at(Table::SeqState),
         );
-        let (chunk_row0, chunk_len, chunk_seq) = (
-            pass.at(Table::ChunkRow0),
-            pass.at(Table::ChunkLen),
-            pass.at(Table::ChunkSeq),
-        );
 
         w.in_proj.apply(run, normed, b.proj, false)?;
         gpu.launch(&self.k.pre, grid_rows, 256, 0, false, &[&p])?;
@@ -354,43 +436,22 @@ impl GpuMimo {
             let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
             gpu.launch(&self.k.phase, grid, 128, 0, false, &args)?;
         }
-        // `channels` channels of a head per block, `lanes` threads each; z spans the head
-        let block = (self.channels * self.lanes) as u32;
-        let z = (d.headdim / self.channels) as u32;
-        let heads = d.nheads as u32;
-        let direct = i32::from(pass.one_chunk_each);
-        if !pass.one_chunk_each {
-            let args: [&dyn KArg; 8] = [
-                &p,
-                &chunk_row0,
-                &chunk_len,
-                &chunk_seq,
-                &seq_row0,
-                &seq_state,
-                &b.h_chunk,
-                &b.a_sum,
-            ];
-            let grid = (pass.chunks as u32, heads, z);
-            gpu.launch(&self.k.scan_local, grid, block, 0, false, &args)?;
-            let per_head = d.headdim * d.d_state;
-            let grid = (pass.seqs as u32 * heads, per_head.div_ceil(256) as u32, 1);
-            let (c0, nc) = (pass.at(Table::SeqChunk0), pass.seq_nchunks());
-            let args: [&dyn KArg; 6] = [&p, &c0, &nc, &seq_state, &b.h_chunk, &b.a_sum];
-            gpu.launch(&self.k.scan_carry, grid, 256, 0, false, &args)?;
+        let short = pass.one_chunk_each && rows <= RECURRENT_ROWS_PER_SEQ * pass.seqs;
+        if short && !run.batch_invariant {
+            // `channels` channels of a head per block, `lanes` threads each; z spans the head
+            let block = (self.channels * self.lanes) as u32;
+            let z = (d.headdim / self.channels) as u32;
+            let grid = (pass.chunks as u32, d.nheads as u32, z);
+            let (chunk_row0, chunk_len, chunk_seq) = (
+                pass.at(Table::ChunkRow0),
+                pass.at(Table::ChunkLen),
+                pass.at(Table::ChunkSeq),
+            );
+            let args: [&dyn KArg; 6] = [&p, &chunk_row0, &chunk_len, &chunk_seq, &seq_state, &b.y];
+            gpu.launch(&self.k.scan_rows, grid, block, 0, false, &args)?;
+        } else {
+            self.chunked_scan(run, &p, &b)?;
         }
-        let args: [&dyn KArg; 9] = [
-            &p,
-            &chunk_row0,
-            &chunk_len,
-            &chunk_seq,
-            &seq_row0,
-            &seq_state,
-            &b.h_chunk,
-            &direct,
-            &b.y,
-        ];
-        let grid = (pass.chunks as u32, heads, z);
-        gpu.launch(&self.k.scan_out, grid, block, 0, false, &args)?;
         let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
         gpu.launch(&self.k.tail, (pass.seqs as u32, 1, 1), 256, 0, false, &args)?;
         gpu.launch(
@@ -414,5 +475,57 @@ impl GpuMimo {
             m.fc2.apply(run, b.mlp_act, residual, true)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kernel_config;
+    use crate::mixers::mimo::{mimo_config_from_json_str, mimo_dims};
+    use crate::model::DType;
+
+    fn dims(d_state: usize, headdim: usize, rank: usize) -> super::MimoDims {
+        let json = format!(
+            r#"{{"d_model": 128, "n_layer": 1, "vocab_size": 100, "ssm_cfg": {{
+                "layer": "Mamba3", "d_state": {d_state}, "headdim": {headdim},
+                "is_mimo": true, "mimo_rank": {rank}}}}}"#
+        );
+        mimo_dims(&mimo_config_from_json_str(&json, "test").unwrap())
+    }
+
+    #[test]
+    fn kernel_config_picks_the_products_and_refuses_what_the_tiles_cannot_hold() {
+        let get = |dtype| {
+            let k = kernel_config(&dims(128, 64, 4), dtype).unwrap();
+            let d = |n: &str| k.define(n).unwrap().to_string();
+            (
+                d("SCAN_MMA"),
+                d("CHUNK"),
+                d("HEADDIM"),
+                d("DSTATE"),
+                d("MIMO_R"),
+            )
+        };
+        let s = |v: &str| v.to_string();
+        assert_eq!(
+            get(DType::F32),
+            (s("0"), s("32"), s("64"), s("128"), s("4"))
+        );
+        assert_eq!(
+            get(DType::BF16),
+            (s("1"), s("32"), s("64"), s("128"), s("4"))
+        );
+        assert_eq!(
+            get(DType::F16),
+            (s("2"), s("64"), s("64"), s("128"), s("4"))
+        );
+        let e = kernel_config(&dims(64, 256, 2), DType::BF16)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("headdim 256") && e.contains("up to 128"), "{e}");
+        let e = kernel_config(&dims(64, 16, 9), DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mimo_rank 9") && e.contains("at most 8"), "{e}");
     }
 }

@@ -13,7 +13,9 @@
 // accumulation): M = C·Bᵀ on the lower block triangle, weighted and stored as an operand;
 // Y = C·Sᵀ with rows scaled by e^{Lc_j}; Y += M·X; S ← e^{Lc_end}·S + (w ⊙ X)ᵀ·B.
 //
-// Two launches around `m2_scan_carry` (ssd_scan.cu), the steps of Mamba-1's chunked scan:
+// Two launches around `m2_scan_carry` (ssd_scan.cu), the steps of Mamba-1's chunked scan
+// (the chunk tables, the state's tiles and the log-decay prefix sum are chunk_scan.cuh's,
+// shared with Mamba-3 MIMO's scan):
 //   m2_chunk_states: each chunk's state from zero and its total log-decay, for every chunk
 //                    but a sequence's last (the carry does not need those);
 //   m2_chunk_out:    from the state entering the chunk (the carry's, or the sequence's
@@ -28,18 +30,8 @@
 extern "C" __device__ int m2_chunk_smem_bytes = M2_SMEM;
 extern "C" __device__ int m2_chunk_threads = SCAN_THREADS;
 
-// The pass's tables a chunk block reads (src/cuda/packed.rs, `Table`).
-struct M2Chunks {
-    const int* row0;                     // [chunks] first row
-    const int* len;                      // [chunks] rows
-    const int* seq;                      // [chunks] sequence
-    const int* seq_chunk0;               // [seqs] first chunk
-    const int* seq_nchunks;              // [seqs] chunks
-    const unsigned long long* seq_state; // [seqs] the state's address
-};
-
 template <bool OUT>
-__device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t, float* h_chunk,
+__device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const ChunkTable& t, float* h_chunk,
                                               float* log_decay, int direct, float* y) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* at = smem;
@@ -75,19 +67,15 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
     const float* cs = bs + p.groups * DSTATE;               // C of its group
 
     // This warp's tiles of S (rows p, columns n), f32 in registers for the whole chunk.
-    const int s_rb = TileS::rb(warp), s_first = TileS::first(warp), s_nt = TileS::count(warp);
+    const StateTiles s(warp, lane);
     float sacc[TileS::T][4];
-    {
 #pragma unroll
-        for (int i = 0; i < TileS::T; ++i)
+    for (int i = 0; i < TileS::T; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
-                const bool in = OUT && i < s_nt && pp < HEADDIM && n < DSTATE;
-                const size_t k = (size_t)pp * DSTATE + n;
-                sacc[i][e] = in ? (direct ? st_load(st + k) : hc[k]) : 0.f;
-            }
-    }
+        for (int e = 0; e < 4; ++e) {
+            const size_t k = s.at(i, e);
+            sacc[i][e] = OUT && s.holds(i, e) ? (direct ? st_load(st + k) : hc[k]) : 0.f;
+        }
     float decay_sum = 0.f;
 
     for (int j0 = 0; j0 < total; j0 += CHUNK) {
@@ -102,16 +90,9 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
                 d = fminf(fmaxf(d, p.dt_min), p.dt_max);
             }
             s_dt[j] = d;
+            s_lc[j] = d * a;  // summed into Lc below
         }
-        if (OUT) {  // S entering the tile, in the operand type, for Y = C·Sᵀ
-#pragma unroll
-            for (int i = 0; i < TileS::T; ++i) {
-                if (i >= s_nt) break;
-                op_t* row = sS + (16 * s_rb + fg) * LDSO + 8 * (s_first + i) + 2 * ft;
-                put_pair(row, sacc[i][0], sacc[i][1]);
-                put_pair(row + 8 * LDSO, sacc[i][2], sacc[i][3]);
-            }
-        }
+        if (OUT) state_operand(sacc, s, sS);  // S entering the tile, for Y = C·Sᵀ
         // B and C rows (zeros past the tile's rows and the state), in pairs of columns.
         for (int e = tid; e < CHP * (NP / 2); e += SCAN_THREADS) {
             const int j = e / (NP / 2), n = 2 * (e % (NP / 2));
@@ -129,23 +110,8 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
             if (OUT) put_pair(sC + j * LDQ + n, c0, c1);
         }
         __syncthreads();
-        // Lc_j = Σ_{i≤j} Δ_i·A: a scan by warp 0, 32 rows at a time (rows past the tile add
-        // zero, so they hold Lc_end).
-        if (warp == 0) {
-            float carry = 0.f;
-            for (int b = 0; b < CHP; b += 32) {
-                const int j = b + lane;
-                float v = j < CHP ? s_dt[j] * a : 0.f;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const float u = __shfl_up_sync(0xffffffffu, v, o);
-                    if (lane >= o) v += u;
-                }
-                v += carry;
-                if (j < CHP) s_lc[j] = v;
-                carry = __shfl_sync(0xffffffffu, v, 31);
-            }
-        }
+        // Lc_j = Σ_{i≤j} Δ_i·A (rows past the tile add zero, so they hold Lc_end).
+        prefix_sum_warp0(s_lc);
         __syncthreads();
         const float lc_end = s_lc[len - 1];
         // X and w ⊙ X, w_s = e^{Lc_end − Lc_s}·Δ_s.
@@ -239,7 +205,7 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
         if (!(OUT && last_tile && !seq_last)) {
             scale_acc(sacc, expf(lc_end));
             for (int k0 = 0; k0 < CHP; k0 += KSTEP)
-                mma_kstep<TileS::T, false, false, true>(sacc, sW + 16 * s_rb, LDW, sB + 8 * s_first, LDK, k0, s_nt);
+                mma_kstep<TileS::T, false, false, true>(sacc, sW + 16 * s.rb, LDW, sB + 8 * s.first, LDK, k0, s.nt);
         }
         decay_sum += lc_end;
     }
@@ -249,9 +215,8 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
         for (int i = 0; i < TileS::T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int pp = 16 * s_rb + fg + 8 * (e >> 1), n = 8 * (s_first + i) + 2 * ft + (e & 1);
-                if (!(i < s_nt && pp < HEADDIM && n < DSTATE)) continue;
-                const size_t k = (size_t)pp * DSTATE + n;
+                if (!s.holds(i, e)) continue;
+                const size_t k = s.at(i, e);
                 if (OUT)
                     st_store(st + k, sacc[i][e]);
                 else
@@ -262,10 +227,10 @@ __device__ __forceinline__ void m2_chunk_body(const M2Scan& p, const M2Chunks& t
 }
 
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS, M2_MINB)
-    m2_chunk_states(M2Scan p, M2Chunks t, float* h_chunk, float* log_decay) {
+    m2_chunk_states(M2Scan p, ChunkTable t, float* h_chunk, float* log_decay) {
     m2_chunk_body<false>(p, t, h_chunk, log_decay, 0, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS, M2_MINB)
-    m2_chunk_out(M2Scan p, M2Chunks t, float* h_chunk, int direct, float* y) {
+    m2_chunk_out(M2Scan p, ChunkTable t, float* h_chunk, int direct, float* y) {
     m2_chunk_body<true>(p, t, h_chunk, nullptr, direct, y);
 }

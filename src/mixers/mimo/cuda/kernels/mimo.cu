@@ -6,23 +6,21 @@
 //   mimo_pre        per row: B̄, C̄ RMS-normed per (rank, group); per head a = A·Δ, β, γ, Δ
 //   mimo_phase      per (sequence, head, angle): φ ← wrap(φ + π·tanh(ang)·Δ) along the
 //                   sequence from its state, cos φ and sin φ per row, the last φ to the state
-//   mimo_scan_local per (chunk, head, channels): the chunk's state from zero
-//   mimo_scan_carry per (sequence, head): each chunk's incoming state, the last to the state
-//   mimo_scan_out   per (chunk, head, channels): the state again from its incoming value and
-//                   y_r = h·q̃_r + D·u_r (`direct`: every sequence is one chunk, the state is
-//                   read and written in place and the two steps before are skipped)
+//   the scan        the chunked matrix form on the tensor cores (mimo_chunk.cu:
+//                   mimo_chunk_states, mimo_chunk_carry, mimo_chunk_out), or for passes
+//                   of a few rows per sequence (decode steps) mimo_scan_rows below, the
+//                   recurrent form in place on the state; y_r = h·q̃_r + D·u_r before the gate
 //   mimo_tail       per sequence: the state's k (last row's rotated keys) and v (last raw x)
 //   mimo_gate       per row: o = Σ_r ω_r ⊙ G(y_r) ⊙ silu(z ⊙ ζ_r) in the GEMM dtype
 //   mimo_glu        per row (GatedMLP blocks): v ⊙ silu(g)
 //
-// With u_r = x ⊙ ψ_r and w_t = Σ_r outer(u_{t,r}, k̃_{t,r}), the state follows
-// h_t = α_t·h_{t-1} + β_t·w_{t-1} + γ_t·w_t (§2.6): a sequence's first row takes w_{t-1}
-// from the state's k and v (the boundary fold of §3.4), a chunk's first row from the row
-// before it. Keys and queries are rotated where they are read (the rotated rows of a long
-// pass would be R·H·N floats each): lane q of a channel holds the state entries
-// n = q + Q·i, and Q divides N/2, so the rotation pairs (n, n + N/2) of §2.4 meet in a lane.
-// D_STATE (N), MIMO_R (R) and MIMO_Q (Q) are compile-time.
-#define MIMO_SL (D_STATE / MIMO_Q)
+// mimo_scan_rows: with u_r = x ⊙ ψ_r and w_t = Σ_r outer(u_{t,r}, k̃_{t,r}), the state
+// follows h_t = α_t·h_{t-1} + β_t·w_{t-1} + γ_t·w_t (§2.6), a sequence's first row taking
+// w_{t-1} from the state's k and v (the boundary fold of §3.4). Keys and queries are rotated
+// where they are read: lane q of a channel holds the state entries n = q + Q·i, and Q
+// divides N/2, so the rotation pairs (n, n + N/2) of §2.4 meet in a lane.
+// DSTATE (N), MIMO_R (R) and MIMO_Q (Q) are compile-time.
+#define MIMO_SL (DSTATE / MIMO_Q)
 #define MIMO_HALF (MIMO_SL / 2)
 
 struct MimoScan {
@@ -59,7 +57,7 @@ __device__ __forceinline__ float mimo_wrap(float phi) {
 extern "C" __global__ void mimo_pre(MimoScan p) {
     const size_t row = blockIdx.x;
     const float* pr = p.proj + row * p.ld;
-    const int bcw = MIMO_R * p.groups * D_STATE;
+    const int bcw = MIMO_R * p.groups * DSTATE;
     for (int h = threadIdx.x; h < p.heads; h += blockDim.x) {
         const float delta = softplus_f(pr[p.dt_off + h] + p.dt_bias[h]);
         const float u = pr[p.a_off + h];
@@ -73,13 +71,13 @@ extern "C" __global__ void mimo_pre(MimoScan p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (int j = warp; j < 2 * MIMO_R * p.groups; j += warps) {
         const int which = j / (MIMO_R * p.groups), rg = j % (MIMO_R * p.groups);
-        const float* src = pr + p.b_off + which * bcw + rg * D_STATE;
+        const float* src = pr + p.b_off + which * bcw + rg * DSTATE;
         const float* w = which ? p.c_norm : p.b_norm;
         float ss = 0.f;
-        for (int n = lane; n < D_STATE; n += 32) ss += src[n] * src[n];
-        const float r = 1.f / sqrtf(fam_warp_sum(ss) / (float)D_STATE + p.eps);
-        float* dst = p.bcn + row * 2 * bcw + which * bcw + rg * D_STATE;
-        for (int n = lane; n < D_STATE; n += 32) dst[n] = src[n] * r * w[n];
+        for (int n = lane; n < DSTATE; n += 32) ss += src[n] * src[n];
+        const float r = 1.f / sqrtf(fam_warp_sum(ss) / (float)DSTATE + p.eps);
+        float* dst = p.bcn + row * 2 * bcw + which * bcw + rg * DSTATE;
+        for (int n = lane; n < DSTATE; n += 32) dst[n] = src[n] * r * w[n];
     }
 }
 
@@ -123,9 +121,9 @@ extern "C" __global__ void mimo_phase(MimoScan p, const int* seq_row0, const int
 // B̄ (C̄) of the head's group plus the bias, the pairs (n, n + N/2) with n < S rotated.
 __device__ __forceinline__ void mimo_kq(const MimoScan& p, size_t row, int h, int g, int r,
                                         int q, int which, float out[MIMO_SL]) {
-    const int bcw = MIMO_R * p.groups * D_STATE;
-    const float* src = p.bcn + row * 2 * bcw + which * bcw + (r * p.groups + g) * D_STATE + q;
-    const float* bias = (which ? p.c_bias : p.b_bias) + (h * MIMO_R + r) * D_STATE + q;
+    const int bcw = MIMO_R * p.groups * DSTATE;
+    const float* src = p.bcn + row * 2 * bcw + which * bcw + (r * p.groups + g) * DSTATE + q;
+    const float* bias = (which ? p.c_bias : p.b_bias) + (h * MIMO_R + r) * DSTATE + q;
 #pragma unroll
     for (int i = 0; i < MIMO_SL; ++i) out[i] = __ldg(src + i * MIMO_Q) + __ldg(bias + i * MIMO_Q);
     const float2* cs = p.cs + (row * p.heads + h) * p.angles;
@@ -141,7 +139,8 @@ __device__ __forceinline__ void mimo_kq(const MimoScan& p, size_t row, int h, in
     }
 }
 
-// This thread's place in the scan, and the keys and raw x of the row before the chunk.
+// This thread's place in the recurrent scan, and the keys and raw x of the token before the
+// sequence's first (the state's k and v, §3.4).
 struct MimoPlace {
     int c, hd, q, pp, g, row0, len;
     float psi[MIMO_R];
@@ -149,10 +148,9 @@ struct MimoPlace {
     float k_prev[MIMO_R][MIMO_SL];
 };
 
-__device__ __forceinline__ void mimo_place(const MimoScan& p, const int* chunk_row0,
-                                           const int* chunk_len, const int* chunk_seq,
-                                           const int* seq_row0,
-                                           const unsigned long long* seq_state, MimoPlace& w) {
+__device__ __forceinline__ void mimo_place(const MimoScan& p, const int* chunk_row0, const int* chunk_len,
+                                           const int* chunk_seq, const unsigned long long* seq_state,
+                                           MimoPlace& w) {
     w.c = blockIdx.x;
     w.hd = blockIdx.y;
     w.q = threadIdx.x % MIMO_Q;
@@ -162,23 +160,13 @@ __device__ __forceinline__ void mimo_place(const MimoScan& p, const int* chunk_r
     w.len = chunk_len[w.c];
 #pragma unroll
     for (int r = 0; r < MIMO_R; ++r) w.psi[r] = p.mimo_x[(w.hd * MIMO_R + r) * p.headdim + w.pp];
-    const int s = chunk_seq[w.c];
-    if (w.row0 == seq_row0[s]) {
-        // the sequence's first row: the previous token is in the state (§3.4)
-        const float* st = reinterpret_cast<const float*>(seq_state[s]);
-        w.x_prev = st[p.v_off + w.hd * p.headdim + w.pp];
+    const float* st = reinterpret_cast<const float*>(seq_state[chunk_seq[w.c]]);
+    w.x_prev = st[p.v_off + w.hd * p.headdim + w.pp];
 #pragma unroll
-        for (int r = 0; r < MIMO_R; ++r)
+    for (int r = 0; r < MIMO_R; ++r)
 #pragma unroll
-            for (int i = 0; i < MIMO_SL; ++i)
-                w.k_prev[r][i] =
-                    st[p.k_off + ((size_t)r * p.heads + w.hd) * D_STATE + w.q + i * MIMO_Q];
-    } else {
-        const size_t prev = w.row0 - 1;
-        w.x_prev = p.proj[prev * p.ld + p.x_off + w.hd * p.headdim + w.pp];
-#pragma unroll
-        for (int r = 0; r < MIMO_R; ++r) mimo_kq(p, prev, w.hd, w.g, r, w.q, 0, w.k_prev[r]);
-    }
+        for (int i = 0; i < MIMO_SL; ++i)
+            w.k_prev[r][i] = st[p.k_off + ((size_t)r * p.heads + w.hd) * DSTATE + w.q + i * MIMO_Q];
 }
 
 // One step of the state: h ← α·h + Σ_r [β·(x⁻ψ_r)·k⁻_r + γ·(xψ_r)·k_r]; the keys and x of
@@ -203,68 +191,17 @@ __device__ __forceinline__ void mimo_advance(const MimoScan& p, MimoPlace& w, si
     w.x_prev = x;
 }
 
-extern "C" __global__ void mimo_scan_local(MimoScan p, const int* chunk_row0, const int* chunk_len,
-                                           const int* chunk_seq, const int* seq_row0,
-                                           const unsigned long long* seq_state, float* h_chunk,
-                                           float* a_sum) {
+// The recurrent scan of a pass whose every sequence is one chunk of a few rows (decode
+// steps), in place on the state: y_r before the gate, f32 [rows, H, R, P].
+extern "C" __global__ void mimo_scan_rows(MimoScan p, const int* chunk_row0, const int* chunk_len,
+                                          const int* chunk_seq, const unsigned long long* seq_state, float* y) {
     MimoPlace w;
-    mimo_place(p, chunk_row0, chunk_len, chunk_seq, seq_row0, seq_state, w);
-    float h[MIMO_SL];
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) h[i] = 0.f;
-    float sum = 0.f;
-    for (int t = 0; t < w.len; ++t) {
-        const size_t row = w.row0 + t;
-        const float4 cf = p.coef[row * p.heads + w.hd];
-        const float x = p.proj[row * p.ld + p.x_off + w.hd * p.headdim + w.pp];
-        mimo_advance(p, w, row, cf, x, h);
-        sum += cf.x;
-    }
-    float* out = h_chunk + (((size_t)w.c * p.heads + w.hd) * p.headdim + w.pp) * D_STATE + w.q;
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) out[i * MIMO_Q] = h[i];
-    if (threadIdx.x == 0 && blockIdx.z == 0) a_sum[(size_t)w.c * p.heads + w.hd] = sum;
-}
-
-// One thread per state element of a head; h_chunk[c] becomes chunk c's incoming state.
-extern "C" __global__ void mimo_scan_carry(MimoScan p, const int* seq_chunk0,
-                                           const int* seq_nchunks,
-                                           const unsigned long long* seq_state, float* h_chunk,
-                                           const float* a_sum) {
-    const int s = blockIdx.x / p.heads, hd = blockIdx.x % p.heads;
-    const int per_head = p.headdim * D_STATE;
-    const int e = blockIdx.y * blockDim.x + threadIdx.x;
-    if (e >= per_head) return;
-    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seq_state[s]) + p.ssm_off) +
-                  (size_t)hd * per_head + e;
-    float h = st_load(st);
-    const int c0 = seq_chunk0[s], nc = seq_nchunks[s];
-    // the next chunk's local state is read before this one's incoming state is written
-    float local_next = h_chunk[((size_t)c0 * p.heads + hd) * per_head + e];
-    for (int k = 0; k < nc; ++k) {
-        const int c = c0 + k;
-        float* hc = h_chunk + ((size_t)c * p.heads + hd) * per_head + e;
-        const float local = local_next;
-        if (k + 1 < nc) local_next = hc[(size_t)p.heads * per_head];
-        *hc = h;
-        h = expf(__ldg(a_sum + (size_t)c * p.heads + hd)) * h + local;
-    }
-    st_store(st, h);
-}
-
-// y_r before the gate, f32 [rows, H, R, P].
-extern "C" __global__ void mimo_scan_out(MimoScan p, const int* chunk_row0, const int* chunk_len,
-                                         const int* chunk_seq, const int* seq_row0,
-                                         const unsigned long long* seq_state,
-                                         const float* h_chunk, int direct, float* y) {
-    MimoPlace w;
-    mimo_place(p, chunk_row0, chunk_len, chunk_seq, seq_row0, seq_state, w);
-    const size_t at = ((size_t)w.hd * p.headdim + w.pp) * D_STATE + w.q;
+    mimo_place(p, chunk_row0, chunk_len, chunk_seq, seq_state, w);
+    const size_t at = ((size_t)w.hd * p.headdim + w.pp) * DSTATE + w.q;
     state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seq_state[chunk_seq[w.c]]) + p.ssm_off) + at;
-    const float* h0 = h_chunk + (size_t)w.c * p.heads * p.headdim * D_STATE + at;
     float h[MIMO_SL];
 #pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) h[i] = direct ? st_load(st + i * MIMO_Q) : h0[i * MIMO_Q];
+    for (int i = 0; i < MIMO_SL; ++i) h[i] = st_load(st + i * MIMO_Q);
     const float dskip = p.d_skip[w.hd];
     for (int t = 0; t < w.len; ++t) {
         const size_t row = w.row0 + t;
@@ -283,10 +220,8 @@ extern "C" __global__ void mimo_scan_out(MimoScan p, const int* chunk_row0, cons
             if (w.q == 0) yr[r * p.headdim] = acc + dskip * x * w.psi[r];
         }
     }
-    if (direct) {
 #pragma unroll
-        for (int i = 0; i < MIMO_SL; ++i) st_store(st + i * MIMO_Q, h[i]);
-    }
+    for (int i = 0; i < MIMO_SL; ++i) st_store(st + i * MIMO_Q, h[i]);
 }
 
 // The state's k (the last row's rotated keys, [R, H, N]) and v (its raw x, [H, P]). One block
@@ -296,12 +231,12 @@ extern "C" __global__ void mimo_tail(MimoScan p, const int* seq_row0, const int*
     const int s = blockIdx.x;
     const size_t row = seq_row0[s] + seq_len[s] - 1;
     float* st = reinterpret_cast<float*>(seq_state[s]);
-    const int half = D_STATE / 2, bcw = MIMO_R * p.groups * D_STATE;
+    const int half = DSTATE / 2, bcw = MIMO_R * p.groups * DSTATE;
     for (int e = threadIdx.x; e < MIMO_R * p.heads * half; e += blockDim.x) {
         const int r = e / (p.heads * half), h = (e / half) % p.heads, n = e % half;
         const int g = h / (p.heads / p.groups);
-        const float* src = p.bcn + row * 2 * bcw + (r * p.groups + g) * D_STATE;
-        const float* bias = p.b_bias + (h * MIMO_R + r) * D_STATE;
+        const float* src = p.bcn + row * 2 * bcw + (r * p.groups + g) * DSTATE;
+        const float* bias = p.b_bias + (h * MIMO_R + r) * DSTATE;
         float a = src[n] + bias[n], b = src[n + half] + bias[n + half];
         if (n < p.angles) {
             const float2 c = p.cs[(row * p.heads + h) * p.angles + n];
@@ -309,7 +244,7 @@ extern "C" __global__ void mimo_tail(MimoScan p, const int* seq_row0, const int*
             a = a0 * c.x - b * c.y;
             b = a0 * c.y + b * c.x;
         }
-        float* k = st + p.k_off + ((size_t)r * p.heads + h) * D_STATE;
+        float* k = st + p.k_off + ((size_t)r * p.heads + h) * DSTATE;
         k[n] = a;
         k[n + half] = b;
     }
