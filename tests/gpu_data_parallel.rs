@@ -72,7 +72,9 @@ fn one_rank_over_nccl_equals_plain_gpu_training_bit_for_bit() {
                 (&o2.m, &o2.v, o2.step),
                 "{what}: moments"
             );
-            let wait = dp.reduce_wait().expect("a data-parallel step records its wait");
+            let wait = dp
+                .reduce_wait()
+                .expect("a data-parallel step records its wait");
             assert!(wait.is_finite() && wait >= 0.0, "{what}: wait {wait}");
             println!(
                 "{what}: one NCCL rank = plain GPU training over 3 steps, bit for bit \
@@ -154,7 +156,10 @@ fn several_gpus_follow_one_and_repeat_bit_for_bit() {
         c.set_overlap(false);
         let (cc, pc, _) = three_steps(&mut c, &cfg, accum);
         assert_eq!(ca, cc, "N {n}: overlapped and after-backward losses differ");
-        assert_eq!(pa, pc, "N {n}: overlapped and after-backward weights differ");
+        assert_eq!(
+            pa, pc,
+            "N {n}: overlapped and after-backward weights differ"
+        );
         for (x, y) in f64s(&ca).iter().zip(f64s(&c1)) {
             assert!(
                 (x - y).abs() <= 1e-4 * y.abs(),
@@ -163,8 +168,6 @@ fn several_gpus_follow_one_and_repeat_bit_for_bit() {
         }
         assert_eq!(ca, cb, "N {n}: two runs' losses differ");
         assert_eq!(pa, pb, "N {n}: two runs' weights differ");
-        println!(
-            "N = {n}: within the bound of one GPU; two runs bit-identical; overlap on = off"
-        );
+        println!("N = {n}: within the bound of one GPU; two runs bit-identical; overlap on = off");
     }
 }

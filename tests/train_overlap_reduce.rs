@@ -63,7 +63,9 @@ fn bits(p: &Params<f32>) -> Vec<u32> {
 #[derive(Clone, Debug, PartialEq)]
 enum Event {
     /// a micro-batch's backward; `hooked`: through `loss_and_grad_ready`
-    Backward { hooked: bool },
+    Backward {
+        hooked: bool,
+    },
     Stage(Stage),
     /// an all-reduce of the bucket whose first range is this
     Reduce(Range<usize>),
@@ -113,7 +115,9 @@ impl Backend for Logged {
         let e = Event::Backward { hooked: true };
         self.log.lock().unwrap().push(e);
         if self.fail {
-            return Err(mamba3::error::Error::Other("this rank's backward failed".into()));
+            return Err(mamba3::error::Error::Other(
+                "this rank's backward failed".into(),
+            ));
         }
         if !self.call_hook {
             return CpuBackend.loss_and_grad(p, b, g);
@@ -193,7 +197,9 @@ fn train<B: Backend>(cfg: &Config, backend: B, steps: u64, accum: usize) -> (Vec
         t.step().unwrap();
     }
     t.sync().unwrap();
-    let losses = (t.progress.train_loss.iter()).map(|(_, l)| l.to_bits()).collect();
+    let losses = (t.progress.train_loss.iter())
+        .map(|(_, l)| l.to_bits())
+        .collect();
     let mut state = bits(&t.params);
     state.extend(bits(&t.opt.m));
     state.extend(bits(&t.opt.v));
@@ -282,7 +288,43 @@ fn a_rank_failing_mid_backward_aborts_the_group_instead_of_hanging() {
     assert!(e.contains("failed"), "{e}");
     // rank 0 had started reducing, and was let go
     let rank0 = logs[0].lock().unwrap().clone();
-    assert!(rank0.iter().any(|e| matches!(e, Event::Reduce(_))), "{rank0:?}");
+    assert!(
+        rank0.iter().any(|e| matches!(e, Event::Reduce(_))),
+        "{rank0:?}"
+    );
     let e = dp.reduced_gradient(&p, &bs).unwrap_err().to_string();
     assert!(e.contains("aborted"), "{e}");
+}
+
+#[test]
+fn bench_train_reports_the_wait_for_the_reduction_and_checks_the_switch() {
+    let bench = |overlap: &str| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_mamba3"))
+            .args(["bench-train", "--devices", "cpu,cpu", "--d-model", "32"])
+            .args(["--layers", "2", "--d-state", "16", "--headdim", "16"])
+            .args(["--vocab", "64", "--chunk", "16", "--batch", "1"])
+            .args(["--seq-len", "16", "--steps", "3", "--warmup", "1", "--json"])
+            .args(["--bucket-mb", "0.001", "--overlap-reduce", overlap])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            err,
+        )
+    };
+    for (flag, on) in [("on", true), ("off", false)] {
+        let (code, out, err) = bench(flag);
+        assert_eq!(code, Some(0), "{err}");
+        let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(j["devices"], 2);
+        assert_eq!(j["overlap_reduce"], on, "{out}");
+        let wait = j["reduce_wait_ms"].as_f64().expect("a wait in ms");
+        assert!(wait.is_finite() && wait >= 0.0, "{out}");
+    }
+    let (code, _, err) = bench("maybe");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("expected on or off"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }

@@ -491,13 +491,7 @@ pub fn run(mut a: Args) -> Result<()> {
             None => crate::train::trainer::saved_run(&a.out)?,
         };
         crate::train::parallel::check_accum(run.accum, devices.len())?;
-        let backend = data_parallel(
-            &devices,
-            &run.model,
-            a.dtype,
-            a.bucket_mb,
-            a.overlap_reduce,
-        )?;
+        let backend = data_parallel(&devices, &run.model, a.dtype, a.bucket_mb, a.overlap_reduce)?;
         return train_with(a, fresh, backend);
     }
     match device {

@@ -106,7 +106,11 @@ impl<'a> Pending<'a> {
     /// finished the stage of key `key` (and those before it), in order; taken.
     pub fn ready(&mut self, key: usize) -> &'a [Bucket] {
         let from = self.next;
-        while self.buckets.get(self.next).is_some_and(|b| b.ready_at >= key) {
+        while self
+            .buckets
+            .get(self.next)
+            .is_some_and(|b| b.ready_at >= key)
+        {
             self.next += 1;
         }
         &self.buckets[from..self.next]

@@ -17,10 +17,10 @@
 //! stage of the backward (the head, each layer, the embedding) it tells a
 //! [`GradReady`] hook that those gradients are final (data-parallel overlap).
 
+use super::ready::{GradReady, NoHook, Stage};
 use crate::cpu::math::silu;
 use crate::cpu::ops::{linear, linear_dw, linear_dx, rms_bwd, rms_fwd, silu_grad};
 use crate::cpu::Real;
-use super::ready::{GradReady, NoHook, Stage};
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::{param_dims, LayerParams, Params};
 use crate::mixers::mamba3::train::backward::mixer_backward;

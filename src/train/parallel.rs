@@ -177,7 +177,8 @@ impl<B: Backend> Replica for HostReplica<B> {
             n_layer: self.params.layers.len(),
         };
         if let Some(b) = last {
-            loss += (self.backend).loss_and_grad_ready(&self.params, b, &mut self.grad, &mut hook)?;
+            loss +=
+                (self.backend).loss_and_grad_ready(&self.params, b, &mut self.grad, &mut hook)?;
         }
         let t0 = Instant::now();
         hook.finish(&mut self.grad)?;
@@ -385,7 +386,13 @@ fn serve(
             Cmd::Accumulate { batches, reduce } => {
                 let got = if reduce {
                     let group = group.as_mut();
-                    r.accumulate(&batches, Some(Reduce { group, buckets: &buckets[..] }))
+                    r.accumulate(
+                        &batches,
+                        Some(Reduce {
+                            group,
+                            buckets: &buckets[..],
+                        }),
+                    )
                 } else {
                     r.accumulate(&batches, None)
                 };
@@ -681,15 +688,16 @@ impl Backend for DataParallel {
         self.load(params, Some(opt))?;
         let losses = self.accumulate_and_reduce(shards)?;
         let accum = batches.len();
-        let (norms, waits): (Vec<f64>, Vec<f64>) = (self.all(|_| Cmd::Apply { accum, clip, lr })?)
-            .into_iter()
-            .map(|r| match r {
-                Reply::Applied(norm, wait) => Ok((norm, wait)),
-                _ => Err(Error::Other("a worker answered out of turn".into())),
-            })
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .unzip();
+        let (norms, waits): (Vec<f64>, Vec<f64>) =
+            (self.all(|_| Cmd::Apply { accum, clip, lr })?)
+                .into_iter()
+                .map(|r| match r {
+                    Reply::Applied(norm, wait) => Ok((norm, wait)),
+                    _ => Err(Error::Other("a worker answered out of turn".into())),
+                })
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip();
         self.last_wait = waits.into_iter().reduce(f64::max);
         if let Some(r) = norms.iter().position(|n| n.to_bits() != norms[0].to_bits()) {
             return Err(Error::Other(format!(
