@@ -1,9 +1,11 @@
 //! Data-parallel training on GPUs over NCCL (src/train/parallel.rs, src/train/cuda/
 //! replica.rs, nccl.rs): one rank over a one-rank communicator equals plain GPU training
-//! bit for bit (f32 and bf16: losses, norms, weights, moments); on 2 and 4 GPUs, when the
+//! bit for bit (f32 and bf16: losses, norms, weights, moments), with the reduction
+//! overlapped with the backward on the NCCL stream and after it, SISO and MIMO; on 2 and
+//! 4 GPUs, when the
 //! machine has them, the reduced gradient is one GPU's sum of the same micro-batches within
 //! the bound of the module doc, the loss of a few steps follows one GPU's, and two runs are
-//! bit-identical. Needs a CUDA device and NCCL as `libnccl.so` on LD_LIBRARY_PATH (run with
+//! bit-identical, overlapped or not. Needs a CUDA device and NCCL as `libnccl.so` on LD_LIBRARY_PATH (run with
 //! `--include-ignored` on the GPU machine; scripts/gpu-check links PyTorch's copy).
 #![cfg(feature = "cuda")]
 
@@ -56,18 +58,52 @@ fn one_rank_over_nccl_equals_plain_gpu_training_bit_for_bit() {
         let mut plain = CudaTrainer::new(&cfg, dtype, 0).unwrap();
         let (c1, p1, o1) = three_steps(&mut plain, &cfg, 2);
         drop(plain);
-        // small buckets: many all-reduces, tensors cut across them
-        let mut dp = data_parallel(&cfg, dtype, &[0], 4096).unwrap();
-        let (c2, p2, o2) = three_steps(&mut dp, &cfg, 2);
-        assert_eq!(c1, c2, "{dtype:?}: losses or norms differ");
-        assert_eq!(p1, p2, "{dtype:?}: weights differ");
-        assert_eq!(
-            (o1.m, o1.v, o1.step),
-            (o2.m, o2.v, o2.step),
-            "{dtype:?}: moments"
-        );
-        println!("{dtype:?}: one NCCL rank = plain GPU training over 3 steps, bit for bit");
+        // small buckets: many all-reduces, tensors cut across them; the reduction
+        // overlapped with the backward on the NCCL stream, and after it
+        for overlap in [true, false] {
+            let mut dp = data_parallel(&cfg, dtype, &[0], 4096).unwrap();
+            dp.set_overlap(overlap);
+            let (c2, p2, o2) = three_steps(&mut dp, &cfg, 2);
+            let what = format!("{dtype:?} overlap {overlap}");
+            assert_eq!(c1, c2, "{what}: losses or norms differ");
+            assert_eq!(p1, p2, "{what}: weights differ");
+            assert_eq!(
+                (&o1.m, &o1.v, o1.step),
+                (&o2.m, &o2.v, o2.step),
+                "{what}: moments"
+            );
+            let wait = dp
+                .reduce_wait()
+                .expect("a data-parallel step records its wait");
+            assert!(wait.is_finite() && wait >= 0.0, "{what}: wait {wait}");
+            println!(
+                "{what}: one NCCL rank = plain GPU training over 3 steps, bit for bit \
+                 (last step waited {:.3} ms for the reduction)",
+                wait * 1e3
+            );
+        }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA device and NCCL"]
+fn one_rank_overlapped_with_a_mimo_model_equals_plain_gpu_training() {
+    let mut cfg = cfg();
+    cfg.ssm_cfg.is_mimo = true;
+    cfg.ssm_cfg.mimo_rank = 2;
+    let mut plain = CudaTrainer::new(&cfg, DType::F32, 0).unwrap();
+    let (c1, p1, o1) = three_steps(&mut plain, &cfg, 2);
+    drop(plain);
+    // one bucket per 64 bytes and one for everything
+    for bytes in [64, 1 << 30] {
+        let mut dp = data_parallel(&cfg, DType::F32, &[0], bytes).unwrap();
+        assert!(dp.overlap());
+        let (c2, p2, o2) = three_steps(&mut dp, &cfg, 2);
+        assert_eq!(c1, c2, "MIMO {bytes} B: losses or norms differ");
+        assert_eq!(p1, p2, "MIMO {bytes} B: weights differ");
+        assert_eq!((&o1.m, &o1.v), (&o2.m, &o2.v), "MIMO {bytes} B: moments");
+    }
+    println!("MIMO: one overlapped NCCL rank = plain GPU training over 3 steps, bit for bit");
 }
 
 #[test]
@@ -114,6 +150,16 @@ fn several_gpus_follow_one_and_repeat_bit_for_bit() {
         drop(a);
         let mut b = data_parallel(&cfg, DType::F32, &ordinals, 4096).unwrap();
         let (cb, pb, _) = three_steps(&mut b, &cfg, accum);
+        drop(b);
+        // the reduction after the backward: the same bits as the overlapped one
+        let mut c = data_parallel(&cfg, DType::F32, &ordinals, 4096).unwrap();
+        c.set_overlap(false);
+        let (cc, pc, _) = three_steps(&mut c, &cfg, accum);
+        assert_eq!(ca, cc, "N {n}: overlapped and after-backward losses differ");
+        assert_eq!(
+            pa, pc,
+            "N {n}: overlapped and after-backward weights differ"
+        );
         for (x, y) in f64s(&ca).iter().zip(f64s(&c1)) {
             assert!(
                 (x - y).abs() <= 1e-4 * y.abs(),
@@ -122,6 +168,6 @@ fn several_gpus_follow_one_and_repeat_bit_for_bit() {
         }
         assert_eq!(ca, cb, "N {n}: two runs' losses differ");
         assert_eq!(pa, pb, "N {n}: two runs' weights differ");
-        println!("N = {n}: within the bound of one GPU; two runs bit-identical");
+        println!("N = {n}: within the bound of one GPU; two runs bit-identical; overlap on = off");
     }
 }

@@ -1,5 +1,6 @@
 //! Data-parallel training on CPU workers over the host collective (`train::parallel`):
-//! one worker equals plain training bit for bit; with 2 and 4 workers the reduced
+//! one worker equals plain training bit for bit (the reduction overlapped with the
+//! backward or after it; tests/train_overlap_reduce.rs compares the two for N > 1); with 2 and 4 workers the reduced
 //! gradient is the rank-ordered sum of the ranks' micro-batches, bit for bit, and within
 //! the documented bound of one worker's; runs repeat bit for bit; checkpoints resume.
 mod common;
@@ -67,16 +68,14 @@ fn train<B: Backend>(backend: B, steps: u64, accum: usize) -> Trainer<B> {
 fn one_worker_equals_plain_training_bit_for_bit() {
     for accum in [1, 3] {
         let mut plain = train(CpuBackend, 4, accum);
-        for bytes in BUCKETS {
-            let dp = train(
-                DataParallel::host(&tiny_config(), 1, bytes).unwrap(),
-                4,
-                accum,
-            );
+        for (bytes, overlap) in BUCKETS.iter().flat_map(|&b| [(b, true), (b, false)]) {
+            let mut one = DataParallel::host(&tiny_config(), 1, bytes).unwrap();
+            one.set_overlap(overlap);
+            let dp = train(one, 4, accum);
             assert_eq!(
                 losses(&dp),
                 losses(&plain),
-                "losses, accum {accum}, {bytes} B"
+                "losses, accum {accum}, {bytes} B, overlap {overlap}"
             );
             assert!(
                 bits(&dp.params) == bits(&plain.params),

@@ -2,9 +2,11 @@
 //! clipping, AdamW) on a synthetic model of a given shape, with random byte tokens, on the
 //! CPU or a GPU (SISO, or MIMO with `--mimo-rank R`). Median over the timed steps, warm-up
 //! excluded. With `--devices` (N > 1), data-parallel: N micro-batches per step, one per
-//! device, so tokens/s at a fixed per-device batch shows the scaling.
+//! device, so tokens/s at a fixed per-device batch shows the scaling; it also reports the
+//! median time a step waited for the gradient's reduction after its backward (what the
+//! overlap of `--overlap-reduce on` hides).
 
-use crate::cli::train::{data_parallel, DeviceList, MAX_MIMO_RANK};
+use crate::cli::train::{data_parallel, DeviceList, OnOff, MAX_MIMO_RANK};
 use crate::engine::{Device, DeviceChoice};
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::validate_trainable;
@@ -55,6 +57,10 @@ pub struct Args {
     /// Data-parallel gradient buckets: MiB of gradient per all-reduce.
     #[arg(long, default_value_t = crate::train::buckets::DEFAULT_BUCKET_MB)]
     pub bucket_mb: f64,
+    /// Data-parallel: overlap each bucket's all-reduce with the backward (`on`) or reduce
+    /// after it (`off`).
+    #[arg(long, default_value = "on")]
+    pub overlap_reduce: OnOff,
     /// f32, or bf16 / f16 mixed precision (GPU).
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
@@ -93,7 +99,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let device = devices[0];
     if devices.len() > 1 {
-        let dp = data_parallel(&devices, &cfg, a.dtype, a.bucket_mb)?;
+        let dp = data_parallel(&devices, &cfg, a.dtype, a.bucket_mb, a.overlap_reduce)?;
         let name = Backend::name(&dp);
         return bench(&a, &cfg, dp, name, devices.len());
     }
@@ -127,6 +133,7 @@ fn bench<B: Backend>(
     let mut opt = AdamW::new(AdamWConfig::default(), &params);
     let mut rng = Rng::new(1);
     let mut times = Vec::with_capacity(a.steps);
+    let mut waits = Vec::with_capacity(a.steps);
     let mut last_loss = f64::NAN;
     for i in 0..a.warmup + a.steps.max(1) {
         let batches: Vec<Batch> = (0..ranks)
@@ -151,11 +158,16 @@ fn bench<B: Backend>(
         last_loss = loss;
         if i >= a.warmup {
             times.push(dt);
+            waits.extend(backend.reduce_wait());
         }
     }
     times.sort_by(|x, y| x.total_cmp(y));
     let med = times[times.len() / 2];
     let tokens = (ranks * a.batch * a.seq_len) as f64;
+    // data-parallel: the median wait for the reduction after the backward, in ms
+    waits.sort_by(|x, y| x.total_cmp(y));
+    let wait_ms = waits.get(waits.len() / 2).map(|w| w * 1e3);
+    let overlap = (ranks > 1).then_some(a.overlap_reduce.0);
     if a.json {
         println!(
             "{}",
@@ -168,6 +180,7 @@ fn bench<B: Backend>(
                 "step_ms": med * 1e3, "step_ms_min": times[0] * 1e3,
                 "step_ms_max": times[times.len() - 1] * 1e3,
                 "tokens_per_s": tokens / med, "tokens_per_s_per_device": tokens / med / ranks as f64,
+                "reduce_wait_ms": wait_ms, "overlap_reduce": overlap,
                 "last_loss": last_loss,
             })
         );
@@ -194,6 +207,12 @@ fn bench<B: Backend>(
             tokens / med,
             tokens / med / ranks as f64
         );
+        if let (Some(w), Some(on)) = (wait_ms, overlap) {
+            println!(
+                "  gradient reduction: median {w:.3} ms after the backward (overlap {})",
+                if on { "on" } else { "off" }
+            );
+        }
     }
     Ok(())
 }

@@ -124,6 +124,11 @@ pub struct Args {
     /// Data-parallel gradient buckets: MiB of gradient per all-reduce.
     #[arg(long, default_value_t = crate::train::buckets::DEFAULT_BUCKET_MB)]
     pub bucket_mb: f64,
+    /// Data-parallel: `on` starts each bucket's all-reduce during the last micro-batch's
+    /// backward, as soon as its layers are done; `off` reduces after the backward (the same
+    /// bits).
+    #[arg(long, default_value = "on")]
+    pub overlap_reduce: OnOff,
     /// Arithmetic: f32, or (on a GPU) bf16 / f16 mixed precision with f32 master weights.
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
@@ -305,6 +310,21 @@ fn check_numbers(a: &Args) -> Result<()> {
     Ok(())
 }
 
+/// A switch flag's value: `on` or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OnOff(pub bool);
+
+impl std::str::FromStr for OnOff {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "on" => Ok(OnOff(true)),
+            "off" => Ok(OnOff(false)),
+            _ => Err(Error::input(format!("`{s}`: expected on or off"))),
+        }
+    }
+}
+
 /// `--devices`: a comma-separated list of `cpu`, `cuda`, `cuda:N`, or `all` (every GPU).
 #[derive(Clone, Debug, PartialEq)]
 pub enum DeviceList {
@@ -359,8 +379,21 @@ impl DeviceList {
     }
 }
 
-/// A backend for the devices of `--devices` (N > 1): data-parallel workers.
+/// A backend for the devices of `--devices` (N > 1): data-parallel workers, the reduction
+/// overlapped with the backward when `overlap`.
 pub fn data_parallel(
+    devices: &[Device],
+    config: &Config,
+    dtype: DType,
+    bucket_mb: f64,
+    overlap: OnOff,
+) -> Result<crate::train::parallel::DataParallel> {
+    let mut dp = group(devices, config, dtype, bucket_mb)?;
+    dp.set_overlap(overlap.0);
+    Ok(dp)
+}
+
+fn group(
     devices: &[Device],
     config: &Config,
     dtype: DType,
@@ -458,7 +491,7 @@ pub fn run(mut a: Args) -> Result<()> {
             None => crate::train::trainer::saved_run(&a.out)?,
         };
         crate::train::parallel::check_accum(run.accum, devices.len())?;
-        let backend = data_parallel(&devices, &run.model, a.dtype, a.bucket_mb)?;
+        let backend = data_parallel(&devices, &run.model, a.dtype, a.bucket_mb, a.overlap_reduce)?;
         return train_with(a, fresh, backend);
     }
     match device {

@@ -3,8 +3,9 @@
 //! the host; the GPU one (`crate::train::cuda::CudaTrainer`) keeps the parameters, the
 //! gradients and AdamW's moments on the device and brings them back in [`Backend::sync`].
 
-use super::model::{loss_and_grad, Batch};
+use super::model::{loss_and_grad, loss_and_grad_ready, Batch};
 use super::optim::{clip_global_norm, scale, AdamW};
+use super::ready::GradReady;
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::Params;
 
@@ -18,6 +19,18 @@ pub trait Backend {
         batch: &Batch,
         grad: &mut Params<f32>,
     ) -> Result<f64>;
+    /// [`Backend::loss_and_grad`] that tells `ready` after each stage of the backward that
+    /// its gradients are final (`super::ready`). The default never calls it: whoever waits
+    /// on the hook then does after the backward what it would have done during it.
+    fn loss_and_grad_ready(
+        &mut self,
+        params: &Params<f32>,
+        batch: &Batch,
+        grad: &mut Params<f32>,
+        _ready: &mut dyn GradReady<Params<f32>>,
+    ) -> Result<f64> {
+        self.loss_and_grad(params, batch, grad)
+    }
     /// Mean loss of `batch` (no gradient). A backend that holds the run's parameters
     /// itself (after a [`Backend::step`]) uses those; `params` is the trainer's copy.
     fn loss(&mut self, params: &Params<f32>, batch: &Batch) -> Result<f64>;
@@ -49,6 +62,11 @@ pub trait Backend {
     /// backends that update them in place).
     fn sync(&mut self, _params: &mut Params<f32>, _opt: &mut AdamW) -> Result<()> {
         Ok(())
+    }
+    /// Seconds the last step waited, after its backward, for the gradient's reduction over
+    /// several devices (the slowest rank's); None for a backend on one device.
+    fn reduce_wait(&self) -> Option<f64> {
+        None
     }
 }
 
@@ -87,6 +105,15 @@ impl Backend for CpuBackend {
         grad: &mut Params<f32>,
     ) -> Result<f64> {
         loss_and_grad(params, batch, Some(grad))
+    }
+    fn loss_and_grad_ready(
+        &mut self,
+        params: &Params<f32>,
+        batch: &Batch,
+        grad: &mut Params<f32>,
+        ready: &mut dyn GradReady<Params<f32>>,
+    ) -> Result<f64> {
+        loss_and_grad_ready(params, batch, Some((grad, ready)))
     }
     fn loss(&mut self, params: &Params<f32>, batch: &Batch) -> Result<f64> {
         loss_and_grad(params, batch, None)

@@ -1,12 +1,14 @@
 //! The gradient's all-reduce buckets: the trainable tensors cut into pieces of at most a
 //! fixed number of bytes, from the last layer to the first (the head and final norm, then
-//! layers N−1 … 0, the embedding last) — the order in which the backward finishes them, so
-//! that a bucket could be reduced as soon as its layers are done. Each bucket is a set of
+//! layers N−1 … 0, the embedding last) — the order in which the backward finishes them
+//! (`super::ready::Stage`), so that a bucket is reduced as soon as its layers are done
+//! ([`Pending`], in `super::parallel`). Each bucket is a set of
 //! element ranges of the flat gradient (`super::flat::FlatLayout`), reduced as one
 //! operation; ranges that touch, or are parted only by the zero padding after a tensor,
 //! are merged into one.
 
 use super::flat::{FlatLayout, ALIGN};
+use super::ready::Stage;
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::Params;
 use std::collections::HashSet;
@@ -21,22 +23,9 @@ pub struct Bucket {
     pub ranges: Vec<Range<usize>>,
     /// parameter elements it holds (the ranges less the alignment gaps merged into them)
     pub params: usize,
-}
-
-/// Which stage of the backward finishes a tensor: larger ones first.
-fn stage(name: &str, n_layer: usize) -> usize {
-    if name == "backbone.embedding.weight" {
-        return 0;
-    }
-    match name
-        .strip_prefix("backbone.layers.")
-        .and_then(|rest| rest.split('.').next())
-        .and_then(|i| i.parse::<usize>().ok())
-    {
-        Some(layer) => layer + 1,
-        // the final norm and the head
-        None => n_layer + 1,
-    }
+    /// the [`Stage::key`] of its last tensor in the backward: once the backward has
+    /// finished that stage, every element of the bucket is final
+    pub ready_at: usize,
 }
 
 /// Buckets of at most `bucket_bytes` bytes of parameters each (at least one f32).
@@ -44,15 +33,21 @@ pub fn plan(shape: &Params<f32>, layout: &FlatLayout, bucket_bytes: usize) -> Ve
     let cap = (bucket_bytes / 4).max(1);
     let n_layer = shape.layers.len();
     // tensors in the backward's order: by stage, last first; within a stage, last first
-    let names: Vec<String> = shape.tensors().into_iter().map(|(n, _)| n).collect();
-    let mut order: Vec<usize> = (0..names.len()).rev().collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(stage(&names[i], n_layer)));
+    let keys: Vec<usize> = (shape.tensors().into_iter())
+        .map(|(n, _)| Stage::of(&n, n_layer).key(n_layer))
+        .collect();
+    let mut order: Vec<usize> = (0..keys.len()).rev().collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(keys[i]));
     // where a tensor ends, the layout's zero padding runs to the next multiple of ALIGN
     let ends: HashSet<usize> = layout.spans.iter().map(|&(off, len)| off + len).collect();
     let mut buckets = Vec::new();
     let mut pieces: Vec<Range<usize>> = Vec::new();
     let mut room = cap;
+    // the backward finishes the tensors in this order, so a bucket is final at the stage
+    // of the tensor that filled it last
+    let mut last_key = 0;
     for i in order {
+        last_key = keys[i];
         let (mut off, end) = (layout.spans[i].0, layout.spans[i].0 + layout.spans[i].1);
         while off < end {
             let take = room.min(end - off);
@@ -60,20 +55,20 @@ pub fn plan(shape: &Params<f32>, layout: &FlatLayout, bucket_bytes: usize) -> Ve
             off += take;
             room -= take;
             if room == 0 {
-                buckets.push(merged(std::mem::take(&mut pieces), &ends));
+                buckets.push(merged(std::mem::take(&mut pieces), &ends, keys[i]));
                 room = cap;
             }
         }
     }
     if !pieces.is_empty() {
-        buckets.push(merged(pieces, &ends));
+        buckets.push(merged(pieces, &ends, last_key));
     }
     buckets
 }
 
 /// Sorted, with neighbours merged where they touch or where only a tensor's padding
 /// parts them.
-fn merged(mut pieces: Vec<Range<usize>>, ends: &HashSet<usize>) -> Bucket {
+fn merged(mut pieces: Vec<Range<usize>>, ends: &HashSet<usize>, ready_at: usize) -> Bucket {
     let params = pieces.iter().map(|r| r.len()).sum();
     pieces.sort_by_key(|r| r.start);
     let mut ranges: Vec<Range<usize>> = Vec::new();
@@ -89,7 +84,44 @@ fn merged(mut pieces: Vec<Range<usize>>, ends: &HashSet<usize>) -> Bucket {
             _ => ranges.push(p),
         }
     }
-    Bucket { ranges, params }
+    Bucket {
+        ranges,
+        params,
+        ready_at,
+    }
+}
+
+/// The buckets of one reduction, launched in order as the backward finishes them.
+pub struct Pending<'a> {
+    buckets: &'a [Bucket],
+    next: usize,
+}
+
+impl<'a> Pending<'a> {
+    pub fn new(buckets: &'a [Bucket]) -> Pending<'a> {
+        Pending { buckets, next: 0 }
+    }
+
+    /// The buckets not yet taken whose every element is final once the backward has
+    /// finished the stage of key `key` (and those before it), in order; taken.
+    pub fn ready(&mut self, key: usize) -> &'a [Bucket] {
+        let from = self.next;
+        while self
+            .buckets
+            .get(self.next)
+            .is_some_and(|b| b.ready_at >= key)
+        {
+            self.next += 1;
+        }
+        &self.buckets[from..self.next]
+    }
+
+    /// Every bucket not yet taken (the backward is over); taken.
+    pub fn rest(&mut self) -> &'a [Bucket] {
+        let from = self.next;
+        self.next = self.buckets.len();
+        &self.buckets[from..]
+    }
 }
 
 /// `--bucket-mb` in bytes: a positive size, at most 1 GiB.
@@ -176,10 +208,51 @@ mod tests {
                 seen.push(t);
             }
         }
-        let stages: Vec<usize> = seen.iter().map(|&t| stage(&names[t], 3)).collect();
+        let stages: Vec<usize> = (seen.iter())
+            .map(|&t| Stage::of(&names[t], 3).key(3))
+            .collect();
         assert!(stages.windows(2).all(|w| w[0] >= w[1]), "{stages:?}");
         assert_eq!(names[seen[0]], "lm_head.weight");
         assert_eq!(names[*seen.last().unwrap()], "backbone.embedding.weight");
+    }
+
+    #[test]
+    fn a_bucket_is_ready_at_the_stage_of_its_last_tensor() {
+        let p = &shapes()[0];
+        let layout = FlatLayout::new(p);
+        let keys: Vec<usize> = (p.tensors().iter())
+            .map(|(n, _)| Stage::of(n, 3).key(3))
+            .collect();
+        for bytes in [4, 64, 1000, 4096, 1 << 30] {
+            let buckets = plan(p, &layout, bytes);
+            for b in &buckets {
+                // the least stage among the tensors it touches
+                let least = (layout.spans.iter().zip(&keys))
+                    .filter(|(&(off, len), _)| {
+                        (b.ranges.iter()).any(|r| r.start < off + len && off < r.end)
+                    })
+                    .map(|(_, &k)| k)
+                    .min()
+                    .unwrap();
+                assert_eq!(b.ready_at, least, "{bytes} B");
+            }
+            assert!(buckets.windows(2).all(|w| w[0].ready_at >= w[1].ready_at));
+            // the queue hands each bucket out once, in order, as its stage finishes
+            let mut q = Pending::new(&buckets);
+            let mut taken = 0;
+            for key in (0..=4).rev() {
+                for b in q.ready(key) {
+                    assert!(b.ready_at >= key);
+                    assert_eq!(*b, buckets[taken]);
+                    taken += 1;
+                }
+                assert!(buckets[taken..].iter().all(|b| b.ready_at < key));
+            }
+            assert_eq!(taken, buckets.len());
+            assert!(q.rest().is_empty());
+            let mut q = Pending::new(&buckets);
+            assert_eq!(q.rest().len(), buckets.len(), "without the hook: all after");
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 use std::ops::Range;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// A rank's flat f32 buffer (the gradient, in `crate::train::flat::FlatLayout`).
 pub enum FlatBuf<'a> {
@@ -41,6 +41,10 @@ pub trait Collective: Send {
     /// bucket, reduced as one operation. Every rank calls it with the same ranges, and gets
     /// the same sums, bit for bit.
     fn all_reduce_sum(&mut self, buf: FlatBuf<'_>, ranges: &[Range<usize>]) -> Result<()>;
+    /// A rank failed in the middle of a reduction: end the group, so that no rank waits
+    /// for it any longer (a rank waiting, or coming later, gets an error). The group is
+    /// unusable after; calling it again does nothing.
+    fn abort(&mut self);
 }
 
 /// Checks every collective makes of a bucket's ranges.
@@ -56,10 +60,21 @@ pub fn check_ranges(buf_len: usize, ranges: &[Range<usize>]) -> Result<()> {
     Ok(())
 }
 
-/// What the ranks of a host group share: each rank's copy of the bucket, by rank.
+/// What the ranks of a host group share: each rank's copy of the bucket, by rank, and
+/// the meeting point where they wait for each other.
 struct Shared {
-    slots: Mutex<Vec<Vec<f32>>>,
-    barrier: Barrier,
+    state: Mutex<Meeting>,
+    met: Condvar,
+}
+
+struct Meeting {
+    slots: Vec<Vec<f32>>,
+    /// ranks at the meeting point now
+    arrived: usize,
+    /// meetings completed (a waiting rank leaves when this moves on)
+    round: u64,
+    /// a rank aborted the group
+    aborted: bool,
 }
 
 /// The host stand-in of [`Collective`]: one per worker thread of a group made by
@@ -79,8 +94,13 @@ impl HostCollective {
             return Err(Error::input("a collective group needs at least one rank"));
         }
         let shared = Arc::new(Shared {
-            slots: Mutex::new(vec![Vec::new(); n]),
-            barrier: Barrier::new(n),
+            state: Mutex::new(Meeting {
+                slots: vec![Vec::new(); n],
+                arrived: 0,
+                round: 0,
+                aborted: false,
+            }),
+            met: Condvar::new(),
         });
         Ok((0..n)
             .map(|rank| HostCollective {
@@ -90,10 +110,41 @@ impl HostCollective {
             })
             .collect())
     }
+
+    fn lock(&self) -> Result<MutexGuard<'_, Meeting>> {
+        let m = (self.shared.state.lock())
+            .map_err(|_| Error::Other("a rank of the host collective panicked".into()))?;
+        if m.aborted {
+            return Err(aborted());
+        }
+        Ok(m)
+    }
+
+    /// Wait until every rank has come here (a barrier that an abort breaks).
+    fn meet<'a>(&'a self, mut m: MutexGuard<'a, Meeting>) -> Result<MutexGuard<'a, Meeting>> {
+        let round = m.round;
+        m.arrived += 1;
+        if m.arrived == self.world {
+            m.arrived = 0;
+            m.round += 1;
+            self.shared.met.notify_all();
+            return Ok(m);
+        }
+        while m.round == round && !m.aborted {
+            m = (self.shared.met.wait(m))
+                .map_err(|_| Error::Other("a rank of the host collective panicked".into()))?;
+        }
+        if m.round == round {
+            return Err(aborted());
+        }
+        Ok(m)
+    }
 }
 
-fn lock(s: &Shared) -> Result<std::sync::MutexGuard<'_, Vec<Vec<f32>>>> {
-    (s.slots.lock()).map_err(|_| Error::Other("a rank of the host collective panicked".into()))
+fn aborted() -> Error {
+    Error::Other(
+        "another rank of the data-parallel group failed; the reduction was abandoned".into(),
+    )
 }
 
 impl Collective for HostCollective {
@@ -120,31 +171,36 @@ impl Collective for HostCollective {
             .flat_map(|r| &buf[r.clone()])
             .copied()
             .collect();
-        lock(&self.shared)?[self.rank] = mine;
+        let mut m = self.lock()?;
+        m.slots[self.rank] = mine;
         // everyone's copy is posted
-        self.shared.barrier.wait();
-        {
-            let slots = lock(&self.shared)?;
-            let n = slots[0].len();
-            if slots.iter().any(|s| s.len() != n) {
-                return Err(Error::Other(
-                    "the ranks of a host collective reduced buckets of different sizes".into(),
-                ));
-            }
-            let mut sum = slots[0].clone();
-            for s in &slots[1..] {
-                sum.iter_mut().zip(s).for_each(|(a, &b)| *a += b);
-            }
-            let mut it = sum.into_iter();
-            for r in ranges {
-                buf[r.clone()]
-                    .iter_mut()
-                    .for_each(|x| *x = it.next().expect("sized above"));
-            }
+        let m = self.meet(m)?;
+        let n = m.slots[0].len();
+        if m.slots.iter().any(|s| s.len() != n) {
+            return Err(Error::Other(
+                "the ranks of a host collective reduced buckets of different sizes".into(),
+            ));
+        }
+        let mut sum = m.slots[0].clone();
+        for s in &m.slots[1..] {
+            sum.iter_mut().zip(s).for_each(|(a, &b)| *a += b);
+        }
+        let mut it = sum.into_iter();
+        for r in ranges {
+            buf[r.clone()]
+                .iter_mut()
+                .for_each(|x| *x = it.next().expect("sized above"));
         }
         // nobody posts the next bucket before everyone has read this one
-        self.shared.barrier.wait();
+        drop(self.meet(m)?);
         Ok(())
+    }
+
+    fn abort(&mut self) {
+        if let Ok(mut m) = self.shared.state.lock() {
+            m.aborted = true;
+        }
+        self.shared.met.notify_all();
     }
 }
 
@@ -198,6 +254,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_abort_frees_the_ranks_waiting_for_a_failed_one() {
+        let mut group = HostCollective::group(3).unwrap();
+        let mut failed = group.pop().unwrap();
+        // the buffer as two ranges
+        let whole = || [0..2, 2..4];
+        let waiting: Vec<_> = group
+            .into_iter()
+            .map(|mut c| {
+                std::thread::spawn(move || {
+                    let mut buf = vec![1f32; 4];
+                    c.all_reduce_sum(FlatBuf::Host(&mut buf), &whole())
+                })
+            })
+            .collect();
+        // rank 2 never comes: it fails and aborts instead
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        failed.abort();
+        failed.abort();
+        for h in waiting {
+            let e = h.join().unwrap().unwrap_err().to_string();
+            assert!(e.contains("another rank"), "{e}");
+        }
+        let mut buf = vec![1f32; 4];
+        assert!(failed
+            .all_reduce_sum(FlatBuf::Host(&mut buf), &whole())
+            .is_err());
     }
 
     #[test]

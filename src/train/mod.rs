@@ -18,7 +18,9 @@
 //! - [`parallel`]: data-parallel training, one worker thread and replica per device
 //!   ([`parallel::DataParallel`], a [`backend::Backend`]); [`collective`]: the all-reduce
 //!   its ranks sum gradients with (the host stand-in here, NCCL in `cuda::nccl`);
-//!   [`buckets`]: the reduction's buckets; [`flat`]: the flat layout of the tensors.
+//!   [`buckets`]: the reduction's buckets; [`flat`]: the flat layout of the tensors;
+//!   [`ready`]: the hook through which a backward says which gradients are final, so that
+//!   their buckets' all-reduces start while it goes on.
 //! - [`plot`]: the loss-curve PNG.
 
 pub mod backend;
@@ -32,6 +34,7 @@ pub mod model;
 pub mod optim;
 pub mod parallel;
 pub mod plot;
+pub mod ready;
 pub mod tokenizer;
 pub mod trainer;
 

@@ -13,8 +13,11 @@
 //! which is the official fused add-norm of spec §2.7 written without the `(hs, res)` pair.
 //! The backward walks the same list in reverse; the mixer's part is in
 //! [`crate::mixers::mamba3::train::forward`] (SISO) or [`crate::mixers::mimo::train`]
-//! (MIMO, `ssm_cfg.is_mimo`) — [`LayerMixer`] is the one place that chooses.
+//! (MIMO, `ssm_cfg.is_mimo`) — [`LayerMixer`] is the one place that chooses. After each
+//! stage of the backward (the head, each layer, the embedding) it tells a
+//! [`GradReady`] hook that those gradients are final (data-parallel overlap).
 
+use super::ready::{GradReady, NoHook, Stage};
 use crate::cpu::math::silu;
 use crate::cpu::ops::{linear, linear_dw, linear_dx, rms_bwd, rms_fwd, silu_grad};
 use crate::cpu::Real;
@@ -292,6 +295,19 @@ pub fn loss_and_grad<F: Real>(
     batch: &Batch,
     grad: Option<&mut Params<F>>,
 ) -> Result<f64> {
+    match grad {
+        Some(g) => loss_and_grad_ready(p, batch, Some((g, &mut NoHook))),
+        None => loss_and_grad_ready(p, batch, None),
+    }
+}
+
+/// [`loss_and_grad`] that tells `ready` after each stage of the backward that the stage's
+/// gradients are final (`super::ready`: the head, the layers last to first, the embedding).
+pub fn loss_and_grad_ready<F: Real>(
+    p: &Params<F>,
+    batch: &Batch,
+    grad: Option<(&mut Params<F>, &mut dyn GradReady<Params<F>>)>,
+) -> Result<f64> {
     let d = param_dims(&p.config);
     check_batch(&d, batch)?;
     let th = rayon::current_num_threads();
@@ -326,7 +342,7 @@ pub fn loss_and_grad<F: Real>(
         })
         .collect();
     let loss = losses.iter().sum::<f64>() / rows as f64;
-    let Some(g) = grad else {
+    let Some((g, ready)) = grad else {
         return Ok(loss);
     };
     // Backward.
@@ -340,10 +356,12 @@ pub fn loss_and_grad<F: Real>(
     drop(dlogits);
     let mut dr = vec![F::zero(); rows * dm];
     norm_rows_bwd(&r, &p.norm_f, &rf, &dnf, &mut dr, &mut g.norm_f);
+    ready.ready(Stage::Head, g)?;
     let mut dproj = vec![F::zero(); rows * d.d_in_proj];
     let mut d_o = vec![F::zero(); rows * d.d_inner];
     let mut dn = vec![F::zero(); rows * dm];
-    for ((lp, gl), s) in p.layers.iter().zip(g.layers.iter_mut()).zip(saved).rev() {
+    for (l, s) in saved.into_iter().enumerate().rev() {
+        let (lp, gl) = (&p.layers[l], &mut g.layers[l]);
         if let (Some(mp), Some(ms), Some(gm)) = (&lp.mlp, &s.mlp, gl.mlp.as_mut()) {
             let hid = d.mlp_hidden;
             linear_dw(&dr, &ms.act, rows, dm, hid, &mut gm.fc2, th);
@@ -379,10 +397,12 @@ pub fn loss_and_grad<F: Real>(
             th,
         );
         norm_rows_bwd(&s.r_in, &lp.norm, &s.rn, &dn, &mut dr, &mut gl.norm);
+        ready.ready(Stage::Layer(l), g)?;
     }
     for (row, &t) in dr.chunks(dm).zip(&batch.inputs) {
         let e = &mut g.embedding[t as usize * dm..(t as usize + 1) * dm];
         e.iter_mut().zip(row).for_each(|(a, &b)| *a = *a + b);
     }
+    ready.ready(Stage::Embedding, g)?;
     Ok(loss)
 }

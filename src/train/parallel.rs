@@ -8,9 +8,25 @@
 //! mean losses; the ranks then all-reduce the **sum** ([`Collective`], bucket by bucket in
 //! the order of [`super::buckets`]), and every rank scales it once by `1 / accum`, clips it
 //! and takes the same AdamW step as one device would — the same arithmetic on the same
-//! bits, so the replicas stay bit-identical. The reduction runs after the backward of a
-//! rank's last micro-batch, not overlapped with it: the buckets come in the backward's
-//! order so that a later change can launch each as its layers finish.
+//! bits, so the replicas stay bit-identical.
+//!
+//! **Overlap** (on by default; `--overlap-reduce off`, [`DataParallel::set_overlap`]): the
+//! buckets come in the order the backward finishes their tensors, so during the backward
+//! of a rank's *last* micro-batch each bucket's all-reduce starts as soon as the backward
+//! says (through [`GradReady`], `super::ready`) that the stage of its last tensor is done,
+//! while the backward goes on with the layers below; what the hook has not launched by the
+//! end of the backward (all of it, for a backend that never calls the hook) is reduced
+//! then. On a GPU the all-reduces run on a communication stream that waits for an event
+//! after the stage, and the optimiser's stream waits for that stream
+//! (`super::cuda::replica`); on the host they run inline in the hook. The sums are the same
+//! operations on the same values in the same order as the reduction after the backward, so
+//! both give the same bits. Off, every rank finishes its backward before any rank enters
+//! the collective. On, a rank that fails mid-backward has its peers waiting in the
+//! collective: it aborts the group ([`Collective::abort`]), the step fails on every rank,
+//! and the [`DataParallel`] refuses further steps.
+//!
+//! Each step records how long it waited for the reduction after its backward (the slowest
+//! rank's: [`Backend::reduce_wait`], which `bench-train` reports).
 //!
 //! Against one device with the same global batch, only the order of the f32 sums differs:
 //! one device adds every micro-batch's contributions into one buffer; N ranks each add
@@ -27,17 +43,26 @@
 //! rank 0's (the trainer writes them from its synced copy).
 
 use super::backend::{host_apply, Backend};
-use super::buckets::{self, Bucket};
+use super::buckets::{self, Bucket, Pending};
 use super::collective::{Collective, FlatBuf, HostCollective};
 use super::flat::FlatLayout;
 use super::model::Batch;
 use super::optim::AdamW;
+use super::ready::{GradReady, Stage};
 use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::Params;
 use crate::model::Config;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// A rank's part in a reduction overlapped with its backward: its end of the group and
+/// the buckets.
+pub struct Reduce<'a> {
+    pub group: &'a mut dyn Collective,
+    pub buckets: &'a [Bucket],
+}
 
 /// One rank's model and optimiser, on its device: what a worker thread drives.
 pub trait Replica {
@@ -47,14 +72,20 @@ pub trait Replica {
     /// Take the run's optimiser state (moments and step count).
     fn set_moments(&mut self, opt: &AdamW) -> Result<()>;
     /// Zero the gradient, then add the gradient of the mean loss of each of `batches`;
-    /// returns the sum of their mean losses.
-    fn accumulate(&mut self, batches: &[Batch]) -> Result<f64>;
-    /// Replace the gradient by its sum over the group, one all-reduce per bucket.
+    /// returns the sum of their mean losses. With `reduce`, the gradient is also replaced
+    /// by its sum over the group, one all-reduce per bucket, each started during the last
+    /// batch's backward as soon as its tensors are final (the module doc).
+    fn accumulate(&mut self, batches: &[Batch], reduce: Option<Reduce<'_>>) -> Result<f64>;
+    /// Replace the gradient by its sum over the group, one all-reduce per bucket (after
+    /// the backward).
     fn reduce(&mut self, group: &mut dyn Collective, buckets: &[Bucket]) -> Result<()>;
     /// Scale the gradient by `1 / accum`, clip it to the global norm `clip` (when
     /// positive) and take an AdamW step at `lr`, as one device's step does; returns the
     /// norm before clipping.
     fn apply(&mut self, accum: usize, clip: f64, lr: f64) -> Result<f64>;
+    /// Seconds the last reduction ran after the end of the backward (all of it when not
+    /// overlapped); asked after [`Replica::apply`].
+    fn reduce_wait(&mut self) -> Result<f64>;
     /// Mean loss of `batch` at the replica's parameters.
     fn loss(&mut self, batch: &Batch) -> Result<f64>;
     /// The gradient buffer's tensors.
@@ -68,20 +99,28 @@ pub trait Replica {
 pub struct HostReplica<B: Backend> {
     backend: B,
     layout: FlatLayout,
+    /// the [`Stage::key`] of each tensor
+    keys: Vec<usize>,
     params: Params<f32>,
     opt: Option<AdamW>,
     grad: Params<f32>,
     flat: Vec<f32>,
+    wait: f64,
 }
 
 impl<B: Backend> HostReplica<B> {
     pub fn new(config: &Config, backend: B) -> HostReplica<B> {
         let params = Params::zeros(config);
         let layout = FlatLayout::new(&params);
+        let n_layer = params.layers.len();
         HostReplica {
             backend,
             flat: vec![0.0; layout.len],
             layout,
+            keys: (params.tensors().iter())
+                .map(|(n, _)| Stage::of(n, n_layer).key(n_layer))
+                .collect(),
+            wait: 0.0,
             grad: params.clone(),
             params,
             opt: None,
@@ -109,27 +148,57 @@ impl<B: Backend> Replica for HostReplica<B> {
         Ok(())
     }
 
-    fn accumulate(&mut self, batches: &[Batch]) -> Result<f64> {
+    fn accumulate(&mut self, batches: &[Batch], reduce: Option<Reduce<'_>>) -> Result<f64> {
         self.grad
             .tensors_mut()
             .into_iter()
             .for_each(|t| t.fill(0.0));
         let mut loss = 0.0;
-        for b in batches {
-            loss += self
-                .backend
-                .loss_and_grad(&self.params, b, &mut self.grad)?;
+        let Some(reduce) = reduce else {
+            for b in batches {
+                loss += (self.backend).loss_and_grad(&self.params, b, &mut self.grad)?;
+            }
+            return Ok(loss);
+        };
+        let (last, first) = match batches.split_last() {
+            Some((last, first)) => (Some(last), first),
+            None => (None, batches),
+        };
+        for b in first {
+            loss += (self.backend).loss_and_grad(&self.params, b, &mut self.grad)?;
         }
+        let mut hook = HostReduce {
+            group: reduce.group,
+            pending: Pending::new(reduce.buckets),
+            layout: &self.layout,
+            keys: &self.keys,
+            gathered: vec![false; self.keys.len()],
+            flat: &mut self.flat,
+            n_layer: self.params.layers.len(),
+        };
+        if let Some(b) = last {
+            loss +=
+                (self.backend).loss_and_grad_ready(&self.params, b, &mut self.grad, &mut hook)?;
+        }
+        let t0 = Instant::now();
+        hook.finish(&mut self.grad)?;
+        self.wait = t0.elapsed().as_secs_f64();
         Ok(loss)
     }
 
     fn reduce(&mut self, group: &mut dyn Collective, buckets: &[Bucket]) -> Result<()> {
+        let t0 = Instant::now();
         self.layout.gather(&self.grad, &mut self.flat);
         for b in buckets {
             group.all_reduce_sum(FlatBuf::Host(&mut self.flat), &b.ranges)?;
         }
         self.layout.scatter(&self.flat, &mut self.grad);
+        self.wait = t0.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    fn reduce_wait(&mut self) -> Result<f64> {
+        Ok(self.wait)
     }
 
     fn apply(&mut self, accum: usize, clip: f64, lr: f64) -> Result<f64> {
@@ -160,6 +229,59 @@ impl<B: Backend> Replica for HostReplica<B> {
     }
 }
 
+/// The host's overlapped reduction, inline in the backward's hook: at each stage, the
+/// tensors it finished are copied into the flat buffer and the buckets they complete are
+/// all-reduced there; at the end, the rest, and the flat sums back into the tensors (the
+/// tensors reduced during the backward are final, so the backward never reads them again).
+struct HostReduce<'a> {
+    group: &'a mut dyn Collective,
+    pending: Pending<'a>,
+    layout: &'a FlatLayout,
+    keys: &'a [usize],
+    /// which tensors are in `flat` already
+    gathered: Vec<bool>,
+    flat: &'a mut [f32],
+    n_layer: usize,
+}
+
+impl HostReduce<'_> {
+    /// Copy into the flat buffer every tensor of stage key ≥ `key` not copied yet.
+    fn gather(&mut self, grad: &Params<f32>, key: usize) {
+        for (i, (_, t)) in grad.tensors().into_iter().enumerate() {
+            if self.keys[i] >= key && !self.gathered[i] {
+                let off = self.layout.spans[i].0;
+                self.flat[off..off + t.len()].copy_from_slice(t);
+                self.gathered[i] = true;
+            }
+        }
+    }
+
+    fn all_reduce(&mut self, buckets: &[Bucket]) -> Result<()> {
+        for b in buckets {
+            (self.group).all_reduce_sum(FlatBuf::Host(&mut *self.flat), &b.ranges)?;
+        }
+        Ok(())
+    }
+
+    /// The backward is over: the buckets not yet reduced, then the sums into `grad`.
+    fn finish(&mut self, grad: &mut Params<f32>) -> Result<()> {
+        self.gather(grad, 0);
+        let rest = self.pending.rest();
+        self.all_reduce(rest)?;
+        self.layout.scatter(&*self.flat, grad);
+        Ok(())
+    }
+}
+
+impl GradReady<Params<f32>> for HostReduce<'_> {
+    fn ready(&mut self, stage: Stage, grad: &mut Params<f32>) -> Result<()> {
+        let key = stage.key(self.n_layer);
+        self.gather(grad, key);
+        let ready = self.pending.ready(key);
+        self.all_reduce(ready)
+    }
+}
+
 /// Makes a rank's replica inside its worker thread (a GPU context belongs to the thread
 /// that opens it).
 pub type MakeReplica = Box<dyn FnOnce() -> Result<Box<dyn Replica>> + Send>;
@@ -167,9 +289,18 @@ pub type MakeReplica = Box<dyn FnOnce() -> Result<Box<dyn Replica>> + Send>;
 enum Cmd {
     Params(Arc<Params<f32>>),
     Moments(Arc<AdamW>),
-    Accumulate(Vec<Batch>),
+    /// with `reduce`, the reduction overlapped with the last backward
+    Accumulate {
+        batches: Vec<Batch>,
+        reduce: bool,
+    },
     Reduce,
-    Apply { accum: usize, clip: f64, lr: f64 },
+    Apply {
+        accum: usize,
+        clip: f64,
+        lr: f64,
+    },
+    Abort,
     Loss(Batch),
     Gradient,
     State,
@@ -180,6 +311,8 @@ enum Reply {
     Done,
     Name(String),
     Value(f64),
+    /// the gradient norm, and the seconds the reduction ran after the backward
+    Applied(f64, f64),
     Hash(u64),
     Gradient(Box<Params<f32>>),
     State(Box<(Params<f32>, AdamW)>),
@@ -198,6 +331,11 @@ pub struct DataParallel {
     buckets: Arc<Vec<Bucket>>,
     params_here: bool,
     moments_here: bool,
+    overlap: bool,
+    /// seconds the last step waited for the reduction after its backward (slowest rank)
+    last_wait: Option<f64>,
+    /// why the group was aborted (no more steps)
+    aborted: Option<String>,
 }
 
 /// Micro-batch `i` of a step goes to rank `i mod world`; refuses an `accum` that does not
@@ -245,9 +383,38 @@ fn serve(
         let reply = match cmd {
             Cmd::Params(p) => r.set_params(&p).map(|_| Reply::Done),
             Cmd::Moments(o) => r.set_moments(&o).map(|_| Reply::Done),
-            Cmd::Accumulate(b) => r.accumulate(&b).map(Reply::Value),
-            Cmd::Reduce => r.reduce(group.as_mut(), &buckets).map(|_| Reply::Done),
-            Cmd::Apply { accum, clip, lr } => r.apply(accum, clip, lr).map(Reply::Value),
+            Cmd::Accumulate { batches, reduce } => {
+                let got = if reduce {
+                    let group = group.as_mut();
+                    r.accumulate(
+                        &batches,
+                        Some(Reduce {
+                            group,
+                            buckets: &buckets[..],
+                        }),
+                    )
+                } else {
+                    r.accumulate(&batches, None)
+                };
+                // peers may be waiting in the collective for this rank
+                if got.is_err() && reduce {
+                    group.abort();
+                }
+                got.map(Reply::Value)
+            }
+            Cmd::Reduce => {
+                let got = r.reduce(group.as_mut(), &buckets);
+                if got.is_err() {
+                    group.abort();
+                }
+                got.map(|_| Reply::Done)
+            }
+            Cmd::Apply { accum, clip, lr } => (r.apply(accum, clip, lr))
+                .and_then(|norm| Ok(Reply::Applied(norm, r.reduce_wait()?))),
+            Cmd::Abort => {
+                group.abort();
+                Ok(Reply::Done)
+            }
             Cmd::Loss(b) => r.loss(&b).map(Reply::Value),
             Cmd::Gradient => r.gradient().map(|g| Reply::Gradient(Box::new(g))),
             Cmd::State => r.state().map(|s| Reply::State(Box::new(s))),
@@ -312,6 +479,9 @@ impl DataParallel {
             buckets,
             params_here: false,
             moments_here: false,
+            overlap: true,
+            last_wait: None,
+            aborted: None,
         };
         // every replica made (or the first failure)
         let mut first_err = None;
@@ -353,6 +523,45 @@ impl DataParallel {
     /// The reduction's buckets.
     pub fn buckets(&self) -> &[Bucket] {
         &self.buckets
+    }
+
+    /// Overlap the reduction with the last micro-batch's backward (the default) or run it
+    /// after (the module doc); the same bits either way.
+    pub fn set_overlap(&mut self, on: bool) {
+        self.overlap = on;
+    }
+
+    pub fn overlap(&self) -> bool {
+        self.overlap
+    }
+
+    /// Every rank's gradient for `shards`, reduced over the group (overlapped with the
+    /// backward or after it); the ranks' summed losses. A failure aborts the group.
+    fn accumulate_and_reduce(&mut self, mut shards: Vec<Vec<Batch>>) -> Result<Vec<f64>> {
+        if let Some(why) = &self.aborted {
+            return Err(Error::Other(format!(
+                "this data-parallel group was aborted by an earlier failure ({why}); start \
+                 a new one"
+            )));
+        }
+        let reduce = self.overlap;
+        let got = self.values(|r| Cmd::Accumulate {
+            batches: std::mem::take(&mut shards[r]),
+            reduce,
+        });
+        // overlapped, a failed rank may have left its peers inside the collective; after
+        // the backward, every rank's backward is done before any rank enters it
+        let got = match got {
+            Ok(losses) if !reduce => self.all(|_| Cmd::Reduce).map(|_| losses),
+            Err(e) if !reduce => return Err(e),
+            got => got,
+        };
+        if let Err(e) = &got {
+            // ranks whose reduction is queued (on a GPU) stop waiting for the failed one
+            let _ = self.all(|_| Cmd::Abort);
+            self.aborted = Some(e.to_string());
+        }
+        got
     }
 
     fn reply(&self, rank: usize) -> Result<Reply> {
@@ -421,9 +630,8 @@ impl DataParallel {
     ) -> Result<(f64, Params<f32>)> {
         self.params_here = false;
         self.load(params, None)?;
-        let mut shards = self.deal(batches)?;
-        let losses = self.values(|r| Cmd::Accumulate(std::mem::take(&mut shards[r])))?;
-        self.all(|_| Cmd::Reduce)?;
+        let shards = self.deal(batches)?;
+        let losses = self.accumulate_and_reduce(shards)?;
         let mut grads = (self.all(|_| Cmd::Gradient)?.into_iter()).map(|r| match r {
             Reply::Gradient(g) => Ok(*g),
             _ => Err(Error::Other("a worker answered out of turn".into())),
@@ -476,14 +684,21 @@ impl Backend for DataParallel {
         if batches.is_empty() {
             return Err(Error::input("an optimiser step needs at least one batch"));
         }
-        let mut shards = self.deal(batches)?;
+        let shards = self.deal(batches)?;
         self.load(params, Some(opt))?;
-        // every rank's backward done before any rank enters the collective, so that a
-        // failure on one rank cannot leave the others waiting in it
-        let losses = self.values(|r| Cmd::Accumulate(std::mem::take(&mut shards[r])))?;
-        self.all(|_| Cmd::Reduce)?;
+        let losses = self.accumulate_and_reduce(shards)?;
         let accum = batches.len();
-        let norms = self.values(|_| Cmd::Apply { accum, clip, lr })?;
+        let (norms, waits): (Vec<f64>, Vec<f64>) =
+            (self.all(|_| Cmd::Apply { accum, clip, lr })?)
+                .into_iter()
+                .map(|r| match r {
+                    Reply::Applied(norm, wait) => Ok((norm, wait)),
+                    _ => Err(Error::Other("a worker answered out of turn".into())),
+                })
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip();
+        self.last_wait = waits.into_iter().reduce(f64::max);
         if let Some(r) = norms.iter().position(|n| n.to_bits() != norms[0].to_bits()) {
             return Err(Error::Other(format!(
                 "the replicas diverged: rank {r}'s gradient norm {} is not rank 0's {}",
@@ -491,6 +706,10 @@ impl Backend for DataParallel {
             )));
         }
         Ok((losses.iter().sum::<f64>() / accum as f64, norms[0]))
+    }
+
+    fn reduce_wait(&self) -> Option<f64> {
+        self.last_wait
     }
 
     /// Rank 0's parameters and optimiser state, after checking that every rank's weights

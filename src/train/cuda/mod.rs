@@ -34,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::mixers::mamba3::params::{param_dims, validate_trainable, Params};
 use crate::model::{Config, DType, Dims};
 use crate::train::optim::AdamW;
+use crate::train::ready::{GradReady, NoHook, Stage};
 use crate::train::{Backend, Batch};
 use acts::Acts;
 use flat::{Addrs, FlatLayout};
@@ -282,9 +283,9 @@ impl CudaTrainer {
         Ok(())
     }
 
-    /// Forward (and with `grad`, backward into the gradient buffer) of one batch; the mean
-    /// loss.
-    fn run(&mut self, batch: &Batch, grad: bool) -> Result<f64> {
+    /// Forward (and with `grad`, backward into the gradient buffer, telling the hook after
+    /// each stage: `crate::train::ready`) of one batch; the mean loss.
+    fn run(&mut self, batch: &Batch, grad: Option<&mut dyn GradReady<()>>) -> Result<f64> {
         self.prepare(batch)?;
         let a = self.acts.as_ref().expect("prepared");
         let (p, gw, g) = (
@@ -293,8 +294,8 @@ impl CudaTrainer {
             self.addrs(self.grads.ptr),
         );
         self.forward(a, &p, &gw)?;
-        if grad {
-            self.backward(a, &p, &gw, &g)?;
+        if let Some(ready) = grad {
+            self.backward(a, &p, &gw, &g, ready)?;
             let groups = self.n_groups as u32;
             self.gpu.launch(
                 &self.k.embed_bwd,
@@ -309,6 +310,7 @@ impl CudaTrainer {
                     &g.embedding,
                 ],
             )?;
+            ready.ready(Stage::Embedding, &mut ())?;
         }
         let mut losses = vec![0f32; a.rows];
         self.gpu.dtoh(a.losses.ptr, &mut losses)?;
@@ -321,7 +323,7 @@ impl CudaTrainer {
         self.zero_grads()?;
         let mut loss = 0.0;
         for b in batches {
-            loss += self.run(b, true)?;
+            loss += self.run(b, Some(&mut NoHook))?;
         }
         Ok(loss)
     }
@@ -392,7 +394,7 @@ impl CudaTrainer {
         self.upload_params(params)?;
         self.moments_here = false;
         self.zero_grads()?;
-        let loss = self.run(batch, true)?;
+        let loss = self.run(batch, Some(&mut NoHook))?;
         let mut g = Params::zeros(&self.config);
         self.download(&self.grads, &mut g)?;
         Ok((loss, g))
@@ -433,7 +435,7 @@ impl Backend for CudaTrainer {
         if !self.params_here {
             self.upload_params(params)?;
         }
-        self.run(batch, false)
+        self.run(batch, None)
     }
 
     fn step(

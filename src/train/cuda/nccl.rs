@@ -17,6 +17,8 @@ pub struct NcclCollective {
     comm: sys::ncclComm_t,
     rank: usize,
     world: usize,
+    /// `ncclCommAbort` ended the communicator (a rank failed mid-reduction)
+    aborted: bool,
 }
 
 // A communicator is used by one thread at a time: the worker thread it is handed to.
@@ -60,7 +62,12 @@ impl NcclCollective {
         Ok(comms
             .into_iter()
             .enumerate()
-            .map(|(rank, comm)| NcclCollective { comm, rank, world })
+            .map(|(rank, comm)| NcclCollective {
+                comm,
+                rank,
+                world,
+                aborted: false,
+            })
             .collect())
     }
 }
@@ -81,6 +88,11 @@ impl Collective for NcclCollective {
             return Err(Error::input("NCCL reduces device buffers, not host ones"));
         };
         check_ranges(len, ranges)?;
+        if self.aborted {
+            return Err(Error::Device(
+                "NCCL: the group was aborted after a rank failed".into(),
+            ));
+        }
         result::group_start().map_err(|e| nccl_err("group start", e))?;
         let mut failed = None;
         for r in ranges.iter().filter(|r| !r.is_empty()) {
@@ -109,12 +121,24 @@ impl Collective for NcclCollective {
         end.map_err(|e| nccl_err("group end", e))?;
         Ok(())
     }
+
+    /// `ncclCommAbort`: the all-reduces this rank queued stop waiting for their peers.
+    fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            unsafe {
+                let _ = result::comm_abort(self.comm);
+            }
+        }
+    }
 }
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        unsafe {
-            let _ = result::comm_destroy(self.comm);
+        if !self.aborted {
+            unsafe {
+                let _ = result::comm_destroy(self.comm);
+            }
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The launch sequences of a training step on the GPU: the forward that keeps its
 //! activations (the inference prefill's kernels, one chunk per scan segment) and the
-//! backward, layer by layer in reverse. CPU twin: `loss_and_grad` in src/train/model.rs;
-//! the order of the steps below is that function's.
+//! backward, layer by layer in reverse, telling a `GradReady` hook as each stage's
+//! gradients are queued (data-parallel overlap). CPU twin: `loss_and_grad` in
+//! src/train/model.rs; the order of the steps below is that function's.
 
 use super::acts::{Acts, COLSUM_ROWS};
 use super::flat::{Addrs, LayerAddrs};
@@ -11,6 +12,7 @@ use crate::cuda::gemm::{ElemType, GemmOp, GemmSpec};
 use crate::cuda::kernels::proj_ld;
 use crate::error::Result;
 use crate::mixers::mamba3::cuda::scan::{ChunkScan, ScanArgs};
+use crate::train::ready::{GradReady, Stage};
 
 /// Kernel parameters of `scan_bwd` (`ScanBwdArgs` in kernels/scan_bwd.cu).
 #[repr(C)]
@@ -382,8 +384,17 @@ impl CudaTrainer {
     }
 
     /// The backward of the forward just run on `a`: adds the gradient of the batch's mean
-    /// loss into `g`. `p` are the master parameters, `gw` the GEMM weights.
-    pub(super) fn backward(&self, a: &Acts, p: &Addrs, gw: &Addrs, g: &Addrs) -> Result<()> {
+    /// loss into `g`. `p` are the master parameters, `gw` the GEMM weights. `ready` hears
+    /// after the head and after each layer that their gradients are queued in full (the
+    /// embedding's comes after `embed_bwd`, in `run`).
+    pub(super) fn backward(
+        &self,
+        a: &Acts,
+        p: &Addrs,
+        gw: &Addrs,
+        g: &Addrs,
+        ready: &mut dyn GradReady<()>,
+    ) -> Result<()> {
         let d = &self.d;
         let (rows, dm, di, vp) = (a.rows, d.d_model, d.d_inner, d.vocab_padded);
         let pl = proj_ld(d);
@@ -393,6 +404,7 @@ impl CudaTrainer {
         self.norm_rows_bwd(
             a, a.res.ptr, p.norm_f, a.dn.ptr, a.dres.ptr, g.norm_f, false,
         )?;
+        ready.ready(Stage::Head, &mut ())?;
         for l in (0..d.n_layer).rev() {
             let (la, lw, lg, lgw) = (&a.layers[l], &p.layers[l], &g.layers[l], &gw.layers[l]);
             if let (Some(m), Some(mw), Some(mg), Some(mgw)) = (&la.mlp, &lw.mlp, &lg.mlp, &lgw.mlp)
@@ -448,6 +460,7 @@ impl CudaTrainer {
                 a.dn.ptr,
             )?;
             self.norm_rows_bwd(a, la.r_in.ptr, lw.norm, a.dn.ptr, a.dres.ptr, lg.norm, true)?;
+            ready.ready(Stage::Layer(l), &mut ())?;
         }
         Ok(())
     }
