@@ -61,3 +61,32 @@ __device__ __forceinline__ void prefix_sum_warp0(float* s_lc) {
         carry = __shfl_sync(0xffffffffu, v, 31);
     }
 }
+
+// The carry of one state entry along a sequence's n chunks: chunk k's slot hc[k·stride]
+// holds its state from zero and gets the state entering it, starting from h, which then
+// advances by the chunk's total log-decay log_decay[k·decay_stride]; the last chunk has no
+// local state. A batch of CARRY_BATCH chunks' inputs is loaded before the walk through
+// them, so that a thread waits for memory once per batch, not once per chunk (with one load
+// in flight, Mamba-2's carry took 1.07 ms of a layer's 4k prompt at the 2.7b shape on an
+// H100, the SMs 2 % busy).
+#define CARRY_BATCH 8
+__device__ __forceinline__ void carry_walk(float h, float* hc, size_t stride, const float* log_decay,
+                                           size_t decay_stride, int n) {
+    for (int k0 = 0; k0 < n; k0 += CARRY_BATCH) {
+        float local[CARRY_BATCH], decay[CARRY_BATCH];
+#pragma unroll
+        for (int i = 0; i < CARRY_BATCH; ++i) {
+            const int k = k0 + i;
+            const bool has = k < n - 1;
+            local[i] = has ? hc[k * stride] : 0.f;
+            decay[i] = has ? log_decay[k * decay_stride] : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < CARRY_BATCH; ++i) {
+            const int k = k0 + i;
+            if (k >= n) break;
+            hc[k * stride] = h;
+            if (k < n - 1) h = expf(decay[i]) * h + local[i];
+        }
+    }
+}

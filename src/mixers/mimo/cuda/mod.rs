@@ -432,7 +432,8 @@ impl GpuMimo {
         gpu.launch(&self.k.pre, grid_rows, 256, 0, false, &[&p])?;
         let phases = d.nheads * d.num_rope_angles;
         if phases > 0 {
-            let grid = (pass.seqs as u32, phases.div_ceil(128) as u32, 1);
+            // a warp per (head, angle)
+            let grid = (pass.seqs as u32, (32 * phases).div_ceil(128) as u32, 1);
             let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
             gpu.launch(&self.k.phase, grid, 128, 0, false, &args)?;
         }

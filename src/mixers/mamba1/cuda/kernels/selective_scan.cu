@@ -15,7 +15,7 @@
 // state of a channel lives in registers.
 
 // Chunks whose carry inputs are loaded at once (m1_scan_carry).
-#define CARRY_BATCH 8
+#define M1_CARRY_BATCH 8
 
 struct M1Scan {
     const float* u;        // [rows, D_i] conv output
@@ -60,7 +60,7 @@ extern "C" __global__ void m1_scan_local(M1Scan p, const int* chunk_row0, const 
 
 // h_chunk[c] (a chunk's state from zero) is replaced by the chunk's incoming state.
 // One thread per state entry (d, n): coalesced over h_chunk's [chunk][D_i][N] rows. Each
-// batch of CARRY_BATCH chunks' local states and Δ sums is loaded before the walk through
+// batch of M1_CARRY_BATCH chunks' local states and Δ sums is loaded before the walk through
 // them, so that the walk waits for memory once per batch, not once per chunk (the walk
 // itself is the same arithmetic, in the same order, as one chunk at a time).
 extern "C" __global__ void m1_scan_carry(M1Scan p, const int* seg_chunk0, const int* seg_nchunks,
@@ -75,16 +75,16 @@ extern "C" __global__ void m1_scan_carry(M1Scan p, const int* seg_chunk0, const 
     const int c0 = seg_chunk0[s], n = seg_nchunks[s];
     const size_t stride = (size_t)p.d_inner * D_STATE;
     float* hc = h_chunk + (size_t)c0 * stride + e;
-    for (int k0 = 0; k0 < n; k0 += CARRY_BATCH) {
-        float local[CARRY_BATCH], sum[CARRY_BATCH];
+    for (int k0 = 0; k0 < n; k0 += M1_CARRY_BATCH) {
+        float local[M1_CARRY_BATCH], sum[M1_CARRY_BATCH];
 #pragma unroll
-        for (int i = 0; i < CARRY_BATCH; ++i) {
+        for (int i = 0; i < M1_CARRY_BATCH; ++i) {
             const int k = k0 + i;
             local[i] = k < n ? hc[k * stride] : 0.f;
             sum[i] = k < n ? dt_sum[(size_t)(c0 + k) * p.d_inner + d] : 0.f;
         }
 #pragma unroll
-        for (int i = 0; i < CARRY_BATCH; ++i) {
+        for (int i = 0; i < M1_CARRY_BATCH; ++i) {
             const int k = k0 + i;
             if (k >= n) break;
             hc[k * stride] = h;

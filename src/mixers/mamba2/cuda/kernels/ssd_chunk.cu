@@ -234,3 +234,21 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, M2_MINB)
     m2_chunk_out(M2Scan p, ChunkTable t, float* h_chunk, int direct, float* y) {
     m2_chunk_body<true>(p, t, h_chunk, nullptr, direct, y);
 }
+
+// One thread per state element of a head: h_chunk[c] (chunk c's state from zero, from
+// m2_chunk_states) becomes chunk c's entering state (chunk_scan.cuh's carry_walk). A
+// sequence's last chunk has no local state (m2_chunk_out writes the final state from its
+// entering one). Grid (sequences·H, P·N / 256).
+extern "C" __global__ void m2_scan_carry(M2Scan p, const int* seg_chunk0, const int* seg_nchunks,
+                                         const unsigned long long* seg_state, float* h_chunk,
+                                         const float* log_decay, int heads) {
+    const int s = blockIdx.x / heads, hd = blockIdx.x % heads;
+    const int per_head = p.headdim * DSTATE;
+    const int e = blockIdx.y * blockDim.x + threadIdx.x;
+    if (e >= per_head) return;
+    const state_t* st = reinterpret_cast<const state_t*>(reinterpret_cast<const float*>(seg_state[s]) + p.ssm_off) +
+                        (size_t)hd * per_head + e;
+    const int c0 = seg_chunk0[s];
+    carry_walk(st_load(st), h_chunk + ((size_t)c0 * heads + hd) * per_head + e, (size_t)heads * per_head,
+               log_decay + (size_t)c0 * heads + hd, heads, seg_nchunks[s]);
+}

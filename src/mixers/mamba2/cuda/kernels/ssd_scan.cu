@@ -58,45 +58,6 @@ __device__ __forceinline__ M2Place m2_place(const M2Scan& p, const int* chunk_ro
     return w;
 }
 
-// One thread per state element of a head: h_chunk[c] (chunk c's state from zero, from
-// m2_chunk_states) becomes chunk c's entering state. A sequence's last chunk has no local
-// state (m2_chunk_out writes the final state from its entering one). Each batch of
-// M2_CARRY_BATCH chunks' local states and decays is loaded before the walk through them,
-// so that the walk waits for memory once per batch, not once per chunk (the same
-// arithmetic, in the same order, as one chunk at a time).
-#define M2_CARRY_BATCH 8
-extern "C" __global__ void m2_scan_carry(M2Scan p, const int* seg_chunk0, const int* seg_nchunks,
-                                         const unsigned long long* seg_state, float* h_chunk,
-                                         const float* log_decay, int heads) {
-    const int s = blockIdx.x / heads, hd = blockIdx.x % heads;
-    const int per_head = p.headdim * DSTATE;
-    const int e = blockIdx.y * blockDim.x + threadIdx.x;
-    if (e >= per_head) return;
-    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seg_state[s]) + p.ssm_off) +
-                  (size_t)hd * per_head + e;
-    float h = st_load(st);
-    const int c0 = seg_chunk0[s], n = seg_nchunks[s];
-    const size_t stride = (size_t)heads * per_head;
-    float* hc = h_chunk + ((size_t)c0 * heads + hd) * per_head + e;
-    for (int k0 = 0; k0 < n; k0 += M2_CARRY_BATCH) {
-        float local[M2_CARRY_BATCH], decay[M2_CARRY_BATCH];
-#pragma unroll
-        for (int i = 0; i < M2_CARRY_BATCH; ++i) {
-            const int k = k0 + i;
-            const bool has = k < n - 1;
-            local[i] = has ? hc[k * stride] : 0.f;
-            decay[i] = has ? log_decay[(size_t)(c0 + k) * heads + hd] : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < M2_CARRY_BATCH; ++i) {
-            const int k = k0 + i;
-            if (k >= n) break;
-            hc[k * stride] = h;
-            if (k < n - 1) h = expf(decay[i]) * h + local[i];
-        }
-    }
-}
-
 // y (before the gate) of each sequence, f32 [rows, H·P], and its final state; every
 // sequence is one chunk.
 extern "C" __global__ void m2_scan_rows(M2Scan p, const int* chunk_row0, const int* chunk_len,

@@ -366,12 +366,7 @@ extern "C" __global__ void mimo_chunk_carry(MimoScan p, ChunkTable t, float* h_c
     const state_t* st = reinterpret_cast<const state_t*>(st_f + p.ssm_off) + (size_t)hd * per_head + e;
     const int c0 = t.seq_chunk0[s], n = t.seq_nchunks[s];
     const float w0 = mimo_fold_weight(p, t.row0[c0], hd);
-    float h = st_load(st) + mimo_fold(p, st_f, hd, e / DSTATE, e % DSTATE, w0);
-    for (int k = 0; k < n; ++k) {
-        const int c = c0 + k;
-        float* hc = h_chunk + ((size_t)c * p.heads + hd) * per_head + e;
-        const float local = k < n - 1 ? *hc : 0.f;
-        *hc = h;
-        if (k < n - 1) h = expf(log_decay[(size_t)c * p.heads + hd]) * h + local;
-    }
+    const float h = st_load(st) + mimo_fold(p, st_f, hd, e / DSTATE, e % DSTATE, w0);
+    carry_walk(h, h_chunk + ((size_t)c0 * p.heads + hd) * per_head + e, (size_t)p.heads * per_head,
+               log_decay + (size_t)c0 * p.heads + hd, p.heads, n);
 }
