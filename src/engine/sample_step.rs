@@ -1,12 +1,15 @@
 //! [`SampleStep`]: what a decode step that samples ([`crate::engine::Model::decode_sample`])
-//! hands back — the chosen token of each row and whether its logits were finite — in
-//! buffers kept from step to step.
+//! hands back — the chosen token of each row, whether its logits were finite, and for the
+//! rows whose sampler asks ([`SamplingParams::logprobs`](super::SamplingParams)) the
+//! token's log-probabilities — in buffers kept from step to step.
 //!
 //! On the CPU the step's logits come to the host and each row is sampled by its
 //! [`Sampler`] ([`sample_rows_on_host`]); on a GPU the rows are sampled on the device and
-//! only the ids come back (`engine/cuda/sample.rs`).
+//! only the ids (and the few log-probabilities asked for) come back
+//! (`engine/cuda/sample.rs`).
 
 use super::logits::StepLogits;
+use super::logprobs::{row_logprobs, TokenLogprobs};
 use super::sampling::Sampler;
 
 /// The ids of one decode step, kept across steps.
@@ -14,6 +17,9 @@ use super::sampling::Sampler;
 pub struct SampleStep {
     pub(crate) ids: Vec<u32>,
     pub(crate) finite: Vec<bool>,
+    /// Per row: the log-probabilities its sampler asked for (`None`: not asked, or the
+    /// row was not finite).
+    pub(crate) logprobs: Vec<Option<TokenLogprobs>>,
     /// The step's logits when they came to the host (the CPU's path); empty otherwise.
     pub(crate) logits: StepLogits,
     pub(crate) on_host: bool,
@@ -35,9 +41,16 @@ impl SampleStep {
         self.finite[b]
     }
 
+    /// Row `b`'s log-probabilities, when its sampler asked for them
+    /// ([`SamplingParams::logprobs`](super::SamplingParams)) and the row was finite.
+    pub fn logprobs(&self, b: usize) -> Option<&TokenLogprobs> {
+        self.logprobs.get(b).and_then(Option::as_ref)
+    }
+
     pub(crate) fn clear(&mut self) {
         self.ids.clear();
         self.finite.clear();
+        self.logprobs.clear();
         self.on_host = false;
     }
 }
@@ -60,25 +73,37 @@ pub(crate) fn sample_rows_on_host(
     vocab: usize,
 ) {
     let logits = &step.logits;
-    // A greedy row costs an argmax (~2 µs at 32k entries), a row that draws about ten
-    // times more (softmax over the vocabulary, top-p sorting). Handing work to the thread
-    // pool and waiting for it costs tens of µs, so only a step with enough of it goes there.
+    // A greedy row costs an argmax (~2 µs at 32k entries), a row that draws or reports
+    // log-probabilities about ten times more (softmax over the vocabulary, top-p
+    // sorting). Handing work to the thread pool and waiting for it costs tens of µs, so
+    // only a step with enough of it goes there.
     let cost: usize = samplers
         .iter()
-        .map(|s| if s.params().is_greedy() { 1 } else { 8 })
+        .map(|s| {
+            let p = s.params();
+            if p.is_greedy() && p.logprobs.is_none() {
+                1
+            } else {
+                8
+            }
+        })
         .sum();
     let one = |(b, s): (usize, &mut &mut Sampler)| {
         let row = &logits.row(b)[..vocab];
-        all_finite(row).then(|| s.sample(row))
+        all_finite(row).then(|| {
+            let t = s.sample(row);
+            (t, s.params().logprobs.map(|n| row_logprobs(row, t, n)))
+        })
     };
-    let out: Vec<Option<u32>> = if cost < 16 {
+    let out: Vec<Option<(u32, Option<TokenLogprobs>)>> = if cost < 16 {
         samplers.iter_mut().enumerate().map(one).collect()
     } else {
         use rayon::prelude::*;
         samplers.par_iter_mut().enumerate().map(one).collect()
     };
-    step.ids = out.iter().map(|t| t.unwrap_or(0)).collect();
+    step.ids = out.iter().map(|t| t.as_ref().map_or(0, |t| t.0)).collect();
     step.finite = out.iter().map(Option::is_some).collect();
+    step.logprobs = out.into_iter().map(|t| t.and_then(|t| t.1)).collect();
     step.on_host = true;
 }
 
