@@ -236,6 +236,71 @@ mod tests {
         assert!(m.step_logits_row(&step, 0).is_err());
     }
 
+    /// The log-probabilities a step reports are log_softmax of the same step's raw logits
+    /// (in f64, within 1e-6 of each value's size), for the rows that ask alone, whatever
+    /// their sampling options; the top-n are the n best of the row, ties to the lower id.
+    #[test]
+    fn logprobs_are_log_softmax_of_the_steps_logits() {
+        let m = model();
+        let n = 6;
+        let (mut a, mut b) = (primed(&m, n), primed(&m, n));
+        let asks = [Some(0), None, Some(5), Some(20), None, Some(1)];
+        let mut sb: Vec<Sampler> = (0..n)
+            .map(|i| {
+                let p = SamplingParams {
+                    logprobs: asks[i],
+                    ..params(i)
+                };
+                Sampler::new(p, &prompt(i))
+            })
+            .collect();
+        let mut toks: Vec<u32> = (0..n as u32).map(|i| i * 29 % 300).collect();
+        let (mut logits, mut step) = (StepLogits::new(), SampleStep::new());
+        for _ in 0..4 {
+            m.decode_into(&toks, &mut a.iter_mut().collect::<Vec<_>>(), &mut logits)
+                .unwrap();
+            let ids = m
+                .decode_sample(
+                    &toks,
+                    &mut b.iter_mut().collect::<Vec<_>>(),
+                    &mut sb.iter_mut().collect::<Vec<_>>(),
+                    &mut step,
+                )
+                .unwrap()
+                .to_vec();
+            for r in 0..n {
+                let row = &logits.row(r)[..300];
+                let max = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y as f64));
+                let sum: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+                let want = |t: u32| row[t as usize] as f64 - max - sum.ln();
+                let close = |got: f32, t: u32| {
+                    (got as f64 - want(t)).abs() <= 1e-6 * want(t).abs().max(1.0)
+                };
+                let Some(k) = asks[r] else {
+                    assert!(step.logprobs(r).is_none());
+                    continue;
+                };
+                let lp = step.logprobs(r).expect("asked for");
+                assert_eq!(lp.token, ids[r]);
+                assert!(
+                    close(lp.logprob, ids[r]),
+                    "row {r}: {} vs {}",
+                    lp.logprob,
+                    want(ids[r])
+                );
+                let mut order: Vec<u32> = (0..300).collect();
+                order.sort_by(|&x, &y| row[y as usize].total_cmp(&row[x as usize]).then(x.cmp(&y)));
+                let top: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+                assert_eq!(top, order[..k], "row {r}");
+                assert!(lp.top.iter().all(|&(t, v)| close(v, t)));
+            }
+            for (r, &t) in ids.iter().enumerate() {
+                sb[r].accept(t);
+            }
+            toks = ids;
+        }
+    }
+
     #[test]
     fn count_words_hold_the_seen_and_generated_tokens() {
         let p = SamplingParams {

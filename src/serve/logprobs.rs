@@ -5,7 +5,9 @@
 //!
 //! - `/v1/completions` (`logprobs: n`), the legacy shape: `{"tokens": [...],
 //!   "token_logprobs": [...], "top_logprobs": [{token: logprob, ...}, ...],
-//!   "text_offset": [...]}`, the offsets counted in characters from the completion's start;
+//!   "text_offset": [...]}`, the offsets counted in characters from the completion's start
+//!   (tokens whose texts are alike, as bytes of one character apart, are one key: the
+//!   better one's);
 //! - `/v1/chat/completions` (`logprobs: true`, `top_logprobs: n`): `{"content": [{"token",
 //!   "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}`.
 //!
@@ -49,7 +51,11 @@ pub fn completion(tokens: &[TokenProbs], mut offset: usize) -> Value {
     let top: Vec<Value> = tokens
         .iter()
         .map(|t| {
-            let m: Map<String, Value> = t.top.iter().map(|(s, v)| (s.clone(), json!(v))).collect();
+            // Two tokens of one text (bytes of a character, apart) are one key: the better.
+            let mut m = Map::new();
+            for (s, v) in &t.top {
+                m.entry(s.clone()).or_insert(json!(v));
+            }
             Value::Object(m)
         })
         .collect();
