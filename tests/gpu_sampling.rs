@@ -101,7 +101,7 @@ fn device_logprobs_equal_the_host_computation() {
         let mut rows = vec![0f32; nb * ld];
         for (b, row) in rows.chunks_mut(ld).enumerate() {
             for x in row[..vocab].iter_mut() {
-                *x = if b % 2 == 0 {
+                *x = if b.is_multiple_of(2) {
                     rng.below(9) as f32 * 0.75 // few values: ties everywhere
                 } else {
                     (rng.uniform() as f32) * 30.0 - 15.0
@@ -134,7 +134,7 @@ fn device_logprobs_equal_the_host_computation() {
                 let p = SamplingParams {
                     logprobs: asks[b % asks.len()],
                     seed: Some(b as u64),
-                    ..if b % 3 == 0 {
+                    ..if b.is_multiple_of(3) {
                         SamplingParams::greedy()
                     } else {
                         SamplingParams::default()
@@ -647,8 +647,8 @@ fn family_decode_sample_equals_the_host_sampler() {
             let (mut a, mut b): (Vec<State>, Vec<State>) = (primed(&m, n), primed(&m, n));
             let params = |i: usize| SamplingParams {
                 repetition_penalty: 1.0 + 0.2 * i as f32,
-                frequency_penalty: if i % 2 == 0 { 0.5 } else { 0.0 },
-                presence_penalty: if i % 3 == 0 { 0.3 } else { 0.0 },
+                frequency_penalty: if i.is_multiple_of(2) { 0.5 } else { 0.0 },
+                presence_penalty: if i.is_multiple_of(3) { 0.3 } else { 0.0 },
                 logit_bias: vec![(i as u32 * 7, 1.5)],
                 logprobs: [Some(3), None, Some(20), Some(0), None][i],
                 ..SamplingParams::greedy()

@@ -502,6 +502,8 @@ impl FamilyCuda {
         self.gpu.sync()?;
         graph.graph = Some(self.gpu.capture_graph(|| self.launches(&pass, &b))?);
         graph.bufs = Some(b);
+        // (a graph it replaces may hold a sampled step's logits)
+        self.sampling.count_pass();
         self.lock()?.graphs.insert(batch, graph);
         Ok(())
     }
