@@ -27,11 +27,22 @@ fn main() -> mamba3::Result<()> {
 
     // Then one token at a time from the same state.
     let mut out = Vec::new();
+    let mut last = logits.row(0).to_vec();
     for _ in 0..40 {
         out.push(next);
         let logits = model.decode(&[next], &mut [&mut state])?;
-        next = mamba3::text::sampling::argmax(logits.row(0));
+        last = logits.row(0)[..model.dims().vocab_size].to_vec();
+        next = mamba3::text::sampling::argmax(&last);
     }
     println!("{prompt}{}", tokenizer.decode(&out, true)?);
+
+    // How sure the model was of the token after those: its log-probability and the three
+    // most likely tokens' (log-softmax of the raw logits).
+    let lp = mamba3::engine::row_logprobs(&last, next, 3);
+    let name = |t: u32| tokenizer.decode(&[t], false);
+    println!("next: {:?} at {:.3}", name(next)?, lp.logprob);
+    for (t, v) in lp.top {
+        println!("  {:?} {v:.3}", name(t)?);
+    }
     Ok(())
 }

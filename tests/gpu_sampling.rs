@@ -15,8 +15,13 @@ use gpu::*;
 use mamba3::cuda::context::Gpu;
 use mamba3::engine::cuda::sample::DeviceSampler;
 use mamba3::engine::sampling::{argmax, Sampler, SamplingParams};
-use mamba3::engine::{Device, LogitsWant, Model, SampleStep, StepLogits};
+use mamba3::engine::{row_logprobs, Device, LogitsWant, Model, SampleStep, StepLogits};
+use mamba3::engine::{State, TokenLogprobs};
+use mamba3::mixers::family_synthetic::{mamba1, mamba2, mamba2_config};
 use mamba3::mixers::mamba3::Weights;
+use mamba3::mixers::mimo::{mimo_config_from_json_str, MimoWeights};
+use mamba3::mixers::MixerWeights;
+use mamba3::model::family_config::Mamba1Config;
 use mamba3::model::rng::Rng;
 use mamba3::model::DType;
 use std::sync::Arc;
@@ -34,12 +39,127 @@ fn sample(
     samplers: &mut [Sampler],
     check_finite: bool,
 ) -> (Vec<u32>, Vec<bool>) {
+    let step = sample_step(g, ds, rows, ld, samplers, check_finite);
+    let finite = (0..samplers.len()).map(|b| step.finite(b)).collect();
+    (step.ids().to_vec(), finite)
+}
+
+/// [`sample`], the whole step (with the log-probabilities asked for).
+fn sample_step(
+    g: &Gpu,
+    ds: &mut DeviceSampler,
+    rows: &[f32],
+    ld: usize,
+    samplers: &mut [Sampler],
+    check_finite: bool,
+) -> SampleStep {
     let buf = g.upload(rows).unwrap();
-    let (mut ids, mut finite) = (Vec::new(), Vec::new());
+    let mut step = SampleStep::new();
     let mut refs: Vec<&mut Sampler> = samplers.iter_mut().collect();
-    ds.sample(buf.ptr, ld, &mut refs, check_finite, &mut ids, &mut finite)
+    ds.sample(buf.ptr, ld, &mut refs, check_finite, &mut step)
         .unwrap();
-    (ids, finite)
+    step
+}
+
+/// Two log-probabilities agree: both NaN, the same infinity, or within 1e-5 of the size.
+fn agree(a: f32, b: f32) -> bool {
+    (a.is_nan() && b.is_nan())
+        || a == b
+        || (a as f64 - b as f64).abs() <= 1e-5 * (b as f64).abs().max(1.0)
+}
+
+/// The device's log-probabilities of a row equal the host's (`row_logprobs`) on the same
+/// row: the same ids in the same order, the values within 1e-5.
+fn assert_logprobs_agree(got: &TokenLogprobs, want: &TokenLogprobs, what: &str) {
+    assert_eq!(got.token, want.token, "{what}");
+    assert!(
+        agree(got.logprob, want.logprob),
+        "{what}: {} vs {}",
+        got.logprob,
+        want.logprob
+    );
+    let ids = |t: &TokenLogprobs| t.top.iter().map(|x| x.0).collect::<Vec<_>>();
+    assert_eq!(ids(got), ids(want), "{what}");
+    for (a, b) in got.top.iter().zip(&want.top) {
+        assert!(agree(a.1, b.1), "{what}: token {}: {} vs {}", a.0, a.1, b.1);
+    }
+}
+
+/// Log-probabilities computed in the sampling kernel's block equal the host's of the same
+/// rows (vocabularies of 1000 and 128256; ties; rows of NaN and −∞ entries, all NaN, all
+/// −∞, a +∞; padding past the vocabulary larger than every token), for top-n of 0, 1, 7
+/// and 20, greedy and drawn rows, and none for the rows that do not ask.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_logprobs_equal_the_host_computation() {
+    let g = gpu();
+    let mut rng = Rng::new(17);
+    for vocab in [1000usize, 128_256] {
+        let ld = vocab.next_multiple_of(64) + 64;
+        let mut ds = DeviceSampler::new(&g, vocab).unwrap();
+        let nb = 14;
+        let mut rows = vec![0f32; nb * ld];
+        for (b, row) in rows.chunks_mut(ld).enumerate() {
+            for x in row[..vocab].iter_mut() {
+                *x = if b.is_multiple_of(2) {
+                    rng.below(9) as f32 * 0.75 // few values: ties everywhere
+                } else {
+                    (rng.uniform() as f32) * 30.0 - 15.0
+                };
+            }
+            row[vocab..].fill(1000.0);
+            match b {
+                0 => row[..vocab].fill(f32::NAN),
+                1 => row[..vocab].fill(f32::NEG_INFINITY),
+                2 => {
+                    for _ in 0..50 {
+                        row[rng.below(vocab as u64) as usize] = f32::NAN;
+                    }
+                    for _ in 0..50 {
+                        row[rng.below(vocab as u64) as usize] = f32::NEG_INFINITY;
+                    }
+                }
+                3 => row[rng.below(vocab as u64) as usize] = f32::INFINITY,
+                4 => {
+                    row[..vocab].fill(f32::NEG_INFINITY);
+                    row[5] = 2.0;
+                    row[vocab - 1] = 2.0;
+                }
+                _ => {}
+            }
+        }
+        let asks = [Some(20), Some(7), Some(1), Some(0), None];
+        let mut samplers: Vec<Sampler> = (0..nb)
+            .map(|b| {
+                let p = SamplingParams {
+                    logprobs: asks[b % asks.len()],
+                    seed: Some(b as u64),
+                    ..if b.is_multiple_of(3) {
+                        SamplingParams::greedy()
+                    } else {
+                        SamplingParams::default()
+                    }
+                };
+                Sampler::new(p, &[])
+            })
+            .collect();
+        let step = sample_step(&g, &mut ds, &rows, ld, &mut samplers, false);
+        for (b, row) in rows.chunks(ld).enumerate() {
+            let what = format!("vocab {vocab}, row {b}");
+            let Some(n) = asks[b % asks.len()] else {
+                assert!(step.logprobs(b).is_none(), "{what}");
+                continue;
+            };
+            let want = row_logprobs(&row[..vocab], step.ids()[b], n);
+            let got = step.logprobs(b).unwrap_or_else(|| panic!("{what}: none"));
+            assert_logprobs_agree(got, &want, &what);
+        }
+        // Checked for finiteness, the rows holding NaN or ±∞ get none.
+        let step = sample_step(&g, &mut ds, &rows, ld, &mut samplers, true);
+        for b in 0..5 {
+            assert!(!step.finite(b) && step.logprobs(b).is_none());
+        }
+    }
 }
 
 #[test]
@@ -464,4 +584,115 @@ fn same_seed_same_ids_and_replay_equals_eager() {
     // Another pass makes the step's logits unavailable, with an error.
     m.prefill(&[1, 2], &mut b[0], LogitsWant::None).unwrap();
     assert!(m.step_logits_row(&step, 0).is_err());
+}
+
+/// Mamba-1, Mamba-2 and MIMO models (f32) with a vocabulary of 300.
+fn family_models() -> Vec<(&'static str, MixerWeights)> {
+    let m1 = Mamba1Config {
+        d_inner: 64,
+        d_state: 16,
+        d_conv: 4,
+        dt_rank: 4,
+        conv_bias: true,
+        proj_bias: false,
+        bcdt_rms_eps: None,
+    };
+    let mimo = mimo_config_from_json_str(
+        r#"{"d_model": 32, "n_layer": 2, "vocab_size": 300, "d_intermediate": 0,
+            "tie_embeddings": true, "ssm_cfg": {"layer": "Mamba3", "d_state": 16,
+            "headdim": 8, "expand": 2, "ngroups": 1, "rope_fraction": 0.5,
+            "chunk_size": 16, "is_mimo": true, "mimo_rank": 2}}"#,
+        "test",
+    )
+    .unwrap();
+    vec![
+        (
+            "mamba1",
+            MixerWeights::Mamba1(Arc::new(mamba1(m1, 32, 2, 300, 5))),
+        ),
+        (
+            "mamba2",
+            MixerWeights::Mamba2(Arc::new(mamba2(
+                mamba2_config(32, 16, 1, 16),
+                32,
+                2,
+                300,
+                6,
+            ))),
+        ),
+        (
+            "mimo",
+            MixerWeights::Mimo(Arc::new(
+                MimoWeights::synthetic(mimo, DType::F32, 7).unwrap(),
+            )),
+        ),
+    ]
+}
+
+/// Each family mixer's `decode_sample` on the GPU (eager, then through a captured decode
+/// graph) picks, over 40 greedy steps with bias and penalties, exactly the tokens the host
+/// sampler picks from the same model's `decode_into` rows, and the log-probabilities it
+/// reports equal the host's of those rows; a step's row fetched afterwards is the step's.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn family_decode_sample_equals_the_host_sampler() {
+    for (what, w) in family_models() {
+        let m = Model::from_mixer_weights(w, Device::Cuda(0)).unwrap();
+        let v = m.dims().vocab_size;
+        for graph in [false, true] {
+            if graph {
+                m.capture_decode_graph(8).unwrap();
+            }
+            let n = 5;
+            let (mut a, mut b): (Vec<State>, Vec<State>) = (primed(&m, n), primed(&m, n));
+            let params = |i: usize| SamplingParams {
+                repetition_penalty: 1.0 + 0.2 * i as f32,
+                frequency_penalty: if i.is_multiple_of(2) { 0.5 } else { 0.0 },
+                presence_penalty: if i.is_multiple_of(3) { 0.3 } else { 0.0 },
+                logit_bias: vec![(i as u32 * 7, 1.5)],
+                logprobs: [Some(3), None, Some(20), Some(0), None][i],
+                ..SamplingParams::greedy()
+            };
+            let prompt: Vec<u32> = (0..12).map(|t| t * 13 % 300).collect();
+            let mut host: Vec<Sampler> = (0..n).map(|i| Sampler::new(params(i), &prompt)).collect();
+            let mut dev: Vec<Sampler> = (0..n).map(|i| Sampler::new(params(i), &prompt)).collect();
+            let mut toks: Vec<u32> = (0..n as u32).map(|i| i * 11).collect();
+            let (mut logits, mut step) = (StepLogits::new(), SampleStep::new());
+            for s in 0..40 {
+                m.decode_into(&toks, &mut a.iter_mut().collect::<Vec<_>>(), &mut logits)
+                    .unwrap();
+                let ids = m
+                    .decode_sample(
+                        &toks,
+                        &mut b.iter_mut().collect::<Vec<_>>(),
+                        &mut dev.iter_mut().collect::<Vec<_>>(),
+                        &mut step,
+                    )
+                    .unwrap()
+                    .to_vec();
+                for r in 0..n {
+                    let row = &logits.row(r)[..v];
+                    let want = host[r].sample(row);
+                    let at = format!("{what}, graph {graph}, step {s}, row {r}");
+                    assert_eq!(ids[r], want, "{at}");
+                    assert!(step.finite(r));
+                    match params(r).logprobs {
+                        Some(k) => assert_logprobs_agree(
+                            step.logprobs(r).unwrap(),
+                            &row_logprobs(row, want, k),
+                            &at,
+                        ),
+                        None => assert!(step.logprobs(r).is_none()),
+                    }
+                    if s == 39 {
+                        assert_eq!(m.step_logits_row(&step, r).unwrap(), logits.row(r));
+                    }
+                    host[r].accept(want);
+                    dev[r].accept(want);
+                }
+                toks = ids;
+            }
+            m.clear_graphs().unwrap();
+        }
+    }
 }

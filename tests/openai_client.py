@@ -79,6 +79,43 @@ def chat_plain_and_streamed_agree():
 
 
 @test
+def logprobs_of_both_routes():
+    # Completions: the legacy shape, `logprobs` alternatives a token, plain and streamed alike.
+    r = client.completions.create(model=MODEL, prompt="The state of", max_tokens=6, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(v <= 0 for v in lp.token_logprobs)
+    # greedy: the chosen token is the best, its logprob the largest of its alternatives
+    assert all(abs(v - max(top.values())) < 1e-6 for v, top in zip(lp.token_logprobs, lp.top_logprobs))
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    chunks = list(client.completions.create(model=MODEL, prompt="The state of", max_tokens=6, temperature=0,
+                                            logprobs=3, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs, (streamed, lp.token_logprobs)
+    # Chat: `logprobs: true`, `top_logprobs: n`.
+    msgs = [{"role": "user", "content": "Hello!"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert bytes(t.bytes).decode() == t.token and abs(t.logprob - t.top_logprobs[0].logprob) < 1e-6
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == [t.logprob for t in content], (streamed, content)
+    try:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, logprobs=True, top_logprobs=21)
+        raise AssertionError("top_logprobs 21 accepted")
+    except openai.BadRequestError as e:
+        assert "top_logprobs" in str(e)
+
+
+@test
 def embeddings_base64_and_float():
     r = client.embeddings.create(model=MODEL, input=["first text", "second"])  # the client asks for base64
     assert len(r.data) == 2 and len(r.data[0].embedding) == D_MODEL, len(r.data[0].embedding)

@@ -1,12 +1,15 @@
 //! [`SampleStep`]: what a decode step that samples ([`crate::engine::Model::decode_sample`])
-//! hands back — the chosen token of each row and whether its logits were finite — in
-//! buffers kept from step to step.
+//! hands back — the chosen token of each row, whether its logits were finite, and for the
+//! rows whose sampler asks ([`SamplingParams::logprobs`](super::SamplingParams)) the
+//! token's log-probabilities — in buffers kept from step to step.
 //!
 //! On the CPU the step's logits come to the host and each row is sampled by its
 //! [`Sampler`] ([`sample_rows_on_host`]); on a GPU the rows are sampled on the device and
-//! only the ids come back (`engine/cuda/sample.rs`).
+//! only the ids (and the few log-probabilities asked for) come back
+//! (`engine/cuda/sample.rs`).
 
 use super::logits::StepLogits;
+use super::logprobs::{row_logprobs, TokenLogprobs};
 use super::sampling::Sampler;
 
 /// The ids of one decode step, kept across steps.
@@ -14,6 +17,9 @@ use super::sampling::Sampler;
 pub struct SampleStep {
     pub(crate) ids: Vec<u32>,
     pub(crate) finite: Vec<bool>,
+    /// Per row: the log-probabilities its sampler asked for (`None`: not asked, or the
+    /// row was not finite).
+    pub(crate) logprobs: Vec<Option<TokenLogprobs>>,
     /// The step's logits when they came to the host (the CPU's path); empty otherwise.
     pub(crate) logits: StepLogits,
     pub(crate) on_host: bool,
@@ -35,9 +41,16 @@ impl SampleStep {
         self.finite[b]
     }
 
+    /// Row `b`'s log-probabilities, when its sampler asked for them
+    /// ([`SamplingParams::logprobs`](super::SamplingParams)) and the row was finite.
+    pub fn logprobs(&self, b: usize) -> Option<&TokenLogprobs> {
+        self.logprobs.get(b).and_then(Option::as_ref)
+    }
+
     pub(crate) fn clear(&mut self) {
         self.ids.clear();
         self.finite.clear();
+        self.logprobs.clear();
         self.on_host = false;
     }
 }
@@ -60,25 +73,37 @@ pub(crate) fn sample_rows_on_host(
     vocab: usize,
 ) {
     let logits = &step.logits;
-    // A greedy row costs an argmax (~2 µs at 32k entries), a row that draws about ten
-    // times more (softmax over the vocabulary, top-p sorting). Handing work to the thread
-    // pool and waiting for it costs tens of µs, so only a step with enough of it goes there.
+    // A greedy row costs an argmax (~2 µs at 32k entries), a row that draws or reports
+    // log-probabilities about ten times more (softmax over the vocabulary, top-p
+    // sorting). Handing work to the thread pool and waiting for it costs tens of µs, so
+    // only a step with enough of it goes there.
     let cost: usize = samplers
         .iter()
-        .map(|s| if s.params().is_greedy() { 1 } else { 8 })
+        .map(|s| {
+            let p = s.params();
+            if p.is_greedy() && p.logprobs.is_none() {
+                1
+            } else {
+                8
+            }
+        })
         .sum();
     let one = |(b, s): (usize, &mut &mut Sampler)| {
         let row = &logits.row(b)[..vocab];
-        all_finite(row).then(|| s.sample(row))
+        all_finite(row).then(|| {
+            let t = s.sample(row);
+            (t, s.params().logprobs.map(|n| row_logprobs(row, t, n)))
+        })
     };
-    let out: Vec<Option<u32>> = if cost < 16 {
+    let out: Vec<Option<(u32, Option<TokenLogprobs>)>> = if cost < 16 {
         samplers.iter_mut().enumerate().map(one).collect()
     } else {
         use rayon::prelude::*;
         samplers.par_iter_mut().enumerate().map(one).collect()
     };
-    step.ids = out.iter().map(|t| t.unwrap_or(0)).collect();
+    step.ids = out.iter().map(|t| t.as_ref().map_or(0, |t| t.0)).collect();
     step.finite = out.iter().map(Option::is_some).collect();
+    step.logprobs = out.into_iter().map(|t| t.and_then(|t| t.1)).collect();
     step.on_host = true;
 }
 
@@ -209,6 +234,71 @@ mod tests {
         );
         assert!(step.ids().is_empty());
         assert!(m.step_logits_row(&step, 0).is_err());
+    }
+
+    /// The log-probabilities a step reports are log_softmax of the same step's raw logits
+    /// (in f64, within 1e-6 of each value's size), for the rows that ask alone, whatever
+    /// their sampling options; the top-n are the n best of the row, ties to the lower id.
+    #[test]
+    fn logprobs_are_log_softmax_of_the_steps_logits() {
+        let m = model();
+        let n = 6;
+        let (mut a, mut b) = (primed(&m, n), primed(&m, n));
+        let asks = [Some(0), None, Some(5), Some(20), None, Some(1)];
+        let mut sb: Vec<Sampler> = (0..n)
+            .map(|i| {
+                let p = SamplingParams {
+                    logprobs: asks[i],
+                    ..params(i)
+                };
+                Sampler::new(p, &prompt(i))
+            })
+            .collect();
+        let mut toks: Vec<u32> = (0..n as u32).map(|i| i * 29 % 300).collect();
+        let (mut logits, mut step) = (StepLogits::new(), SampleStep::new());
+        for _ in 0..4 {
+            m.decode_into(&toks, &mut a.iter_mut().collect::<Vec<_>>(), &mut logits)
+                .unwrap();
+            let ids = m
+                .decode_sample(
+                    &toks,
+                    &mut b.iter_mut().collect::<Vec<_>>(),
+                    &mut sb.iter_mut().collect::<Vec<_>>(),
+                    &mut step,
+                )
+                .unwrap()
+                .to_vec();
+            for r in 0..n {
+                let row = &logits.row(r)[..300];
+                let max = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y as f64));
+                let sum: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+                let want = |t: u32| row[t as usize] as f64 - max - sum.ln();
+                let close = |got: f32, t: u32| {
+                    (got as f64 - want(t)).abs() <= 1e-6 * want(t).abs().max(1.0)
+                };
+                let Some(k) = asks[r] else {
+                    assert!(step.logprobs(r).is_none());
+                    continue;
+                };
+                let lp = step.logprobs(r).expect("asked for");
+                assert_eq!(lp.token, ids[r]);
+                assert!(
+                    close(lp.logprob, ids[r]),
+                    "row {r}: {} vs {}",
+                    lp.logprob,
+                    want(ids[r])
+                );
+                let mut order: Vec<u32> = (0..300).collect();
+                order.sort_by(|&x, &y| row[y as usize].total_cmp(&row[x as usize]).then(x.cmp(&y)));
+                let top: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+                assert_eq!(top, order[..k], "row {r}");
+                assert!(lp.top.iter().all(|&(t, v)| close(v, t)));
+            }
+            for (r, &t) in ids.iter().enumerate() {
+                sb[r].accept(t);
+            }
+            toks = ids;
+        }
     }
 
     #[test]

@@ -32,6 +32,10 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     pub seed: Option<u64>,
     pub logit_bias: Vec<(u32, f32)>,
+    /// Not a rule of the choice but what a step reports with it: `Some(n)` asks for the
+    /// chosen token's log-probability and the `n` (≤ 20) most likely tokens' (of the raw
+    /// logits: `engine::logprobs`); `None` for none.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -46,6 +50,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             seed: None,
             logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -91,6 +96,13 @@ impl SamplingParams {
         }
         if let Some((_, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
             return bad("logit_bias", "finite numbers", *b);
+        }
+        let most = super::logprobs::MAX_TOP_LOGPROBS;
+        if let Some(n) = self.logprobs.filter(|&n| n > most) {
+            return Err((
+                "logprobs".into(),
+                format!("`logprobs` must be in 0..={most}, found {n}"),
+            ));
         }
         Ok(())
     }

@@ -349,9 +349,64 @@ fn stops(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-/// Generation parameters of a request; `default_max` applies when it names no limit.
+/// A count of alternatives, `field` of the request: an integer in 0..=20.
+fn top_count(field: &str, v: &Value) -> Result<usize, ApiError> {
+    let most = crate::engine::logprobs::MAX_TOP_LOGPROBS;
+    match v.as_u64() {
+        Some(n) if n <= most as u64 => Ok(n as usize),
+        _ => Err(ApiError::param(
+            field,
+            format!("`{field}` must be an integer in 0..={most}, found {v}"),
+        )),
+    }
+}
+
+/// How many alternatives each token's log-probabilities list (`None`: none asked for).
+/// `/v1/completions` asks with `logprobs: n`; `/v1/chat/completions` (`chat`) with
+/// `logprobs: true` and `top_logprobs: n` (0 when left out).
+fn logprobs(r: &GenRequest, chat: bool) -> Result<Option<usize>, ApiError> {
+    let given = |v: &Option<Value>| v.as_ref().filter(|v| !v.is_null()).cloned();
+    let (logprobs, top) = (given(&r.logprobs), given(&r.top_logprobs));
+    if !chat {
+        if let Some(v) = top {
+            return Err(ApiError::param(
+                "top_logprobs",
+                format!(
+                    "`top_logprobs` is a field of /v1/chat/completions, found {v}:                      /v1/completions takes `logprobs` as the count of alternatives"
+                ),
+            ));
+        }
+        return match logprobs {
+            None | Some(Value::Bool(false)) => Ok(None),
+            Some(v) => top_count("logprobs", &v).map(Some),
+        };
+    }
+    let on = match logprobs {
+        None | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(v) => {
+            return Err(ApiError::param(
+                "logprobs",
+                format!("`logprobs` must be true or false, found {v}"),
+            ))
+        }
+    };
+    match (on, top) {
+        (false, Some(v)) => Err(ApiError::param(
+            "top_logprobs",
+            format!("`top_logprobs` is {v} but `logprobs` is not true: set `logprobs: true`"),
+        )),
+        (false, None) => Ok(None),
+        (true, None) => Ok(Some(0)),
+        (true, Some(v)) => top_count("top_logprobs", &v).map(Some),
+    }
+}
+
+/// Generation parameters of a request (`chat`: of `/v1/chat/completions`); `default_max`
+/// applies when it names no limit.
 pub fn gen_params(
     r: &GenRequest,
+    chat: bool,
     limits: &Limits,
     default_max: usize,
     vocab: usize,
@@ -373,17 +428,7 @@ pub fn gen_params(
             ));
         }
     }
-    let logprobs_on = match &r.logprobs {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-        Some(Value::Number(n)) => n.as_u64() != Some(0),
-        Some(_) => true,
-    };
-    if logprobs_on {
-        return Err(ApiError::param(
-            "logprobs",
-            "`logprobs` are not supported by this server",
-        ));
-    }
+    let logprobs = logprobs(r, chat)?;
     if r.echo == Some(true) {
         return Err(ApiError::param(
             "echo",
@@ -457,6 +502,7 @@ pub fn gen_params(
         presence_penalty: r.presence_penalty.unwrap_or(0.0),
         seed: r.seed.map(|s| s as u64),
         logit_bias,
+        logprobs,
     };
     sampling
         .validate()
@@ -645,7 +691,7 @@ mod tests {
             max_tokens: Some(101),
             ..Default::default()
         };
-        let e = gen_params(&r, &limits, 16, 50, true).unwrap_err();
+        let e = gen_params(&r, false, &limits, 16, 50, true).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
         let e = tokens_of(
             "prompt",

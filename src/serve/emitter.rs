@@ -11,8 +11,10 @@
 //! answer before it hands over the next batch, so the emitter is never more than one turn
 //! behind. Every event of an admitted sequence goes out through here, in order.
 
+use super::logprobs::TokenProbs;
 use super::metrics::{DeviceMetrics, Metrics};
 use super::scheduler::Event;
+use crate::engine::TokenLogprobs;
 use crate::text::{TextRules, TokenEnd};
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -44,6 +46,8 @@ pub struct TokenOut {
     pub id: u64,
     pub token: u32,
     pub end: Option<TokenEnd>,
+    /// Its log-probabilities by id, when the request asked for them (named here).
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// The emitter's answer to one [`Emit::Tokens`].
@@ -139,6 +143,10 @@ impl Emitter {
                 continue;
             };
             let out = s.text.push(t.token, t.end);
+            let logprobs = t
+                .logprobs
+                .as_ref()
+                .map(|lp| TokenProbs::named(lp, |id| s.text.token_text(id)));
             let now = Instant::now();
             match s.last_emit {
                 None => self.metrics.ttft.observe((now - s.arrived).as_secs_f64()),
@@ -154,6 +162,7 @@ impl Emitter {
                 token: out.token,
                 text: out.text,
                 finish,
+                logprobs,
             });
             if sent.is_err() {
                 self.open.remove(&t.id);

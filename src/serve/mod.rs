@@ -12,6 +12,7 @@ pub mod dispatch;
 pub mod emitter;
 pub mod error;
 pub mod listen;
+pub mod logprobs;
 pub mod metrics;
 pub mod prefix_cache;
 mod reply;

@@ -3,6 +3,7 @@
 //! completions.
 
 use super::error::ApiError;
+use super::logprobs::{self, TokenProbs};
 use super::scheduler::Event;
 use crate::text::FinishReason;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -29,6 +30,8 @@ pub(super) struct Reply {
     pub(super) stream: bool,
     pub(super) include_usage: bool,
     pub(super) return_ids: bool,
+    /// The request asked for log-probabilities.
+    pub(super) logprobs: bool,
 }
 
 impl Reply {
@@ -110,8 +113,53 @@ impl Reply {
 struct Choice {
     text: String,
     tokens: Vec<u32>,
+    probs: Vec<TokenProbs>,
     finish: Option<FinishReason>,
     cached: usize,
+}
+
+impl Reply {
+    /// The `logprobs` of a choice (or of a streamed piece of one) holding `probs`, its first
+    /// token at character `offset` of the completion; `null` when none were asked for.
+    fn logprobs(&self, probs: &[TokenProbs], offset: usize) -> Value {
+        match (self.logprobs, self.kind) {
+            (false, _) => Value::Null,
+            (true, Kind::Completion) => logprobs::completion(probs, offset),
+            (true, Kind::Chat) => logprobs::chat(probs),
+        }
+    }
+
+    /// One streamed piece that carries a token's log-probabilities, as a `Value` (the
+    /// rarer path: [`Reply::delta`] writes the others directly).
+    fn delta_with_logprobs(
+        &self,
+        index: usize,
+        text: &str,
+        token: u32,
+        finish: Option<FinishReason>,
+        probs: &TokenProbs,
+        offset: usize,
+    ) -> Value {
+        let fin = finish.map(|f| f.as_str());
+        let lp = self.logprobs(std::slice::from_ref(probs), offset);
+        let mut c = match self.kind {
+            Kind::Completion => {
+                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": fin})
+            }
+            Kind::Chat => {
+                let delta = if text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": fin})
+            }
+        };
+        if self.return_ids {
+            c["token_ids"] = json!([token]);
+        }
+        self.chunk(json!([c]))
+    }
 }
 
 pub(super) async fn collect(
@@ -131,10 +179,12 @@ pub(super) async fn collect(
                 token,
                 text,
                 finish,
+                logprobs,
             }) => {
                 let c = &mut choices[index];
                 c.text.push_str(&text);
                 c.tokens.push(token);
+                c.probs.extend(logprobs);
                 if finish.is_some() {
                     c.finish = finish;
                     left -= 1;
@@ -159,13 +209,14 @@ pub(super) async fn collect(
         .enumerate()
         .map(|(i, c)| {
             let fin = c.finish.map(|f| f.as_str());
+            let lp = reply.logprobs(&c.probs, 0);
             let mut v = match reply.kind {
                 Kind::Completion => {
-                    json!({"index": i, "text": c.text, "logprobs": null, "finish_reason": fin})
+                    json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": fin})
                 }
                 Kind::Chat => {
                     json!({"index": i, "message": {"role": "assistant", "content": c.text},
-                                     "logprobs": null, "finish_reason": fin})
+                                     "logprobs": lp, "finish_reason": fin})
                 }
             };
             if reply.return_ids {
@@ -185,6 +236,8 @@ struct StreamState {
     /// `reply.chunk_tail()`
     tail: String,
     out: VecDeque<SseEvent>,
+    /// Per choice: where its next token's text offset starts (completions' logprobs).
+    offsets: Vec<usize>,
     left: usize,
     completion: usize,
     cached: usize,
@@ -225,6 +278,29 @@ impl StreamState {
                 token,
                 text,
                 finish,
+                logprobs: Some(probs),
+            }) => {
+                // (every token goes out with its log-probabilities, text or none)
+                self.completion += 1;
+                let at = self.offsets[index];
+                self.offsets[index] += logprobs::advance(std::slice::from_ref(&probs));
+                let v = self
+                    .reply
+                    .delta_with_logprobs(index, &text, token, finish, &probs, at);
+                self.push_json(v);
+                if finish.is_some() {
+                    self.left -= 1;
+                    if self.left == 0 {
+                        self.finish();
+                    }
+                }
+            }
+            Some(Event::Token {
+                index,
+                token,
+                text,
+                finish,
+                logprobs: None,
             }) => {
                 self.completion += 1;
                 if !text.is_empty() || finish.is_some() || self.reply.return_ids {
@@ -272,6 +348,7 @@ pub(super) fn stream(reply: Reply, rx: UnboundedReceiver<Event>) -> Response {
     let st = StreamState {
         rx,
         left: reply.n,
+        offsets: vec![0; reply.n],
         tail: reply.chunk_tail(),
         reply,
         out: VecDeque::new(),
@@ -340,6 +417,7 @@ mod tests {
                     stream: true,
                     include_usage: false,
                     return_ids,
+                    logprobs: false,
                 };
                 let tail = r.chunk_tail();
                 for text in ["", "a", " said \"hi\"\n\tthen\\", "\u{1F600}\u{0}\u{1f}"] {

@@ -327,6 +327,7 @@ async fn generate(
     let r = ready(app)?;
     let params = api::gen_params(
         &req,
+        kind == Kind::Chat,
         &limits(app),
         default_max,
         r.vocab_size,
@@ -350,6 +351,7 @@ async fn generate(
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
         return_ids: req.return_token_ids.unwrap_or(r.tokenizer.is_none()),
+        logprobs: params.sampling.logprobs.is_some(),
     };
     let rx = submit(app, prompts, params)?;
     if reply.stream {

@@ -147,6 +147,17 @@ impl TextRules {
         }
     }
 
+    /// The text of one token alone, as a list of alternatives shows it: the tokenizer's
+    /// decoding of it (special tokens included), or `token_id:N` without a tokenizer.
+    pub fn token_text(&self, token: u32) -> String {
+        match &self.detok {
+            Some((tok, _)) => tok
+                .decode(&[token], false)
+                .unwrap_or_else(|_| format!("token_id:{token}")),
+            None => format!("token_id:{token}"),
+        }
+    }
+
     /// The text `token` makes final and how the sequence ends, given how its id ends it
     /// (`end`, from [`TokenRules::push`]).
     pub fn push(&mut self, token: u32, end: Option<TokenEnd>) -> StepOut {

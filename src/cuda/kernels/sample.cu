@@ -28,7 +28,7 @@
 #define MASS_ONE 1099511627776.0f
 #define NEG_INF __int_as_float(0xff800000u)
 
-// A row's options (twin of `RowOptions` in src/engine/cuda/sample.rs: 12 words).
+// A row's options (twin of `RowOptions` in src/engine/cuda/sample.rs: 13 words).
 struct RowOptions {
     float temperature;  // < 1e-5: greedy
     unsigned top_k;     // 0: off
@@ -41,6 +41,7 @@ struct RowOptions {
     unsigned bias_len;
     unsigned seed_lo, seed_hi;
     unsigned slot;  // its count words and draw counter
+    unsigned logprobs;  // 0: none; n + 1: the chosen token's and the n best tokens'
 };
 
 typedef unsigned long long u64;
@@ -68,15 +69,16 @@ __device__ __forceinline__ float weight_of(float d) { return d >= -87.f ? expf(d
 __device__ __forceinline__ u64 mass_of(float w) { return __float2ull_rz(w * MASS_ONE); }
 
 // Block-wide reductions (every thread gets the result); `sh` holds SAMPLE_WARPS entries.
-__device__ u64 block_sum_u64(u64 v, u64* sh) {
+template <class T> __device__ T block_sum(T v, T* sh) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
     __syncthreads();
-    u64 s = 0;
+    T s = 0;
     for (int w = 0; w < SAMPLE_WARPS; ++w) s += sh[w];
     return s;
 }
+__device__ u64 block_sum_u64(u64 v, u64* sh) { return block_sum<u64>(v, sh); }
 
 __device__ float block_max(float v, float* sh) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -230,29 +232,106 @@ __device__ unsigned select_byte(K key, A amount, int n, unsigned prefix, unsigne
     return b;
 }
 
+// Words of a row's log-probabilities (`logprobs`): the chosen token's (f32 bits), the ids of
+// the LOGPROB_TOP best (NO_TOKEN past the last) and theirs.
+#define LOGPROB_TOP 20
+#define LOGPROB_WORDS (1 + 2 * LOGPROB_TOP)
+#define NO_TOKEN 0xffffffffu
+
+// x − m, with the entries equal to m at 0 (engine/logprobs.rs: rows whose largest entry
+// is ±∞ stay defined).
+__device__ __forceinline__ double shifted(float x, float m) {
+    return x == m ? 0.0 : (double)x - (double)m;
+}
+
+// Whether (v, i) comes before (bv, bi) in the order of the best: larger value, then lower
+// index; bi == NO_TOKEN is nothing yet.
+__device__ __forceinline__ bool before(float v, unsigned i, float bv, unsigned bi) {
+    return i != NO_TOKEN && (bi == NO_TOKEN || v > bv || (v == bv && i < bi));
+}
+
+// The log-probabilities of `token` and of the `top` best entries of the raw row `x`, in the
+// CPU's arithmetic (engine/logprobs.rs): m the largest number, Σ e^{x − m} over the
+// numbers in f64, NaN never among the best. The best come from `top` passes of a block
+// argmax, each over the entries after the last one found in the order of the best: a
+// few passes over a row the block has just read (the rows that ask pay them alone).
+__device__ void row_logprobs(const float* x, int n, unsigned token, unsigned top,
+                             unsigned* out, float* red_f, double* red_d, unsigned* red_i) {
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) m = fmaxf(m, x[i]);
+    m = block_max(m, red_f);
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        const float v = x[i];
+        if (!isnan(v)) s += exp(shifted(v, m));
+    }
+    const double log_sum = log(block_sum<double>(s, red_d));
+    if (threadIdx.x == 0) out[0] = __float_as_uint((float)(shifted(x[token], m) - log_sum));
+    float last_v = 0.f;
+    unsigned last_i = NO_TOKEN;
+    for (unsigned k = 0; k < LOGPROB_TOP; ++k) {
+        float bv = NEG_INF;
+        unsigned bi = NO_TOKEN;
+        if (k < top)
+            for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+                const float v = x[i];
+                const bool after = last_i == NO_TOKEN || v < last_v ||
+                                   (v == last_v && (unsigned)i > last_i);
+                if (!isnan(v) && after && before(v, i, bv, bi)) bv = v, bi = i;
+            }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (before(ov, oi, bv, bi)) bv = ov, bi = oi;
+        }
+        __syncthreads();
+        if ((threadIdx.x & 31) == 0) red_f[threadIdx.x >> 5] = bv, red_i[threadIdx.x >> 5] = bi;
+        __syncthreads();
+        bv = NEG_INF, bi = NO_TOKEN;
+        for (int w = 0; w < SAMPLE_WARPS; ++w)
+            if (before(red_f[w], red_i[w], bv, bi)) bv = red_f[w], bi = red_i[w];
+        if (threadIdx.x == 0) {
+            out[1 + k] = bi;
+            out[1 + LOGPROB_TOP + k] =
+                bi == NO_TOKEN ? 0u : __float_as_uint((float)(shifted(bv, m) - log_sum));
+        }
+        last_v = bv, last_i = bi;
+        if (bi == NO_TOKEN) {
+            // (nothing left: the rest of the list is empty too)
+            if (threadIdx.x == 0)
+                for (unsigned j = k + 1; j < LOGPROB_TOP; ++j) out[1 + j] = NO_TOKEN;
+            break;
+        }
+    }
+}
+
 // One block per row. `row_opts[r]` says how row r of `logits` (stride `ld`, the first
 // `vocab` entries are tokens) is sampled; its token lands in `ids[r]`, and its slot's
 // count words (`counts`, `vocab` per slot) and draw counter (`draws`) record it. `scratch`
 // (a row of `ld` per batch row) holds the row after bias and penalties when it has any.
 // With `check_finite`, a row holding NaN or ±∞ is not sampled: id 0, `finite[r]` 0 (the
 // engine fails its sequence, as on the CPU); without, such rows are sampled (NaN never
-// chosen).
+// chosen). A row whose options ask for log-probabilities gets them, of its raw logits, in
+// its LOGPROB_WORDS words of `logprobs`.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* __restrict__ logits, int ld, int vocab,
                 const RowOptions* __restrict__ row_opts, const uint2* __restrict__ bias,
                 unsigned* __restrict__ counts, u64* __restrict__ draws,
                 float* __restrict__ scratch, unsigned* __restrict__ ids,
-                unsigned* __restrict__ finite, int check_finite) {
+                unsigned* __restrict__ finite, int check_finite,
+                unsigned* __restrict__ logprobs) {
     __shared__ u64 mass_hist[256];
     __shared__ unsigned count_hist[256];
     __shared__ u64 red_u64[SAMPLE_WARPS];
     __shared__ float red_f[SAMPLE_WARPS];
     __shared__ unsigned red_i[SAMPLE_WARPS];
+    __shared__ double red_d[SAMPLE_WARPS];
     __shared__ unsigned found;
     const int r = blockIdx.x, n = vocab;
     const RowOptions o = row_opts[r];
     unsigned* seen = counts + (size_t)o.slot * vocab;
-    const float* x = logits + (size_t)r * ld;
+    const float* raw = logits + (size_t)r * ld;
+    const float* x = raw;
     if (check_finite) {
         int bad = 0;
         for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS)
@@ -396,6 +475,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             }
         }
     }
+    if (o.logprobs > 0)
+        row_logprobs(raw, n, token, o.logprobs - 1, logprobs + (size_t)r * LOGPROB_WORDS, red_f,
+                     red_d, red_i);
     __syncthreads();
     if (threadIdx.x == 0) {
         ids[r] = token;

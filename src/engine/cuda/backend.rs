@@ -1,7 +1,6 @@
 //! The CUDA model as the engine's [`Backend`].
 
 use super::model::CudaModel;
-use super::sample::DeviceSampler;
 use super::state::{device_states, place_on};
 use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
 use crate::engine::logits::StepLogits;
@@ -9,7 +8,7 @@ use crate::engine::sample_step::SampleStep;
 use crate::engine::sampling::Sampler;
 use crate::engine::state::StateData;
 use crate::engine::LogitsWant;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::state_layout::StateLayout;
 use crate::options::GpuOptions;
 
@@ -67,40 +66,25 @@ impl Backend for CudaModel {
     ) -> Result<bool> {
         let d = self.weights.dims;
         let mut st = device_states(states)?;
-        let mut guard = self
-            .sampler
-            .lock()
-            .map_err(|_| Error::Device("the device sampler's lock is poisoned".into()))?;
-        if guard.is_none() {
-            *guard = Some(DeviceSampler::new(self.gpu(), d.vocab_size)?);
-        }
-        let ds = guard.as_mut().expect("made above");
-        let SampleStep { ids, finite, .. } = step;
-        let mut sample = |at: u64| ds.sample(at, d.vocab_padded, samplers, true, ids, finite);
-        if self.decode_bucket(tokens.len())?.is_some() {
-            let at = self.decode_graph_on_device(tokens, &mut st)?;
-            sample(at)?;
-        } else {
-            self.decode_eager_then(tokens, &mut st, sample)?;
-        }
-        ds.pass = self.passes.load(std::sync::atomic::Ordering::Relaxed);
+        self.sampling.decode_sample(
+            self.gpu(),
+            d.vocab_size,
+            d.vocab_padded,
+            samplers,
+            step,
+            |sample| {
+                if self.decode_bucket(tokens.len())?.is_some() {
+                    sample(self.decode_graph_on_device(tokens, &mut st)?)
+                } else {
+                    self.decode_eager_then(tokens, &mut st, sample)
+                }
+            },
+        )?;
         Ok(true)
     }
 
     fn last_step_row(&self, b: usize) -> Result<Vec<f32>> {
-        let guard = self
-            .sampler
-            .lock()
-            .map_err(|_| Error::Device("the device sampler's lock is poisoned".into()))?;
-        match guard.as_ref() {
-            Some(ds) if ds.pass == self.passes.load(std::sync::atomic::Ordering::Relaxed) => {
-                ds.last_row(b)
-            }
-            _ => Err(Error::Device(
-                "the sampled step's logits are gone from the device (another pass ran since)"
-                    .into(),
-            )),
-        }
+        self.sampling.last_step_row(b)
     }
 
     fn gpu_options(&self) -> Result<Option<GpuOptions>> {

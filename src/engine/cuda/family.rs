@@ -10,6 +10,7 @@
 //! states themselves. Kernels take their sizes as arguments, compiled once per dtype and
 //! state size (not per shape).
 
+use super::sample::DeviceSampling;
 use super::state::{device_states, place_on, CudaState};
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
 use crate::cuda::gemm::Lt;
@@ -19,6 +20,8 @@ use crate::cuda::packed::{upload_matrix, Carve, LayerRun, PackedPass, Scratch};
 use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
 use crate::engine::cuda::weights::F16_SAFE;
 use crate::engine::logits::{HostBuf, StepLogits};
+use crate::engine::sample_step::SampleStep;
+use crate::engine::sampling::Sampler;
 use crate::engine::state::StateData;
 use crate::engine::LogitsWant;
 use crate::error::{Error, Result};
@@ -164,6 +167,8 @@ pub struct FamilyCuda {
     /// Of the GPU options, these models use `batch_invariant`; the others (TF32, the fast
     /// scan, fused decode, lanes) are Mamba-3 SISO's and are kept only to be reported.
     options: Mutex<GpuOptions>,
+    /// Sampling decode steps on the device. Locked before `work`.
+    sampling: DeviceSampling,
 }
 
 impl FamilyCuda {
@@ -236,6 +241,7 @@ impl FamilyCuda {
             layout,
             work: Mutex::new(Work::default()),
             options: Mutex::new(GpuOptions::from_env()),
+            sampling: DeviceSampling::new(),
         })
     }
 
@@ -397,6 +403,24 @@ impl FamilyCuda {
         states: &mut [&mut CudaState],
         want: LogitsWant,
     ) -> Result<Vec<Vec<f32>>> {
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let host = self.pass_then(seqs, states, want, |logits, picked| {
+            let mut host = vec![0f32; picked * self.dims.vocab_padded];
+            self.gpu.dtoh(logits, &mut host)?;
+            Ok(host)
+        })?;
+        Ok(self.split(&host, &lens, want))
+    }
+
+    /// One pass whose `[picked rows, vocab_padded]` logits stay on the device: `then(logits
+    /// address, picked rows)` runs while the work buffers are held.
+    fn pass_then<R>(
+        &self,
+        seqs: &[&[u32]],
+        states: &mut [&mut CudaState],
+        want: LogitsWant,
+        then: impl FnOnce(u64, usize) -> Result<R>,
+    ) -> Result<R> {
         let (tokens, addrs) = self.inputs(seqs, states)?;
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         let picked = Self::picked_rows(&lens, want);
@@ -411,11 +435,9 @@ impl FamilyCuda {
         )?;
         self.gpu.htod(&tokens, b.tokens)?;
         self.gpu.htod(&picked, b.picked)?;
+        self.sampling.count_pass();
         self.launches(&pass, &b)?;
-        let mut host = vec![0f32; picked.len() * self.dims.vocab_padded];
-        self.gpu.dtoh(b.logits, &mut host)?;
-        drop(guard);
-        Ok(self.split(&host, &lens, want))
+        then(b.logits, picked.len())
     }
 
     /// Logits rows cut back into one block per sequence.
@@ -480,6 +502,8 @@ impl FamilyCuda {
         self.gpu.sync()?;
         graph.graph = Some(self.gpu.capture_graph(|| self.launches(&pass, &b))?);
         graph.bufs = Some(b);
+        // (a graph it replaces may hold a sampled step's logits)
+        self.sampling.count_pass();
         self.lock()?.graphs.insert(batch, graph);
         Ok(())
     }
@@ -489,14 +513,29 @@ impl FamilyCuda {
         Ok(self.lock()?.graphs.range(batch..).next().map(|(&b, _)| b))
     }
 
-    /// One decode step by the graph of `bucket` (≥ the batch: the spare rows decode token 0
-    /// into spare states of the graph's own).
+    /// One decode step by the graph of `bucket`, its `[batch, vocab_padded]` logits copied
+    /// to the host.
     fn decode_graph(
         &self,
         bucket: usize,
         tokens: &[u32],
         states: &mut [&mut CudaState],
     ) -> Result<Vec<f32>> {
+        let logits = self.replay_decode(bucket, tokens, states)?;
+        let mut host = vec![0f32; tokens.len() * self.dims.vocab_padded];
+        self.gpu.dtoh(logits, &mut host)?;
+        Ok(host)
+    }
+
+    /// One decode step by the graph of `bucket` (≥ the batch: the spare rows decode token 0
+    /// into spare states of the graph's own); returns the device address of its logits
+    /// (the graph's own buffer: valid until the next replay or the graphs are dropped).
+    fn replay_decode(
+        &self,
+        bucket: usize,
+        tokens: &[u32],
+        states: &mut [&mut CudaState],
+    ) -> Result<u64> {
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
         let (mut toks, mut addrs) = self.inputs(&seqs, states)?;
         let mut guard = self.lock()?;
@@ -527,14 +566,13 @@ impl FamilyCuda {
             self.mixer.chunk_len(bucket),
         )?;
         self.gpu.htod(&toks, tok_at)?;
+        self.sampling.count_pass();
         g.graph
             .as_ref()
             .ok_or_else(|| Error::Device("decode graph not captured".into()))?
             .launch()
             .map_err(|e| crate::cuda::context::dev_err("replaying the decode graph", e))?;
-        let mut host = vec![0f32; tokens.len() * self.dims.vocab_padded];
-        self.gpu.dtoh(logits, &mut host)?;
-        Ok(host)
+        Ok(logits)
     }
 }
 
@@ -676,6 +714,33 @@ impl Backend for FamilyCuda {
         Ok(())
     }
 
+    /// Sampled on the device, from the step's logits where they are (the eager pass's
+    /// buffers or the graph's): only the ids (and the log-probabilities asked for) come
+    /// back.
+    fn decode_sample(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut StateData],
+        samplers: &mut [&mut Sampler],
+        step: &mut SampleStep,
+    ) -> Result<bool> {
+        let mut st = device_states(states)?;
+        let (vocab, ld) = (self.dims.vocab_size, self.dims.vocab_padded);
+        self.sampling
+            .decode_sample(&self.gpu, vocab, ld, samplers, step, |sample| {
+                if let Some(bucket) = self.decode_bucket(tokens.len())? {
+                    return sample(self.replay_decode(bucket, tokens, &mut st)?);
+                }
+                let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
+                self.pass_then(&seqs, &mut st, LogitsWant::Last, |at, _| sample(at))
+            })?;
+        Ok(true)
+    }
+
+    fn last_step_row(&self, b: usize) -> Result<Vec<f32>> {
+        self.sampling.last_step_row(b)
+    }
+
     fn capture_decode_graph(&self, bucket: usize) -> Result<()> {
         self.capture_decode(bucket)
     }
@@ -693,6 +758,8 @@ impl Backend for FamilyCuda {
             .collect())
     }
     fn clear_graphs(&self) -> Result<()> {
+        // (a sampled step's logits may have been a graph's)
+        self.sampling.count_pass();
         self.lock()?.graphs.clear();
         Ok(())
     }
@@ -706,6 +773,7 @@ impl Backend for FamilyCuda {
             .lock()
             .map_err(|_| Error::Device("a GPU pass panicked earlier".into()))?;
         if *cur != o {
+            self.sampling.count_pass();
             self.lock()?.graphs.clear();
             *cur = o;
         }

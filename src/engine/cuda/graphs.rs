@@ -276,8 +276,7 @@ impl CudaModel {
             gpu.sync()?;
             cap.in_flight = false;
         }
-        self.passes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.sampling.count_pass();
         slot.copy_from_slice(tokens);
         if cap.state_ptrs != ptrs {
             gpu.htod(ptrs, cap.work.states.ptr)?;

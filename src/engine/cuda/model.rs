@@ -33,11 +33,9 @@ pub struct CudaModel {
     proj_f16: bool,
     pub(crate) lt: Lt,
     inner: Mutex<Inner>,
-    /// Sampling on the device (made at the first sampled step). Locked before `inner`.
-    pub(crate) sampler: Mutex<Option<super::sample::DeviceSampler>>,
-    /// Passes (eager or replayed) so far: the logits a sampled step left are valid while
-    /// no other pass has run.
-    pub(crate) passes: std::sync::atomic::AtomicU64,
+    /// Sampling on the device, and the count of passes (eager or replayed) by which the
+    /// logits a sampled step left are known to be valid. Locked before `inner`.
+    pub(crate) sampling: super::sample::DeviceSampling,
 }
 
 pub(crate) struct Inner {
@@ -118,8 +116,7 @@ impl CudaModel {
                 work: None,
                 graphs: Graphs::default(),
             }),
-            sampler: Mutex::new(None),
-            passes: std::sync::atomic::AtomicU64::new(0),
+            sampling: super::sample::DeviceSampling::new(),
         };
         // (compiled or loaded now, so that the first request is not the slow one)
         let kernels = kernels?;
@@ -321,8 +318,7 @@ impl CudaModel {
         read: impl FnOnce(&Gpu, u64, usize) -> Result<R>,
     ) -> Result<R> {
         let mut inner = self.lock()?;
-        self.passes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.sampling.count_pass();
         let opts = inner.opts;
         let k = self.kernels(&mut inner, opts)?;
         let ptrs = self.state_ptrs(states)?;

@@ -1,7 +1,9 @@
 //! Sampling a decode batch on the device (kernels/sample.cu), for every GPU backend: the
 //! rows' options, logit biases, per-sequence token counts and draw counters live in device
 //! buffers; a step launches one block per row over the logits the step left on the device
-//! and copies back only the ids (and whether each row was finite).
+//! and copies back only the ids, whether each row was finite, and for the rows that ask
+//! the log-probabilities of the chosen token and of the few best ([`LOGPROB_WORDS`] words a
+//! row). [`DeviceSampling`] is what a GPU backend holds to sample its decode steps.
 //!
 //! Each sequence's counts and draw counter sit in a slot of their own, named by its
 //! sampler's key ([`Sampler::key`]): a slot is filled from the host sampler's history when
@@ -11,14 +13,22 @@
 
 use crate::cuda::context::{DevBuf, Gpu, Kernel, PinnedBuf};
 use crate::cuda::kernels::{KernelConfig, Module, SAMPLING};
+use crate::engine::logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
+use crate::engine::sample_step::SampleStep;
 use crate::engine::sampling::Sampler;
 use crate::error::{Error, Result};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 
 /// Threads per row (`SAMPLE_THREADS` in kernels/sample.cu).
 const THREADS: u32 = 1024;
 
-/// One row's options (twin of `RowOptions` in kernels/sample.cu: 12 words).
+/// Words of a row's log-probabilities (`LOGPROB_WORDS` in kernels/sample.cu): the chosen
+/// token's, then [`MAX_TOP_LOGPROBS`] ids (`NO_TOKEN` past the last) and theirs.
+const LOGPROB_WORDS: usize = 1 + 2 * MAX_TOP_LOGPROBS;
+const NO_TOKEN: u32 = u32::MAX;
+
+/// One row's options (twin of `RowOptions` in kernels/sample.cu: 13 words).
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Debug)]
 struct RowOptions {
@@ -34,6 +44,8 @@ struct RowOptions {
     seed_lo: u32,
     seed_hi: u32,
     slot: u32,
+    /// 0: none; n + 1: the chosen token's and the n best tokens' log-probabilities
+    logprobs: u32,
 }
 
 /// The device side of the sampling of decode batches over one vocabulary.
@@ -46,19 +58,22 @@ pub struct DeviceSampler {
     /// `[slots, vocab]` count words, `[slots]` draw counters (u64).
     counts: DevBuf,
     draws: DevBuf,
-    /// Per row: options; the bias list; the scratch row (`ld` floats); id and finiteness.
+    /// Per row: options; the bias list; the scratch row (`ld` floats); then the batch's
+    /// ids, finiteness and log-probabilities (`[rows]`, `[rows]`, `[rows, LOGPROB_WORDS]`).
     row_opts: DevBuf,
     bias: DevBuf,
     scratch: DevBuf,
     out: DevBuf,
     out_host: PinnedBuf<u32>,
+    /// The rows `out` has room for.
+    out_rows: usize,
     /// What `row_opts`/`bias` hold now.
     uploaded: (Vec<RowOptions>, Vec<[u32; 2]>),
     /// Where the last sampled step's logits are (address, row stride), until the next pass.
-    pub(crate) last_logits: Option<(u64, usize)>,
+    last_logits: Option<(u64, usize)>,
     /// The backend's pass counter when the last step was sampled (its logits are valid
     /// while no other pass has run).
-    pub(crate) pass: u64,
+    pass: u64,
 }
 
 impl DeviceSampler {
@@ -78,6 +93,7 @@ impl DeviceSampler {
             scratch: gpu.alloc::<f32>(0)?,
             out: gpu.alloc::<u32>(0)?,
             out_host: PinnedBuf::new(gpu, 0)?,
+            out_rows: 0,
             uploaded: (Vec::new(), Vec::new()),
             last_logits: None,
             pass: 0,
@@ -85,18 +101,19 @@ impl DeviceSampler {
     }
 
     /// Sample row `b` of the `[samplers.len(), ld]` logits at device address `logits`
-    /// with `samplers[b]` into `ids[b]`. With `check_finite`, `finite[b]` says whether the
-    /// row's first `vocab` entries were finite, and a row that was not is not sampled (id
-    /// 0); without, every row is sampled (NaN never chosen). Counts each id as generated
-    /// on the device: the caller accepts it into the host sampler.
+    /// with `samplers[b]` into `step`'s id `b`. With `check_finite`, `step.finite(b)` says
+    /// whether the row's first `vocab` entries were finite, and a row that was not is not
+    /// sampled (id 0, no log-probabilities); without, every row is sampled (NaN never
+    /// chosen). A row whose sampler asks for log-probabilities gets them
+    /// (`step.logprobs(b)`). Counts each id as generated on the device: the caller accepts
+    /// it into the host sampler.
     pub fn sample(
         &mut self,
         logits: u64,
         ld: usize,
         samplers: &mut [&mut Sampler],
         check_finite: bool,
-        ids: &mut Vec<u32>,
-        finite: &mut Vec<bool>,
+        step: &mut SampleStep,
     ) -> Result<()> {
         let nb = samplers.len();
         if ld < self.vocab {
@@ -115,7 +132,7 @@ impl DeviceSampler {
             self.scratch.ptr,
             self.out.ptr,
         );
-        let finite_at = self.out.at::<u32>(nb);
+        let (finite_at, logprobs_at) = (self.out.at::<u32>(nb), self.out.at::<u32>(2 * nb));
         g.launch(
             &self.kernel,
             (nb as u32, 1, 1),
@@ -134,14 +151,41 @@ impl DeviceSampler {
                 &out,
                 &finite_at,
                 &check,
+                &logprobs_at,
             ],
         )?;
-        let host = &mut self.out_host.as_mut_slice()[..2 * nb];
+        // Only the rows' ids and finiteness come back, and the log-probabilities when a
+        // row asked for them.
+        let asked = samplers.iter().any(|s| s.params().logprobs.is_some());
+        let words = if asked {
+            (2 + LOGPROB_WORDS) * nb
+        } else {
+            2 * nb
+        };
+        let host = &mut self.out_host.as_mut_slice()[..words];
         g.dtoh(out, host)?;
-        ids.clear();
-        ids.extend_from_slice(&host[..nb]);
-        finite.clear();
-        finite.extend(host[nb..].iter().map(|&f| f != 0));
+        step.ids.clear();
+        step.ids.extend_from_slice(&host[..nb]);
+        step.finite.clear();
+        step.finite.extend(host[nb..2 * nb].iter().map(|&f| f != 0));
+        step.logprobs.clear();
+        step.logprobs
+            .extend(samplers.iter().enumerate().map(|(b, s)| {
+                let n = s.params().logprobs?;
+                if host[nb + b] == 0 {
+                    return None;
+                }
+                let w = &host[2 * nb + b * LOGPROB_WORDS..2 * nb + (b + 1) * LOGPROB_WORDS];
+                let top = (0..n.min(MAX_TOP_LOGPROBS))
+                    .take_while(|&k| w[1 + k] != NO_TOKEN)
+                    .map(|k| (w[1 + k], f32::from_bits(w[1 + MAX_TOP_LOGPROBS + k])))
+                    .collect();
+                Some(TokenLogprobs {
+                    token: host[b],
+                    logprob: f32::from_bits(w[0]),
+                    top,
+                })
+            }));
         for s in samplers.iter_mut() {
             s.device_steps += 1;
         }
@@ -247,16 +291,18 @@ impl DeviceSampler {
                     seed_lo: seed as u32,
                     seed_hi: (seed >> 32) as u32,
                     slot,
+                    logprobs: p.logprobs.map_or(0, |n| n.min(MAX_TOP_LOGPROBS) as u32 + 1),
                 }
             })
             .collect();
         let nb = samplers.len();
         let g = &self.gpu;
-        if self.row_opts.bytes < nb * std::mem::size_of::<RowOptions>() {
+        if self.out_rows < nb {
             let n = nb.next_power_of_two();
             self.row_opts = g.alloc::<RowOptions>(n)?;
-            self.out = g.alloc::<u32>(2 * n)?;
-            self.out_host = PinnedBuf::new(g, 2 * n)?;
+            self.out = g.alloc::<u32>((2 + LOGPROB_WORDS) * n)?;
+            self.out_host = PinnedBuf::new(g, (2 + LOGPROB_WORDS) * n)?;
+            self.out_rows = n;
             self.uploaded.0.clear();
         }
         if self.scratch.bytes < nb * ld * 4 {
@@ -275,5 +321,67 @@ impl DeviceSampler {
             self.uploaded.1 = bias;
         }
         Ok(())
+    }
+}
+
+/// What a GPU backend holds to sample its decode steps: the [`DeviceSampler`] (made at the
+/// first sampled step) and a count of the backend's passes, by which a sampled step's
+/// logits are known to be still on the device (no other pass has run since).
+pub(crate) struct DeviceSampling {
+    sampler: Mutex<Option<DeviceSampler>>,
+    passes: AtomicU64,
+}
+
+impl DeviceSampling {
+    pub(crate) fn new() -> DeviceSampling {
+        DeviceSampling {
+            sampler: Mutex::new(None),
+            passes: AtomicU64::new(0),
+        }
+    }
+
+    /// Every pass of the backend (eager or replayed) calls this before it writes logits.
+    pub(crate) fn count_pass(&self) {
+        self.passes.fetch_add(1, Relaxed);
+    }
+
+    /// A sampled decode step: `decode(sample)` runs the step and calls `sample(address)`
+    /// with the device address of its `[batch, ld]` logits while they are there; the rows
+    /// are sampled by `samplers` into `step`. Locked before the backend's own buffers.
+    pub(crate) fn decode_sample(
+        &self,
+        gpu: &Arc<Gpu>,
+        vocab: usize,
+        ld: usize,
+        samplers: &mut [&mut Sampler],
+        step: &mut SampleStep,
+        decode: impl FnOnce(&mut dyn FnMut(u64) -> Result<()>) -> Result<()>,
+    ) -> Result<()> {
+        let mut guard = self
+            .sampler
+            .lock()
+            .map_err(|_| Error::Device("the device sampler's lock is poisoned".into()))?;
+        if guard.is_none() {
+            *guard = Some(DeviceSampler::new(gpu, vocab)?);
+        }
+        let ds = guard.as_mut().expect("made above");
+        decode(&mut |at| ds.sample(at, ld, samplers, true, step))?;
+        ds.pass = self.passes.load(Relaxed);
+        Ok(())
+    }
+
+    /// Row `b` of the last sampled step's logits, while no other pass has run since.
+    pub(crate) fn last_step_row(&self, b: usize) -> Result<Vec<f32>> {
+        let guard = self
+            .sampler
+            .lock()
+            .map_err(|_| Error::Device("the device sampler's lock is poisoned".into()))?;
+        match guard.as_ref() {
+            Some(ds) if ds.pass == self.passes.load(Relaxed) => ds.last_row(b),
+            _ => Err(Error::Device(
+                "the sampled step's logits are gone from the device (another pass ran since)"
+                    .into(),
+            )),
+        }
     }
 }

@@ -3,6 +3,7 @@
 //! ends), and the batch of tokens sent to be detokenized and streamed.
 
 use super::*;
+use crate::engine::TokenLogprobs;
 
 impl Scheduler {
     /// Take the emitter's answer for the previous turn (ending the sequences a stop string
@@ -40,7 +41,8 @@ impl Scheduler {
                 // (a row that was not finite is never sampled from nor cached)
                 // Only a sequence that ends here and is cached needs its row of logits:
                 // on a GPU that one row comes from the device.
-                o.take(s, sampled.ids()[b], || {
+                let lp = sampled.logprobs(b).cloned();
+                o.take(s, sampled.ids()[b], lp, || {
                     model.step_logits_row(sampled, b).ok()
                 });
             } else {
@@ -96,13 +98,15 @@ pub(super) struct Out<'a> {
 }
 
 impl Out<'_> {
-    /// Take `token` as `seq`'s next (`logits` gives the row it was sampled from, wanted
-    /// only when a finished sequence is cached: `vocab_size` entries or more) into the
-    /// turn's batch; a sequence whose id ends it is closed (and cached) now.
+    /// Take `token` as `seq`'s next, with its log-probabilities when asked for (`logits`
+    /// gives the row it was sampled from, wanted only when a finished sequence is cached:
+    /// `vocab_size` entries or more) into the turn's batch; a sequence whose id ends it
+    /// is closed (and cached) now.
     pub(super) fn take(
         &mut self,
         seq: &mut Seq,
         token: u32,
+        logprobs: Option<TokenLogprobs>,
         logits: impl FnOnce() -> Option<Vec<f32>>,
     ) {
         let end = seq.tokens.push(token);
@@ -110,6 +114,7 @@ impl Out<'_> {
             id: seq.id,
             token,
             end,
+            logprobs,
         });
         if end.is_none() {
             seq.next = Some(token);

@@ -29,12 +29,13 @@
 //! thread carries on.
 
 use super::emitter::{self, Emit, Outcome, TokenOut};
+use super::logprobs::TokenProbs;
 
 mod embed;
 mod handoff;
 use super::metrics::{DeviceMetrics, Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
-use crate::engine::{Device, LogitsWant, Model, SampleStep, State};
+use crate::engine::{row_logprobs, Device, LogitsWant, Model, SampleStep, State};
 use crate::text::generate::{all_finite, non_finite_logits};
 use crate::text::{FinishReason, GenParams, Sampler, TextRules, TokenRules, Tokenizer};
 use embed::EmbedTask;
@@ -109,12 +110,14 @@ pub struct EmbedJob {
 pub enum Event {
     /// The prompt is read: how many of its tokens came from the prefix cache.
     Started { index: usize, cached_tokens: usize },
-    /// One generated token and the text it made final; the last one has `finish`.
+    /// One generated token and the text it made final; the last one has `finish`. With
+    /// its log-probabilities when the request asked for them.
     Token {
         index: usize,
         token: u32,
         text: String,
         finish: Option<FinishReason>,
+        logprobs: Option<TokenProbs>,
     },
     /// The sequence failed; nothing more comes for it.
     Error { index: usize, message: String },
@@ -458,8 +461,14 @@ impl Scheduler {
             }
         }
         if let Some(logits) = first_logits {
-            let token = seq.tokens.sampler_mut().sample(&logits);
-            self.out().take(&mut seq, token, || Some(logits.to_vec()));
+            let sampler = seq.tokens.sampler_mut();
+            let token = sampler.sample(&logits);
+            let lp = sampler
+                .params()
+                .logprobs
+                .map(|n| row_logprobs(&logits, token, n));
+            self.out()
+                .take(&mut seq, token, lp, || Some(logits.to_vec()));
         }
         if !seq.closed {
             self.active.push(seq);
@@ -563,8 +572,13 @@ impl Scheduler {
                 );
             }
             if end == s.job.prompt.len() {
-                let token = s.tokens.sampler_mut().sample(row);
-                o.take(s, token, || Some(row.to_vec()));
+                let sampler = s.tokens.sampler_mut();
+                let token = sampler.sample(row);
+                let lp = sampler
+                    .params()
+                    .logprobs
+                    .map(|n| row_logprobs(row, token, n));
+                o.take(s, token, lp, || Some(row.to_vec()));
             }
         }
     }
