@@ -1,11 +1,11 @@
 //! Either Mamba-1 or Mamba-2 language model, as `config.json` names it, from a folder of
 //! either file layout.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::mixers::mamba1::weights::{self as m1, Mamba1Weights};
 use crate::mixers::mamba2::weights::{self as m2, Mamba2Weights};
 use crate::model::dtype::DType;
-use crate::model::family_config::{FamilyConfig, MixerConfig};
+use crate::model::family_config::{wrong_family, FamilyConfig, MixerConfig};
 use crate::model::family_weights::{load_lm, locate};
 use crate::model::shards::TensorSource;
 use std::path::Path;
@@ -55,12 +55,22 @@ impl FamilyWeights {
     }
 }
 
-/// The error of a model of family `found` given where `want` was needed.
-pub(crate) fn wrong_family(found: &str, want: &str) -> Error {
-    Error::Unsupported {
-        field: "mixer family (ssm_cfg.layer / model_type)".into(),
-        found: found.into(),
-        supported: want.into(),
+/// [`FamilyWeights::load`] for a folder that must hold one family.
+impl Mamba1Weights {
+    pub fn load(path: &Path, dtype: DType) -> Result<Mamba1Weights> {
+        match FamilyWeights::load(path, dtype)? {
+            FamilyWeights::Mamba1(w) => Ok(w),
+            FamilyWeights::Mamba2(_) => Err(wrong_family("Mamba2", "Mamba1")),
+        }
+    }
+}
+
+impl Mamba2Weights {
+    pub fn load(path: &Path, dtype: DType) -> Result<Mamba2Weights> {
+        match FamilyWeights::load(path, dtype)? {
+            FamilyWeights::Mamba2(w) => Ok(w),
+            FamilyWeights::Mamba1(_) => Err(wrong_family("Mamba1", "Mamba2")),
+        }
     }
 }
 

@@ -170,6 +170,15 @@ impl FamilyConfig {
 }
 
 /// The mixer family of a config of either layout, without validating the rest.
+/// The error of a model of family `found` given where `want` was needed.
+pub(crate) fn wrong_family(found: &str, want: &str) -> Error {
+    Error::Unsupported {
+        field: "mixer family (ssm_cfg.layer / model_type)".into(),
+        found: found.into(),
+        supported: want.into(),
+    }
+}
+
 pub fn detect_family(text: &str, origin: &str) -> Result<FamilyKind> {
     let root = parse_root(text, origin)?;
     let obj = Obj::new(&root, "", origin);

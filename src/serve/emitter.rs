@@ -11,9 +11,9 @@
 //! answer before it hands over the next batch, so the emitter is never more than one turn
 //! behind. Every event of an admitted sequence goes out through here, in order.
 
+use super::event::Event;
 use super::logprobs::TokenProbs;
 use super::metrics::{DeviceMetrics, Metrics};
-use super::scheduler::Event;
 use crate::engine::TokenLogprobs;
 use crate::text::{TextRules, TokenEnd};
 use std::collections::HashMap;

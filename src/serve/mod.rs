@@ -11,6 +11,7 @@ pub mod client;
 pub mod dispatch;
 pub mod emitter;
 pub mod error;
+pub mod event;
 pub mod listen;
 pub mod logprobs;
 pub mod metrics;

@@ -2,12 +2,9 @@
 //! layout by the LM loader of `crate::model::family_weights`.
 
 use crate::error::Result;
-use crate::mixers::family::{wrong_family, FamilyWeights};
-use crate::model::dtype::DType;
-use crate::model::family_config::Mamba1Config;
+use crate::model::family_config::{wrong_family, Mamba1Config};
 use crate::model::family_weights::{layer, LmWeights, TensorReader};
 use crate::model::weights::Matrix;
-use std::path::Path;
 
 /// Mamba-1 mixer parameters (spec §2.2), `in_proj`/`out_proj`/`x_proj`/`dt_proj` as
 /// PyTorch `[out, in]` matrices.
@@ -68,13 +65,5 @@ impl LmWeights<Mamba1Mixer> {
         self.config
             .mamba1()
             .ok_or_else(|| wrong_family("Mamba2", "Mamba1"))
-    }
-
-    /// [`FamilyWeights::load`] for a folder that must hold a Mamba-1 model.
-    pub fn load(path: &Path, dtype: DType) -> Result<Mamba1Weights> {
-        match FamilyWeights::load(path, dtype)? {
-            FamilyWeights::Mamba1(w) => Ok(w),
-            FamilyWeights::Mamba2(_) => Err(wrong_family("Mamba2", "Mamba1")),
-        }
     }
 }

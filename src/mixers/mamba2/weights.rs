@@ -2,12 +2,9 @@
 //! layout by the LM loader of `crate::model::family_weights`.
 
 use crate::error::Result;
-use crate::mixers::family::{wrong_family, FamilyWeights};
-use crate::model::dtype::DType;
-use crate::model::family_config::Mamba2Config;
+use crate::model::family_config::{wrong_family, Mamba2Config};
 use crate::model::family_weights::{layer, LmWeights, TensorReader};
 use crate::model::weights::Matrix;
-use std::path::Path;
 
 /// Mamba-2 mixer parameters (spec §3.2).
 #[derive(Clone, Debug, PartialEq)]
@@ -69,13 +66,5 @@ impl LmWeights<Mamba2Mixer> {
         self.config
             .mamba2()
             .ok_or_else(|| wrong_family("Mamba1", "Mamba2"))
-    }
-
-    /// [`FamilyWeights::load`] for a folder that must hold a Mamba-2 model.
-    pub fn load(path: &Path, dtype: DType) -> Result<Mamba2Weights> {
-        match FamilyWeights::load(path, dtype)? {
-            FamilyWeights::Mamba2(w) => Ok(w),
-            FamilyWeights::Mamba1(_) => Err(wrong_family("Mamba1", "Mamba2")),
-        }
     }
 }

@@ -29,7 +29,7 @@
 //! thread carries on.
 
 use super::emitter::{self, Emit, Outcome, TokenOut};
-use super::logprobs::TokenProbs;
+pub use super::event::Event;
 
 mod embed;
 mod handoff;
@@ -104,25 +104,6 @@ pub struct EmbedJob {
     pub inputs: Vec<Vec<u32>>,
     pub pooling: Pooling,
     pub reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, String>>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub enum Event {
-    /// The prompt is read: how many of its tokens came from the prefix cache.
-    Started { index: usize, cached_tokens: usize },
-    /// One generated token and the text it made final; the last one has `finish`. With
-    /// its log-probabilities when the request asked for them.
-    Token {
-        index: usize,
-        token: u32,
-        text: String,
-        finish: Option<FinishReason>,
-        logprobs: Option<TokenProbs>,
-    },
-    /// The sequence failed; nothing more comes for it.
-    Error { index: usize, message: String },
-    /// The sequence was ended without a token (the server is shutting down).
-    Finish { index: usize, reason: FinishReason },
 }
 
 /// Handles shared between the HTTP side and the engine thread.
