@@ -225,7 +225,7 @@ fn same_bytes(gpu: &Gpu, x: u64, y: u64, bytes: usize) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::gemm::{pseudo_random_bytes, ElemType, Lt};
+    use crate::cuda::gemm_spec::ElemType;
 
     fn spec(rows: usize) -> GemmSpec {
         GemmSpec::linear(
@@ -282,79 +282,6 @@ mod tests {
             Choices::open("x", 1, Some(dir.join("absent.tsv"))).get(&key),
             None
         );
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    /// D's bytes after `lt`'s product of `s` (A and W at `a`, `w`) into D starting as `d0`.
-    fn product(gpu: &Gpu, lt: &Lt, s: &GemmSpec, (a, w): (u64, u64), d0: &[u8]) -> Vec<u8> {
-        let d = gpu.upload(d0).unwrap();
-        lt.gemm(gpu, s, a, w, d.ptr).unwrap();
-        let mut out = vec![0u8; d0.len()];
-        gpu.dtoh(d.ptr, &mut out).unwrap();
-        out
-    }
-
-    /// Tuned large products (gemm_tune) give the bits of the heuristic's first guess —
-    /// in_proj's shape into f16, out_proj's adding into f32 (D must come out of the tuning
-    /// as it went in), and one over MAX_TUNE_ROWS rows (tuned on its first rows) — also
-    /// when a side lane planned them first, and a second `Lt` takes the choices from the
-    /// file without timing again.
-    /// `cargo test --release --features cuda --lib gemm_tuning -- --include-ignored`.
-    #[test]
-    #[ignore = "needs a CUDA device"]
-    fn gemm_tuning_keeps_the_bits_and_the_choice() {
-        let gpu = Gpu::new(0).unwrap();
-        let dir = std::env::temp_dir().join(format!("mamba3-tuning-{}", std::process::id()));
-        let file = dir.join("gemm-algos.tsv");
-        let _ = std::fs::remove_dir_all(&dir);
-        let plain = Lt::with_choices_file(&gpu, None).unwrap();
-        plain.set_tuning(false);
-        let tuned = Lt::with_choices_file(&gpu, Some(file.clone())).unwrap();
-        tuned.set_tuning(true);
-        let (bf, f16, f32) = (ElemType::BF16, ElemType::F16, ElemType::F32);
-        // (rows, n, k, operand type, D type, accumulate); cuBLASLt has no bf16 → f16 product
-        let shapes = [
-            (8192, 3432, 768, f16, f16, false),
-            (8192, 768, 1536, bf, f32, true),
-            (40000, 768, 1536, bf, f32, true),
-        ];
-        let mut runs = Vec::new();
-        for (i, &(rows, n, k, ab, dt, accumulate)) in shapes.iter().enumerate() {
-            let s = GemmSpec::linear(rows, n, k, ab, dt, n, accumulate, false);
-            let a = gpu
-                .upload(&pseudo_random_bytes(ab, rows * k, 1 + i as u64))
-                .unwrap();
-            let w = gpu
-                .upload(&pseudo_random_bytes(ab, n * k, 7 + i as u64))
-                .unwrap();
-            let d0 = pseudo_random_bytes(dt, rows * n, 13 + i as u64);
-            let want = product(&gpu, &plain, &s, (a.ptr, w.ptr), &d0);
-            // a plan made first on a side lane (the start-up's warm-up) is tuned later
-            tuned.warm(&gpu, 1, &[s]).unwrap();
-            assert_eq!(
-                tuned.tunings(),
-                i,
-                "{rows}×{n}×{k} was timed on a side lane"
-            );
-            assert!(
-                product(&gpu, &tuned, &s, (a.ptr, w.ptr), &d0) == want,
-                "{rows}×{n}×{k}: tuned bits differ"
-            );
-            assert_eq!(tuned.tunings(), i + 1, "{rows}×{n}×{k} was not tuned");
-            runs.push((s, a, w, d0, want));
-        }
-        let again = Lt::with_choices_file(&gpu, Some(file)).unwrap();
-        again.set_tuning(true);
-        for (s, a, w, d0, want) in &runs {
-            assert!(
-                product(&gpu, &again, s, (a.ptr, w.ptr), d0) == *want,
-                "{}×{}×{}: the kept choice's bits differ",
-                s.rows,
-                s.n,
-                s.k
-            );
-        }
-        assert_eq!(again.tunings(), 0, "the kept choices were timed again");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
