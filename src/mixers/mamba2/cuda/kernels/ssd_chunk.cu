@@ -13,8 +13,8 @@
 // accumulation): M = C·Bᵀ on the lower block triangle, weighted and stored as an operand;
 // Y = C·Sᵀ with rows scaled by e^{Lc_j}; Y += M·X; S ← e^{Lc_end}·S + (w ⊙ X)ᵀ·B.
 //
-// Two launches around `m2_scan_carry` (ssd_scan.cu), the steps of Mamba-1's chunked scan
-// (the chunk tables, the state's tiles and the log-decay prefix sum are chunk_scan.cuh's,
+// Two launches around `m2_scan_carry` (below), the steps of Mamba-1's chunked scan
+// (the chunk tables, the state's tiles, the log-decay prefix sum and the carry's walk are chunk_scan.cuh's,
 // shared with Mamba-3 MIMO's scan):
 //   m2_chunk_states: each chunk's state from zero and its total log-decay, for every chunk
 //                    but a sequence's last (the carry does not need those);

@@ -1,6 +1,6 @@
 // Mamba-2's scan (spec §3.3) in the recurrent form, for short passes (decode steps: every
 // sequence one chunk of a few rows), where ssd_chunk.cu's tiles of CHUNK rows would be
-// mostly padding; and the carry of the chunked scan's states along each sequence:
+// mostly padding (the chunked scan and its carry are ssd_chunk.cu's):
 //
 //   Δ_t = clamp(softplus(dt_t[h] + dt_bias[h]), dt_limit),  h_t = exp(Δ_t·A_h)·h_{t−1} + Δ_t·x_t ⊗ B_t
 //   y_t[h, p] = Σ_n h_t[p, n]·C_t[n] + D[h, p]·x_t[h, p]
