@@ -20,8 +20,9 @@ Without the compiled extensions (causal_conv1d, selective_scan_cuda):
           RMSNorm Triton; its decode step: torch conv update + Triton selective_state_update.
   Mamba1: the scan is the official pure-PyTorch selective_scan_ref (a Python loop over T; very
           slow), the conv torch's; decode: torch conv update + Triton selective_state_update.
-          Building selective_scan_cuda (MAMBA_KEEP_CUDA_BUILD=TRUE pip install mamba-ssm
-          --no-build-isolation, needs network) would give its real prefill; not done here.
+          With --selective-scan DIR (a selective_scan_cuda built there by
+          scripts/build-selective-scan, the official CUDA scan) the scan is the official CUDA
+          one; the conv stays torch's.
 --max-seconds bounds one prefill shape: one layer is timed first; if the full model would
 overrun, fewer layers are timed and scaled to all ("extrapolated_from_layers"), or the shape is
 skipped when even one layer would.
@@ -45,6 +46,8 @@ ap.add_argument("--headdim", type=int, default=64)
 ap.add_argument("--expand", type=int, default=2)
 ap.add_argument("--ngroups", type=int, default=1)
 ap.add_argument("--chunk", type=int, default=64, help="chunk_size (MIMO: 64/R unless given)")
+ap.add_argument("--selective-scan", default="",
+                help="a directory holding a built selective_scan_cuda (scripts/build-selective-scan)")
 ap.add_argument("--mimo-rank", type=int, default=0, help="Mamba3 MIMO with this rank (0: SISO)")
 ap.add_argument("--vocab", type=int, default=256)
 ap.add_argument("--max-seconds", type=float, default=0, help="budget of one prefill shape (0: none)")
@@ -55,6 +58,8 @@ ap.add_argument("--decode-cg", choices=["off", "on", "both"], default="off",
                 help="CUDA graphs for decode (official update_graph_cache): off, on, or both")
 a = ap.parse_args()
 sys.path.insert(0, a.src)
+if a.selective_scan:
+    sys.path.insert(0, a.selective_scan)
 notes = []
 
 
@@ -122,7 +127,10 @@ elif a.layer == "Mamba2":
                  else "decode SSM step: torch fallback (Triton selective_state_update not importable)")
 else:
     ssm = dict(d_state=a.d_state, expand=a.expand, use_fast_path=have_conv and have_scan)
-    if not have_scan:
+    if have_scan:
+        impl = "official selective_scan_cuda (forward-only build); conv1d torch's"
+        notes.append("prefill scan: the official CUDA selective_scan_cuda.fwd (scripts/build-selective-scan)")
+    else:
         m1.selective_scan_fn = ssi.selective_scan_ref  # the module calls it by its global name
         impl = "selective_scan_ref (official PyTorch reference; selective_scan_cuda not built)"
         notes.append("prefill scan: selective_scan_ref, a Python loop over T (selective_scan_cuda not built)")
