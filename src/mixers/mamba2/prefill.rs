@@ -235,15 +235,14 @@ fn head_scan<F: Real>(
         // M = (C·Bᵀ) ∘ exp(s_i − s_j), lower triangle.
         let slot = ((start / q) * c.ngroups + g) * q * q;
         m[..len * len].copy_from_slice(&cb[slot..slot + len * len]);
+        // (the lower triangle and the zeros apart: a branch per element kept the loop
+        // scalar, 9 % of a bf16 prefill at the mamba2-780m shape)
         for i in 0..len {
-            for j in 0..len {
-                let e = &mut m[i * len + j];
-                *e = if j <= i {
-                    *e * decay_exp(cum[i] - cum[j], cutoff)
-                } else {
-                    F::zero()
-                };
+            let (lower, upper) = m[i * len..(i + 1) * len].split_at_mut(i + 1);
+            for (e, &cj) in lower.iter_mut().zip(&cum[..=i]) {
+                *e = *e * decay_exp(cum[i] - cj, cutoff);
             }
+            upper.fill(F::zero());
         }
         let yc = &mut y[start * p_n..(start + len) * p_n];
         gemm(
