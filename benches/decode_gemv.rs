@@ -13,7 +13,10 @@ use mamba3::model::weights::Matrix;
 use std::time::Instant;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
     let num = |i: usize, d: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(d);
     let (dm, layers, vocab) = (num(0, 768), num(1, 24), num(2, 50280));
     let dtype = match args.get(3).map(String::as_str).unwrap_or("bf16") {

@@ -293,9 +293,11 @@ fn stream_rows_f32<W: Widen>(x: &[f32], rows: usize, w: &[W], n: usize, k: usize
 }
 
 /// `t[j·rows + r] = ⟨x_r, w_j⟩` for the weight rows `w` (`[t.len() / rows, k]`), `x` in
-/// the kernels' [`kernel_order`]: one task's share of a streamed product. A single input row takes f32 weight rows `J` at a
-/// time ([`dot_wrows`], the same bits as one at a time); 16-bit rows stay one at a time
-/// (four at a time made d_model 768 bf16 decode slower, 14.7 → 17 ms/token). `J` = 8
+/// the kernels' [`kernel_order`]: one task's share of a streamed product. A single input
+/// row takes f32 weight rows `J` at a time ([`dot_wrows`], the same bits as one at a
+/// time); 16-bit rows stay one at a time
+/// (four at a time made d_model 768 bf16 decode slower, 14.7 → 17 ms/token; eight, with
+/// the prefetch, the mamba-130m bf16 weight stream 14.5–15.4 → 15.7–16.3 ms). `J` = 8
 /// where the weights stream from memory (the pool's path, models over 32 MB: d_model 768
 /// f32 decode 28 → 20 ms/token at 4, 20 → 18.5 at 8), 4 where they stay in cache (the
 /// small step: 8 was 4 % slower at d_model 256).

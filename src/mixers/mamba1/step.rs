@@ -6,14 +6,14 @@
 use super::lm::{conv_rows, lm_rows, project};
 use super::lm::{decay_cutoff, decay_exp};
 use super::prefill::{gate_rows, ssm_inputs, taps};
-use crate::cpu::matmul::dot;
-use crate::mixers::mamba1::weights::Mamba1Mixer;
-use crate::model::family_config::Mamba1Config;
 use super::{check_state, layer, layout, State};
+use crate::cpu::matmul::dot;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
+use crate::mixers::mamba1::weights::Mamba1Mixer;
 use crate::mixers::mamba1::weights::Mamba1Weights;
 use crate::mixers::LogitsWant;
+use crate::model::family_config::Mamba1Config;
 use crate::model::state_layout::StateLayout;
 use rayon::prelude::*;
 
