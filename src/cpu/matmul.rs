@@ -7,7 +7,7 @@
 //! of the batch.
 
 use super::real::Real;
-use super::simd::{dot_wrows, dots_for_row, Widen};
+use super::simd::{dot_wrows, dots_for_row, kernel_order, Widen};
 use crate::model::dtype::{Element, TensorData};
 use crate::model::weights::Matrix;
 use crate::with_data;
@@ -287,6 +287,7 @@ fn stream_block(n: usize, k: usize, rows: usize) -> usize {
 /// The f32 case of [`stream_rows`], on the hand-vectorised dot products.
 fn stream_rows_f32<W: Widen>(x: &[f32], rows: usize, w: &[W], n: usize, k: usize, out: &mut [f32]) {
     let block = stream_block(n, k, rows);
+    let x = &*kernel_order::<W>(x, rows, k);
     let mut tmp = vec![0f32; n * rows];
     tmp.par_chunks_mut(block * rows)
         .enumerate()
@@ -301,10 +302,12 @@ fn stream_rows_f32<W: Widen>(x: &[f32], rows: usize, w: &[W], n: usize, k: usize
     }
 }
 
-/// `t[j·rows + r] = ⟨x_r, w_j⟩` for the weight rows `w` (`[t.len() / rows, k]`): one
-/// task's share of a streamed product. A single input row takes f32 weight rows `J` at a
-/// time ([`dot_wrows`], the same bits as one at a time); 16-bit rows stay one at a time
-/// (four at a time made d_model 768 bf16 decode slower, 14.7 → 17 ms/token). `J` = 8
+/// `t[j·rows + r] = ⟨x_r, w_j⟩` for the weight rows `w` (`[t.len() / rows, k]`), `x` in
+/// the kernels' [`kernel_order`]: one task's share of a streamed product. A single input
+/// row takes f32 weight rows `J` at a time ([`dot_wrows`], the same bits as one at a
+/// time); 16-bit rows stay one at a time
+/// (four at a time made d_model 768 bf16 decode slower, 14.7 → 17 ms/token; eight, with
+/// the prefetch, the mamba-130m bf16 weight stream 14.5–15.4 → 15.7–16.3 ms). `J` = 8
 /// where the weights stream from memory (the pool's path, models over 32 MB: d_model 768
 /// f32 decode 28 → 20 ms/token at 4, 20 → 18.5 at 8), 4 where they stay in cache (the
 /// small step: 8 was 4 % slower at d_model 256).
@@ -338,10 +341,13 @@ pub fn stream_part<F: Real>(x: &[F], rows: usize, w: &Matrix, j0: usize, t: &mut
     if std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>() {
         let x32: &[f32] = bytemuck::cast_slice(x);
         let t32: &mut [f32] = bytemuck::cast_slice_mut(t);
+        fn part<W: Widen>(x: &[f32], rows: usize, w: &[W], k: usize, t: &mut [f32]) {
+            dots_f32::<W, 4>(&kernel_order::<W>(x, rows, k), rows, w, k, t)
+        }
         match &w.data {
-            TensorData::F32(v) => return dots_f32::<_, 4>(x32, rows, &v[j0 * k..j1 * k], k, t32),
-            TensorData::BF16(v) => return dots_f32::<_, 4>(x32, rows, &v[j0 * k..j1 * k], k, t32),
-            TensorData::F16(v) => return dots_f32::<_, 4>(x32, rows, &v[j0 * k..j1 * k], k, t32),
+            TensorData::F32(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32),
+            TensorData::BF16(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32),
+            TensorData::F16(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32),
             TensorData::F64(_) => {}
         }
     }

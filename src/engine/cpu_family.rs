@@ -42,7 +42,10 @@ impl FamilyCpu {
         let tokens: Vec<u32> = seqs.iter().filter_map(|s| s.first().copied()).collect();
         let vp = self.weights.lm_dims().vocab_padded;
         let rows = |flat: Vec<f32>| flat.chunks(vp).map(<[f32]>::to_vec).collect();
-        match &self.weights {
+        // One trip into the thread pool per call: the parallel loops inside then split
+        // their work among the pool's threads instead of each handing it over from this
+        // thread and sleeping until it is done (a futex wake-up both ways per loop).
+        rayon::scope(|_| match &self.weights {
             MixerWeights::Mimo(w) => {
                 let chunk = mimo_chunk_len(w.dims.rank);
                 mimo::mimo_forward(w, seqs, states, chunk, want, head)
@@ -64,7 +67,7 @@ impl FamilyCpu {
                 .map(|(s, st)| mamba2::prefill::prefill_rows(w, st, s, want, head))
                 .collect(),
             MixerWeights::Mamba3(_) => unreachable!("refused by FamilyCpu::new"),
-        }
+        })
     }
 }
 

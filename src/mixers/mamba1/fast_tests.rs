@@ -134,11 +134,22 @@ pub fn batched_step_matches_the_reference<F: Real>(w: &impl FastFamily, tol: f64
         })
         .collect();
     let mut got: Vec<Vec<f64>> = vec![Vec::new(); 3];
+    let mut alone_states = states.clone();
     for toks in &steps {
         let mut refs: Vec<&mut StateBuf<F>> = states.iter_mut().collect();
         let out = w.step(&mut refs, toks).unwrap();
         for (i, row) in out.chunks(vocab).enumerate() {
             got[i].extend(to64(row));
+            // Batch invariance: the same sequence stepped alone gives the same bits.
+            let alone = w
+                .step(&mut [&mut alone_states[i]], &toks[i..i + 1])
+                .unwrap();
+            let bits = |v: &[F]| to64(v).iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&alone),
+                bits(row),
+                "sequence {i}: alone against batched"
+            );
         }
     }
     for (i, p) in prompts.iter().enumerate() {

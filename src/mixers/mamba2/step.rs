@@ -5,6 +5,7 @@
 
 use super::prefill::{deltas, gate_rows, taps};
 use super::{layer, layout, State};
+use crate::cpu::matmul::dot;
 use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project};
@@ -78,11 +79,12 @@ fn update_heads<F: Real>(
                 let ch = h * p_n + p;
                 let dx = delta[h] * x[ch];
                 let row = &mut hs[p * n..(p + 1) * n];
-                let mut acc = F::zero();
+                // The update, then the read-out on `dot`'s lanes: one running sum through
+                // the row kept each step waiting on the last add (not vectorised).
                 for j in 0..n {
                     row[j] = decay * row[j] + dx * bg[j];
-                    acc = acc + row[j] * cg[j];
                 }
+                let acc = dot::<F, F, false>(row, cg);
                 let d = if c.d_has_hdim { mw.d[ch] } else { mw.d[h] };
                 yh[p] = acc + F::from_f(d as f64) * x[ch];
             }

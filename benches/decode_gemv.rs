@@ -1,0 +1,73 @@
+//! The weight stream of one batch-1 decode step, alone: `matmul_t` of one input row over a
+//! model's matrices in order (per layer in_proj, x_proj, dt_proj, out_proj; then the head),
+//! inside one trip into the thread pool as the engine's step takes it. Reports ms per pass
+//! and the read rate, against which the engine's decode is judged (docs/performance.md).
+//!
+//! `cargo bench --bench decode_gemv -- [d_model] [layers] [vocab] [dtype]`
+//! (defaults 768 24 50280 bf16: the mamba-130m shape; `dtype` f32, bf16 or f16).
+
+use mamba3::cpu::matmul::matmul_t;
+use mamba3::model::dtype::{DType, TensorData};
+use mamba3::model::rng::Rng;
+use mamba3::model::weights::Matrix;
+use std::time::Instant;
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let num = |i: usize, d: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(d);
+    let (dm, layers, vocab) = (num(0, 768), num(1, 24), num(2, 50280));
+    let dtype = match args.get(3).map(String::as_str).unwrap_or("bf16") {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        _ => DType::BF16,
+    };
+    let di = 2 * dm;
+    let dt_rank = dm.div_ceil(16);
+    let mut rng = Rng::new(11);
+    let mut mat = |rows: usize, cols: usize| Matrix {
+        rows,
+        cols,
+        data: TensorData::F32((0..rows * cols).map(|_| rng.normal() as f32).collect())
+            .convert(dtype),
+    };
+    // Mamba-1's layer: in_proj [2·D_i, D], x_proj [R + 2N, D_i], dt_proj [D_i, R], out_proj [D, D_i].
+    let mut mats = Vec::new();
+    for _ in 0..layers {
+        mats.push(mat(2 * di, dm));
+        mats.push(mat(dt_rank + 32, di));
+        mats.push(mat(di, dt_rank));
+        mats.push(mat(dm, di));
+    }
+    mats.push(mat(vocab, dm));
+    let bytes: usize = mats.iter().map(|m| m.rows * m.cols * dtype.size()).sum();
+    let x: Vec<f32> = (0..di.max(dm)).map(|_| rng.normal() as f32).collect();
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; m.rows]).collect();
+    let mut pass = || {
+        rayon::scope(|_| {
+            for (m, o) in mats.iter().zip(outs.iter_mut()) {
+                matmul_t(&x[..m.cols], 1, m, o);
+            }
+        })
+    };
+    pass();
+    let mut times: Vec<f64> = (0..20)
+        .map(|_| {
+            let t = Instant::now();
+            pass();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let med = times[times.len() / 2];
+    println!(
+        "d_model {dm} x {layers} layers, vocab {vocab}, {dtype}: {:.1} MB per pass, median {:.2} ms (best {:.2}), {:.1} GB/s on {} threads",
+        bytes as f64 / 1e6,
+        med * 1e3,
+        times[0] * 1e3,
+        bytes as f64 / med / 1e9,
+        rayon::current_num_threads()
+    );
+}
