@@ -3,15 +3,13 @@
 //! product over the batch's rows, reading each weight once; the conv and the scan run per
 //! sequence (in parallel) on its own state.
 
-use super::lm::{conv_rows, lm_rows, project};
-use super::lm::{decay_cutoff, decay_exp};
+use super::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project};
 use super::prefill::{gate_rows, ssm_inputs, taps};
+use super::weights::{Mamba1Mixer, Mamba1Weights};
 use super::{check_state, layer, layout, State};
 use crate::cpu::matmul::dot;
 use crate::cpu::Real;
 use crate::error::{Error, Result};
-use crate::mixers::mamba1::weights::Mamba1Mixer;
-use crate::mixers::mamba1::weights::Mamba1Weights;
 use crate::mixers::LogitsWant;
 use crate::model::family_config::Mamba1Config;
 use crate::model::state_layout::StateLayout;
