@@ -159,13 +159,13 @@ fn gpu_equals_cpu(weights: MixerWeights, what: &str, tol: f64) {
         assert!(e <= 1e-6, "{what}: graph vs eager state rel L2 {e:e}");
     }
     // Windows of the long sequence, split inside and across chunks, equal one pass (the
-    // one-token windows take Mamba-2's and MIMO's recurrent scans, the others their chunked
-    // ones, each from the state the other left; the window of 9 rows is one chunk, which
-    // the chunked scans run straight from the carried state).
+    // windows of one and three tokens take Mamba-2's recurrent scan and MIMO's fused step,
+    // the others their chunked scans, each from the state the other left; the window of 9
+    // rows is one chunk, which the chunked scans run straight from the carried state).
     let mut st = gpu.new_state();
     let mut win = Vec::new();
     let mut start = 0;
-    for end in [1, 130, 131, 140, 300] {
+    for end in [1, 4, 130, 131, 140, 300] {
         win.extend(
             gpu.prefill(&seqs[0][start..end], &mut st, LogitsWant::All)
                 .unwrap()

@@ -14,8 +14,10 @@
 //! (`scan_products`). Chunk states from zero, their carry along each sequence (seeded with
 //! the boundary fold), then the outputs — one launch when every sequence is one chunk. Passes of at most
 //! `RECURRENT_ROWS_PER_SEQ` rows per sequence, every sequence one chunk (decode steps),
-//! take the recurrent form instead (`mimo_scan_rows`), whose tiles would be mostly padding
-//! in the chunked one — except with `batch_invariant`, where every pass takes the chunked
+//! take the fused step instead (`kernels/mimo_step.cu`): the recurrent form, with the
+//! preprocessing, phases, gate and state tail of the pass, in one launch — the chunked
+//! scan's tiles would be mostly padding, and each of the six launches it replaces is mostly
+//! latency at batch 1 — except with `batch_invariant`, where every pass takes the chunked
 //! scan.
 
 use super::weights::{MimoDims, MimoWeights};
@@ -39,6 +41,7 @@ pub const PROGRAM: Program = Program {
         CHUNK_SCAN,
         ("mimo.cu", include_str!("kernels/mimo.cu")),
         ("mimo_chunk.cu", include_str!("kernels/mimo_chunk.cu")),
+        ("mimo_step.cu", include_str!("kernels/mimo_step.cu")),
     ],
     parts: &[0],
 };
@@ -53,7 +56,7 @@ pub const TRAINING: Program = Program {
     parts: &[0],
 };
 
-/// The lanes that hold one channel's state in the recurrent scan (`MIMO_Q`): the largest power of two
+/// The lanes that hold one channel's state in the fused step (`MIMO_Q`): the largest power of two
 /// ≤ 32 dividing `N/2` (so that the rotation pairs `(n, n + N/2)` meet in one lane). `None`
 /// for an odd `N`, or when a lane would hold over 64 entries.
 pub fn state_lanes(d_state: usize) -> Option<usize> {
@@ -121,19 +124,10 @@ fn scan_products(dtype: DType) -> (&'static str, &'static str) {
 }
 
 /// Passes with at most this many rows per sequence, every sequence one chunk, take the
-/// recurrent scan (decode steps): the chunked scan's tiles would be mostly padding. Not
+/// fused step (decode steps): the chunked scan's tiles would be mostly padding. Not
 /// with `batch_invariant`: the two scans sum in different orders, and which one a sequence
 /// gets would follow the batch.
 const RECURRENT_ROWS_PER_SEQ: usize = 4;
-
-/// Channels of a head per block of the recurrent scan: the largest divisor of `P` that keeps a block
-/// at ≤ 256 threads.
-fn channels_per_block(headdim: usize, lanes: usize) -> usize {
-    (1..=headdim.min(256 / lanes))
-        .rev()
-        .find(|c| headdim.is_multiple_of(*c))
-        .unwrap_or(1)
-}
 
 /// Rows (tokens) per chunk of the scan, a block of the chunked scan each, walked in tiles of
 /// `CHUNK / R` tokens (the chunk states of a long pass are `H·P·N` floats each).
@@ -210,7 +204,7 @@ struct Layer {
 struct Kernels {
     pre: Kernel,
     phase: Kernel,
-    scan_rows: Kernel,
+    step: Kernel,
     chunk_states: Kernel,
     chunk_carry: Kernel,
     chunk_out: Kernel,
@@ -218,6 +212,8 @@ struct Kernels {
     gate: Kernel,
     glu: Kernel,
     rms_norm: Kernel,
+    /// threads of a fused-step block
+    step_threads: u32,
     /// threads and dynamic shared memory of a chunked-scan block
     chunk_threads: u32,
     chunk_smem: u32,
@@ -228,8 +224,6 @@ pub struct GpuMimo {
     d: MimoDims,
     a_floor: f32,
     a_softplus: bool,
-    lanes: usize,
-    channels: usize,
     layers: Vec<Layer>,
     k: Kernels,
 }
@@ -254,7 +248,6 @@ impl GpuMimo {
     /// `normed` is the dtype of the normed rows and of the matrices that read them (`norm_t`).
     pub fn upload(gpu: &Gpu, w: &MimoWeights, module: &Module, normed: DType) -> Result<GpuMimo> {
         let d = w.dims;
-        let lanes = state_lanes(d.d_state).unwrap_or(1);
         let dt = w.dtype;
         let layers = w
             .layers
@@ -291,7 +284,7 @@ impl GpuMimo {
         let k = Kernels {
             pre: module.kernel("mimo_pre")?,
             phase: module.kernel("mimo_phase")?,
-            scan_rows: module.kernel("mimo_scan_rows")?,
+            step: module.kernel("mimo_step")?,
             chunk_states: module.kernel("mimo_chunk_states")?,
             chunk_carry: module.kernel("mimo_chunk_carry")?,
             chunk_out: module.kernel("mimo_chunk_out")?,
@@ -299,6 +292,7 @@ impl GpuMimo {
             gate: module.kernel("mimo_gate")?,
             glu: module.kernel("mimo_glu")?,
             rms_norm: module.kernel("fam_rms_norm")?,
+            step_threads: module.global("mimo_step_threads")?,
             chunk_threads: module.global("mimo_chunk_threads")?,
             chunk_smem: module.global("mimo_chunk_smem_bytes")?,
         };
@@ -310,8 +304,6 @@ impl GpuMimo {
             d,
             a_floor: w.config.ssm_cfg.a_floor as f32,
             a_softplus: w.config.ssm_cfg.a_activation == AActivation::Softplus,
-            lanes,
-            channels: channels_per_block(d.headdim, lanes),
             layers,
             k,
         })
@@ -429,40 +421,38 @@ impl GpuMimo {
         );
 
         w.in_proj.apply(run, normed, b.proj, false)?;
-        gpu.launch(&self.k.pre, grid_rows, 256, 0, false, &[&p])?;
-        let phases = d.nheads * d.num_rope_angles;
-        if phases > 0 {
-            // a warp per (head, angle)
-            let grid = (pass.seqs as u32, (32 * phases).div_ceil(128) as u32, 1);
-            let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
-            gpu.launch(&self.k.phase, grid, 128, 0, false, &args)?;
-        }
         let short = pass.one_chunk_each && rows <= RECURRENT_ROWS_PER_SEQ * pass.seqs;
         if short && !run.batch_invariant {
-            // `channels` channels of a head per block, `lanes` threads each; z spans the head
-            let block = (self.channels * self.lanes) as u32;
-            let z = (d.headdim / self.channels) as u32;
-            let grid = (pass.chunks as u32, d.nheads as u32, z);
+            let grid = (pass.chunks as u32, d.nheads as u32, 1);
             let (chunk_row0, chunk_len, chunk_seq) = (
                 pass.at(Table::ChunkRow0),
                 pass.at(Table::ChunkLen),
                 pass.at(Table::ChunkSeq),
             );
-            let args: [&dyn KArg; 6] = [&p, &chunk_row0, &chunk_len, &chunk_seq, &seq_state, &b.y];
-            gpu.launch(&self.k.scan_rows, grid, block, 0, false, &args)?;
+            let args: [&dyn KArg; 6] = [
+                &p,
+                &chunk_row0,
+                &chunk_len,
+                &chunk_seq,
+                &seq_state,
+                &b.gated,
+            ];
+            gpu.launch(&self.k.step, grid, self.k.step_threads, 0, false, &args)?;
         } else {
+            gpu.launch(&self.k.pre, grid_rows, 256, 0, false, &[&p])?;
+            let phases = d.nheads * d.num_rope_angles;
+            if phases > 0 {
+                // a warp per (head, angle)
+                let grid = (pass.seqs as u32, (32 * phases).div_ceil(128) as u32, 1);
+                let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
+                gpu.launch(&self.k.phase, grid, 128, 0, false, &args)?;
+            }
             self.chunked_scan(run, &p, &b)?;
+            let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
+            gpu.launch(&self.k.tail, (pass.seqs as u32, 1, 1), 256, 0, false, &args)?;
+            let args: [&dyn KArg; 3] = [&p, &b.y, &b.gated];
+            gpu.launch(&self.k.gate, grid_rows, 256, 0, false, &args)?;
         }
-        let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
-        gpu.launch(&self.k.tail, (pass.seqs as u32, 1, 1), 256, 0, false, &args)?;
-        gpu.launch(
-            &self.k.gate,
-            grid_rows,
-            256,
-            0,
-            false,
-            &[&p, &b.y, &b.gated],
-        )?;
         w.out_proj.apply(run, b.gated, residual, true)?;
 
         if let Some(m) = &w.mlp {

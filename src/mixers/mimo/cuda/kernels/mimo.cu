@@ -7,21 +7,15 @@
 //   mimo_phase      per (sequence, head, angle), a warp: φ ← wrap(φ + π·tanh(ang)·Δ) along the
 //                   sequence from its state, cos φ and sin φ per row, the last φ to the state
 //   the scan        the chunked matrix form on the tensor cores (mimo_chunk.cu:
-//                   mimo_chunk_states, mimo_chunk_carry, mimo_chunk_out), or for passes
-//                   of a few rows per sequence (decode steps) mimo_scan_rows below, the
-//                   recurrent form in place on the state; y_r = h·q̃_r + D·u_r before the gate
+//                   mimo_chunk_states, mimo_chunk_carry, mimo_chunk_out); y_r = h·q̃_r + D·u_r
+//                   before the gate
 //   mimo_tail       per sequence: the state's k (last row's rotated keys) and v (last raw x)
 //   mimo_gate       per row: o = Σ_r ω_r ⊙ G(y_r) ⊙ silu(z ⊙ ζ_r) in the GEMM dtype
 //   mimo_glu        per row (GatedMLP blocks): v ⊙ silu(g)
 //
-// mimo_scan_rows: with u_r = x ⊙ ψ_r and w_t = Σ_r outer(u_{t,r}, k̃_{t,r}), the state
-// follows h_t = α_t·h_{t-1} + β_t·w_{t-1} + γ_t·w_t (§2.6), a sequence's first row taking
-// w_{t-1} from the state's k and v (the boundary fold of §3.4). Keys and queries are rotated
-// where they are read: lane q of a channel holds the state entries n = q + Q·i, and Q
-// divides N/2, so the rotation pairs (n, n + N/2) of §2.4 meet in a lane.
-// DSTATE (N), MIMO_R (R) and MIMO_Q (Q) are compile-time.
-#define MIMO_SL (DSTATE / MIMO_Q)
-#define MIMO_HALF (MIMO_SL / 2)
+// A pass of a few rows per sequence (decode steps) takes mimo_step (mimo_step.cu) instead of
+// everything but mimo_glu: the same maths in one launch, the recurrent form in place on the
+// state. DSTATE (N), MIMO_R (R) and MIMO_Q (Q) are compile-time.
 
 struct MimoScan {
     const float* proj;      // in_proj output [rows, ld]: z, x, B, C, dd_dt, dd_A, trap, angles
@@ -116,113 +110,6 @@ extern "C" __global__ void mimo_phase(MimoScan p, const int* seq_row0, const int
         phi = __shfl_sync(0xffffffffu, mine, min(31, len - 1 - t0));
     }
     if (lane == 0) *st = phi;
-}
-
-// Lane q's entries of the rotated key (`which` 0) or query (1) of head h, rank r, at `row`:
-// B̄ (C̄) of the head's group plus the bias, the pairs (n, n + N/2) with n < S rotated.
-__device__ __forceinline__ void mimo_kq(const MimoScan& p, size_t row, int h, int g, int r,
-                                        int q, int which, float out[MIMO_SL]) {
-    const int bcw = MIMO_R * p.groups * DSTATE;
-    const float* src = p.bcn + row * 2 * bcw + which * bcw + (r * p.groups + g) * DSTATE + q;
-    const float* bias = (which ? p.c_bias : p.b_bias) + (h * MIMO_R + r) * DSTATE + q;
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) out[i] = __ldg(src + i * MIMO_Q) + __ldg(bias + i * MIMO_Q);
-    const float2* cs = p.cs + (row * p.heads + h) * p.angles;
-#pragma unroll
-    for (int i = 0; i < MIMO_HALF; ++i) {
-        const int n = q + i * MIMO_Q;
-        if (n < p.angles) {
-            const float2 c = __ldg(cs + n);
-            const float a = out[i], b = out[i + MIMO_HALF];
-            out[i] = a * c.x - b * c.y;
-            out[i + MIMO_HALF] = a * c.y + b * c.x;
-        }
-    }
-}
-
-// This thread's place in the recurrent scan, and the keys and raw x of the token before the
-// sequence's first (the state's k and v, §3.4).
-struct MimoPlace {
-    int c, hd, q, pp, g, row0, len;
-    float psi[MIMO_R];
-    float x_prev;
-    float k_prev[MIMO_R][MIMO_SL];
-};
-
-__device__ __forceinline__ void mimo_place(const MimoScan& p, const int* chunk_row0, const int* chunk_len,
-                                           const int* chunk_seq, const unsigned long long* seq_state,
-                                           MimoPlace& w) {
-    w.c = blockIdx.x;
-    w.hd = blockIdx.y;
-    w.q = threadIdx.x % MIMO_Q;
-    w.pp = blockIdx.z * (blockDim.x / MIMO_Q) + threadIdx.x / MIMO_Q;
-    w.g = w.hd / (p.heads / p.groups);
-    w.row0 = chunk_row0[w.c];
-    w.len = chunk_len[w.c];
-#pragma unroll
-    for (int r = 0; r < MIMO_R; ++r) w.psi[r] = p.mimo_x[(w.hd * MIMO_R + r) * p.headdim + w.pp];
-    const float* st = reinterpret_cast<const float*>(seq_state[chunk_seq[w.c]]);
-    w.x_prev = st[p.v_off + w.hd * p.headdim + w.pp];
-#pragma unroll
-    for (int r = 0; r < MIMO_R; ++r)
-#pragma unroll
-        for (int i = 0; i < MIMO_SL; ++i)
-            w.k_prev[r][i] = st[p.k_off + ((size_t)r * p.heads + w.hd) * DSTATE + w.q + i * MIMO_Q];
-}
-
-// One step of the state: h ← α·h + Σ_r [β·(x⁻ψ_r)·k⁻_r + γ·(xψ_r)·k_r]; the keys and x of
-// this row become the previous ones.
-__device__ __forceinline__ void mimo_advance(const MimoScan& p, MimoPlace& w, size_t row,
-                                             float4 cf, float x, float h[MIMO_SL]) {
-    const float alpha = expf(cf.x);
-    float k[MIMO_R][MIMO_SL];
-#pragma unroll
-    for (int r = 0; r < MIMO_R; ++r) mimo_kq(p, row, w.hd, w.g, r, w.q, 0, k[r]);
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) h[i] *= alpha;
-#pragma unroll
-    for (int r = 0; r < MIMO_R; ++r) {
-        const float wb = cf.y * w.x_prev * w.psi[r], wg = cf.z * x * w.psi[r];
-#pragma unroll
-        for (int i = 0; i < MIMO_SL; ++i) {
-            h[i] = h[i] + wb * w.k_prev[r][i] + wg * k[r][i];
-            w.k_prev[r][i] = k[r][i];
-        }
-    }
-    w.x_prev = x;
-}
-
-// The recurrent scan of a pass whose every sequence is one chunk of a few rows (decode
-// steps), in place on the state: y_r before the gate, f32 [rows, H, R, P].
-extern "C" __global__ void mimo_scan_rows(MimoScan p, const int* chunk_row0, const int* chunk_len,
-                                          const int* chunk_seq, const unsigned long long* seq_state, float* y) {
-    MimoPlace w;
-    mimo_place(p, chunk_row0, chunk_len, chunk_seq, seq_state, w);
-    const size_t at = ((size_t)w.hd * p.headdim + w.pp) * DSTATE + w.q;
-    state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(seq_state[chunk_seq[w.c]]) + p.ssm_off) + at;
-    float h[MIMO_SL];
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) h[i] = st_load(st + i * MIMO_Q);
-    const float dskip = p.d_skip[w.hd];
-    for (int t = 0; t < w.len; ++t) {
-        const size_t row = w.row0 + t;
-        const float4 cf = p.coef[row * p.heads + w.hd];
-        const float x = p.proj[row * p.ld + p.x_off + w.hd * p.headdim + w.pp];
-        mimo_advance(p, w, row, cf, x, h);
-        float* yr = y + ((row * p.heads + w.hd) * MIMO_R) * p.headdim + w.pp;
-#pragma unroll
-        for (int r = 0; r < MIMO_R; ++r) {
-            float qr[MIMO_SL];
-            mimo_kq(p, row, w.hd, w.g, r, w.q, 1, qr);
-            float acc = 0.f;
-#pragma unroll
-            for (int i = 0; i < MIMO_SL; ++i) acc += h[i] * qr[i];
-            acc = sum_adjacent_lanes<MIMO_Q>(acc);
-            if (w.q == 0) yr[r * p.headdim] = acc + dskip * x * w.psi[r];
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) st_store(st + i * MIMO_Q, h[i]);
 }
 
 // The state's k (the last row's rotated keys, [R, H, N]) and v (its raw x, [H, P]). One block
