@@ -27,6 +27,7 @@ use mamba3::mixers::family_synthetic::official_config;
 use mamba3::mixers::mamba1::cuda::{kernel_config as m1_config, PROGRAM as M1_PROGRAM};
 use mamba3::mixers::mamba2::cuda::{kernel_config as m2_config, PROGRAM as M2_PROGRAM};
 use mamba3::mixers::mamba3::cuda::program::{INFERENCE, KERNEL_NAMES, TRAINING};
+use mamba3::mixers::mimo::cuda::fused::{fused_config, FUSED as MIMO_FUSED};
 use mamba3::mixers::mimo::cuda::{
     kernel_config as mimo_kernel_config, PROGRAM as MIMO_PROGRAM, TRAINING as MIMO_TRAINING,
 };
@@ -250,6 +251,38 @@ fn every_kernel_compiles_under_nvrtc() {
             }
         }
     }
+    // MIMO's fused decode (16-bit models): the benchmark's shape and the fixtures' sizes,
+    // with and without a GatedMLP and an output norm, f16 normed rows for a bf16 model (as
+    // FamilyCuda compiles one whose normed rows fit f16), 16-bit states
+    for (d_model, d_state, rank, headdim, mlp) in [
+        (768, 128, 4, 64, false),
+        (128, 32, 4, 16, true),
+        (128, 64, 2, 32, false),
+        (64, 16, 1, 16, true),
+    ] {
+        let mlp_cfg = if mlp { r#", "d_intermediate": 96"# } else { "" };
+        let json = format!(
+            r#"{{"d_model": {d_model}, "n_layer": 2, "vocab_size": 100{mlp_cfg}, "ssm_cfg": {{
+                "layer": "Mamba3", "d_state": {d_state}, "headdim": {headdim},
+                "is_mimo": true, "mimo_rank": {rank}, "is_outproj_norm": {mlp}}}}}"#
+        );
+        let cfg = mimo_config_from_json_str(&json, "test").unwrap();
+        let d = mimo_dims(&cfg);
+        for (dtype, normed, state) in [
+            (DType::BF16, DType::F16, DType::F32),
+            (DType::BF16, DType::BF16, DType::BF16),
+            (DType::F16, DType::F16, DType::F16),
+        ] {
+            let layout = mamba3::mixers::mimo::reference::layout(&d)
+                .with_state_dtype(state)
+                .unwrap();
+            let kc = fused_config(&d, 0.0, dtype, normed, &layout, 1e-5)
+                .unwrap()
+                .expect("a 16-bit model of widths that are multiples of 8 is fused");
+            let name = format!("MIMO fused d{d_model} N{d_state} R{rank} {dtype:?} norm {normed:?} state {state:?}");
+            jobs.push((name, MIMO_FUSED, kc, "sm_90a"));
+        }
+    }
     // Mamba-3 MIMO training (f32, every size an argument), for Hopper and Ampere
     for arch in ["sm_90a", "sm_80"] {
         let kc = KernelConfig { defines: vec![] };
@@ -296,6 +329,15 @@ fn every_kernel_compiles_under_nvrtc() {
                 };
                 match compile_cubin(*program, kc, arch) {
                     Ok((cubin, log)) if !cubin.is_empty() && !log.contains("warning") => {
+                        // the fused decode's parts hold their entry points
+                        if *program == MIMO_FUSED {
+                            let want = if *part == 5 {
+                                "decode_layers8"
+                            } else {
+                                "decode_layers16"
+                            };
+                            assert!(has_entry(&cubin, want), "{what} part {part}: no {want}");
+                        }
                         if *program == INFERENCE {
                             let names: Vec<&str> = KERNEL_NAMES
                                 .into_iter()

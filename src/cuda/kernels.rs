@@ -21,8 +21,13 @@ use std::path::PathBuf;
 pub const COMMON: (&str, &str) = ("common.cuh", include_str!("kernels/common.cuh"));
 /// The model dtype's type and conversions: the first source of every program.
 pub const DTYPES: (&str, &str) = ("dtypes.cuh", include_str!("kernels/dtypes.cuh"));
+/// Sums across a warp's lanes (the family programs and the fused decode of MIMO).
+pub const LANES: (&str, &str) = ("lanes.cuh", include_str!("kernels/lanes.cuh"));
 pub const DENSE: (&str, &str) = ("dense.cu", include_str!("kernels/dense.cu"));
 pub const GEMV: (&str, &str) = ("gemv.cu", include_str!("kernels/gemv.cu"));
+/// Every layer of a decode step in one cooperative launch, around a mixer's step functions.
+pub const DECODE_LAYERS: (&str, &str) =
+    ("decode_layers.cu", include_str!("kernels/decode_layers.cu"));
 /// The training program's row kernels: the backward of the norms, SwiGLU, embedding and
 /// cross-entropy, column sums, the gradient norm and AdamW.
 pub const TRAIN: (&str, &str) = ("train.cu", include_str!("kernels/train.cu"));

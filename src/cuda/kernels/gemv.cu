@@ -151,9 +151,9 @@ GEMV_ENTRY(gemv_hidden, MLP_HIDDEN)
 
 
 // acc[tile] += W rows (n0 + g, n0 + g + 8) · staged input, one 32-wide k block.
-template <int NT>
-__device__ __forceinline__ void tc_kblock(float (&acc)[2][NT][4], uint4 wg, uint4 wg8, const act_t* xhi,
-                                          const act_t* xlo, int ld, int k0) {
+template <int NT, typename WT = w_t>
+__device__ __forceinline__ void tc_kblock(float (&acc)[2][NT][4], uint4 wg, uint4 wg8, const WT* xhi,
+                                          const WT* xlo, int ld, int k0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned a_lo[4] = {wg.x, wg8.x, wg.y, wg8.y};
     const unsigned a_hi[4] = {wg.z, wg8.z, wg.w, wg8.w};
@@ -161,10 +161,10 @@ __device__ __forceinline__ void tc_kblock(float (&acc)[2][NT][4], uint4 wg, uint
     for (int nt = 0; nt < NT; ++nt) {
         const uint4 bh = *reinterpret_cast<const uint4*>(xhi + (8 * nt + g) * ld + k0 + 8 * t);
         const uint4 bl = *reinterpret_cast<const uint4*>(xlo + (8 * nt + g) * ld + k0 + 8 * t);
-        mma16816(acc[0][nt], a_lo, bh.x, bh.y);
-        mma16816(acc[0][nt], a_hi, bh.z, bh.w);
-        mma16816(acc[1][nt], a_lo, bl.x, bl.y);
-        mma16816(acc[1][nt], a_hi, bl.z, bl.w);
+        mma16816_t<WT>(acc[0][nt], a_lo, bh.x, bh.y);
+        mma16816_t<WT>(acc[0][nt], a_hi, bh.z, bh.w);
+        mma16816_t<WT>(acc[1][nt], a_lo, bl.x, bl.y);
+        mma16816_t<WT>(acc[1][nt], a_hi, bl.z, bl.w);
     }
 }
 
@@ -180,9 +180,9 @@ template <int K> struct Tc {
     static constexpr int KT = (KP(K) / 4 + TC_WARPS * 32 - 1) / (TC_WARPS * 32);
 };
 
-// Four act_t, stored together.
-struct __align__(8) Act4 {
-    act_t v[4];
+// Four 16-bit values, stored together.
+template <typename T> struct __align__(8) Act4 {
+    T v[4];
 };
 
 // The RMS norm weights of the thread's input elements, loaded ahead (0 without a norm).
@@ -197,12 +197,12 @@ __device__ __forceinline__ void tc_norm_ahead(float4 (&nwr)[Tc<K>::KT], const fl
 
 // This warp's first PFW weight k blocks of the 16-row tile at n0 (rows g, g + 8), loaded
 // ahead: they do not depend on the previous kernel or phase.
-template <int K>
-__device__ __forceinline__ void tc_prefetch(uint4 (&pf)[Tc<K>::PFW][2], const w_t* __restrict__ W, int N,
+template <int K, typename WT = w_t>
+__device__ __forceinline__ void tc_prefetch(uint4 (&pf)[Tc<K>::PFW][2], const WT* __restrict__ W, int N,
                                             int n0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const w_t* wr0 = W + (size_t)min(n0 + g, N - 1) * K;
-    const w_t* wr1 = W + (size_t)min(n0 + g + 8, N - 1) * K;
+    const WT* wr0 = W + (size_t)min(n0 + g, N - 1) * K;
+    const WT* wr1 = W + (size_t)min(n0 + g + 8, N - 1) * K;
 #pragma unroll
     for (int i = 0; i < Tc<K>::PFW; ++i) {
         const int k = (warp + TC_WARPS * i) * 32 + 8 * t;
@@ -213,10 +213,10 @@ __device__ __forceinline__ void tc_prefetch(uint4 (&pf)[Tc<K>::PFW][2], const w_
 }
 
 // The dynamic shared memory of a tensor-core GEMV: staged hi and lo rows, warp partials.
-template <int K, int NT>
-__device__ __forceinline__ void tc_smem_parts(act_t*& xhi, act_t*& xlo, float*& red) {
+template <int K, int NT, typename WT = w_t>
+__device__ __forceinline__ void tc_smem_parts(WT*& xhi, WT*& xlo, float*& red) {
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    xhi = reinterpret_cast<act_t*>(tc_smem);
+    xhi = reinterpret_cast<WT*>(tc_smem);
     xlo = xhi + 8 * NT * Tc<K>::LD;
     red = reinterpret_cast<float*>(xlo + 8 * NT * Tc<K>::LD);  // [TC_WARPS][16][NBP]
 }
@@ -227,9 +227,9 @@ __device__ __forceinline__ void tc_smem_parts(act_t*& xhi, act_t*& xlo, float*& 
 // of squares over the block, then the stores. Short code on purpose: it runs once per
 // launch or phase, so its instruction fetches are part of the latency. The input is read
 // through L2 (`__ldcg`): in the fused decode other blocks of the same launch wrote it.
-template <int K, int NT, int mode>
-__device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc<K>::KT], int nb, act_t* xhi,
-                                         act_t* xlo) {
+template <int K, int NT, int mode, typename WT = w_t>
+__device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc<K>::KT], int nb, WT* xhi,
+                                         WT* xlo) {
     constexpr int NBP = 8 * NT, LD = Tc<K>::LD, KT = Tc<K>::KT;
     __shared__ float s_part[TC_WARPS][NBP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -297,14 +297,14 @@ __device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc
                     x[2] *= silu_f(g.z);
                     x[3] *= silu_f(g.w);
                 }
-                Act4 hi, lo;
+                Act4<WT> hi, lo;
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    hi.v[j] = from_f<act_t>(x[j]);
-                    lo.v[j] = from_f<act_t>(x[j] - to_f(hi.v[j]));
+                    hi.v[j] = from_f<WT>(x[j]);
+                    lo.v[j] = from_f<WT>(x[j] - to_f(hi.v[j]));
                 }
-                *reinterpret_cast<Act4*>(xhi + (b0 + b) * LD + k) = hi;
-                *reinterpret_cast<Act4*>(xlo + (b0 + b) * LD + k) = lo;
+                *reinterpret_cast<Act4<WT>*>(xhi + (b0 + b) * LD + k) = hi;
+                *reinterpret_cast<Act4<WT>*>(xlo + (b0 + b) * LD + k) = lo;
             }
     }
     __syncthreads();
@@ -314,15 +314,15 @@ __device__ __forceinline__ void tc_stage(const float* in, const float4 (&nwr)[Tc
 // (the first PFW from `pf`), the warps' partial sums meet in `red` and are added in warp
 // order; out[b·ldo + n] (+)= the sum. With `acc_out`, thread e's old value of element
 // e = 16·b + r is `prev` when `has_prev` (loaded ahead by `tc_prev`), else read here.
-template <int K, int NT>
-__device__ __forceinline__ void tc_tile(const uint4 (&pf)[Tc<K>::PFW][2], const w_t* __restrict__ W, int N,
-                                        int n0, const act_t* xhi, const act_t* xlo, float* red,
+template <int K, int NT, typename WT = w_t>
+__device__ __forceinline__ void tc_tile(const uint4 (&pf)[Tc<K>::PFW][2], const WT* __restrict__ W, int N,
+                                        int n0, const WT* xhi, const WT* xlo, float* red,
                                         float* out, int ldo, int nb, int acc_out, float prev = 0.f,
                                         bool has_prev = false) {
     constexpr int NBP = 8 * NT;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const w_t* wr0 = W + (size_t)min(n0 + g, N - 1) * K;
-    const w_t* wr1 = W + (size_t)min(n0 + g + 8, N - 1) * K;
+    const WT* wr0 = W + (size_t)min(n0 + g, N - 1) * K;
+    const WT* wr1 = W + (size_t)min(n0 + g + 8, N - 1) * K;
     float acc[2][NT][4];
 #pragma unroll
     for (int s = 0; s < 2; ++s)
@@ -341,7 +341,7 @@ __device__ __forceinline__ void tc_tile(const uint4 (&pf)[Tc<K>::PFW][2], const 
             w0 = k < K ? __ldg(reinterpret_cast<const uint4*>(wr0 + k)) : make_uint4(0, 0, 0, 0);
             w1 = k < K ? __ldg(reinterpret_cast<const uint4*>(wr1 + k)) : make_uint4(0, 0, 0, 0);
         }
-        tc_kblock<NT>(acc, w0, w1, xhi, xlo, Tc<K>::LD, kb * 32);
+        tc_kblock<NT, WT>(acc, w0, w1, xhi, xlo, Tc<K>::LD, kb * 32);
     }
     __syncthreads();  // `red` is free (a previous tile's sums are read)
     // Partial sums of this warp: rows g, g + 8, input rows 2t, 2t + 1 of each tile.

@@ -16,7 +16,7 @@ use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
 use crate::cuda::gemm::Lt;
 use crate::cuda::gemm_spec::{ElemType, GemmSpec};
 use crate::cuda::kernels::{state_define, KernelConfig, Module};
-use crate::cuda::packed::{upload_matrix, Carve, LayerRun, PackedPass, Scratch};
+use crate::cuda::packed::{upload_matrix, Carve, LayerRun, PackedPass, Scratch, Table};
 use crate::engine::backend::{Backend, MAX_TOKENS_PER_PASS_GPU};
 use crate::engine::cuda::weights::F16_SAFE;
 use crate::engine::logits::{HostBuf, StepLogits};
@@ -112,6 +112,14 @@ impl LmDevice {
     }
 }
 
+/// A layer's floats in a device state, and its `ssm` tensor's (a device state's tensors all
+/// start at multiples of 4 bytes: model::state_layout).
+fn state_floats(layout: &StateLayout) -> (usize, usize) {
+    let ssm = layout.tensors.iter().position(|t| t.name == "ssm");
+    let ssm_floats = ssm.map_or(0, |i| layout.tensors[i].device_bytes() / 4);
+    (layout.layer_bytes() / 4, ssm_floats)
+}
+
 /// The LM's parameters as every mixer's weights hold them; the embedding and head are
 /// held in `dtype`, the normed rows' (`norm_t`).
 struct LmParts<'a> {
@@ -164,11 +172,13 @@ pub struct FamilyCuda {
     add_bias: Kernel,
     layout: StateLayout,
     work: Mutex<Work>,
-    /// Of the GPU options, these models use `batch_invariant`; the others (TF32, the fast
-    /// scan, fused decode, lanes) are Mamba-3 SISO's and are kept only to be reported.
+    /// Of the GPU options, these models use `batch_invariant` and (MIMO) `fused_decode`;
+    /// the others (TF32, the fast scan, lanes) are Mamba-3 SISO's, kept only to be reported.
     options: Mutex<GpuOptions>,
     /// Sampling decode steps on the device. Locked before `work`.
     sampling: DeviceSampling,
+    /// MIMO's decode step of every layer in one launch (16-bit models; `fused_decode`)
+    fused: Option<mimo::cuda::fused::FusedDecode>,
 }
 
 impl FamilyCuda {
@@ -225,6 +235,20 @@ impl FamilyCuda {
                 )))
             }
         };
+        let fused = match &mixer {
+            GpuMixer::Mimo(m) => {
+                let (layer_floats, ssm_floats) = state_floats(&layout);
+                match m.fused_config(dtype, normed, &layout, lm.eps)? {
+                    Some(cfg) => {
+                        let norms: Vec<u64> = lm.norms.iter().map(|n| n.ptr).collect();
+                        let (floats, ssm) = (layer_floats, ssm_floats);
+                        mimo::cuda::fused::FusedDecode::new(&gpu, m, &norms, &cfg, floats, ssm)?
+                    }
+                    None => None,
+                }
+            }
+            _ => None,
+        };
         let lt = Lt::new(&gpu)?;
         let (embed, rms_norm, add_bias) = module_kernels;
         Ok(FamilyCuda {
@@ -242,6 +266,7 @@ impl FamilyCuda {
             work: Mutex::new(Work::default()),
             options: Mutex::new(GpuOptions::from_env()),
             sampling: DeviceSampling::new(),
+            fused,
         })
     }
 
@@ -311,13 +336,25 @@ impl FamilyCuda {
             false,
             &[&b.tokens, &self.lm.embedding.ptr, &b.residual, &dm_i],
         )?;
-        // a device state's tensors all start at multiples of 4 bytes (model::state_layout)
-        let layer_floats = self.layout.layer_bytes() / 4;
-        let ssm = self.layout.tensors.iter().position(|t| t.name == "ssm");
-        let ssm_floats = ssm.map_or(0, |i| self.layout.tensors[i].device_bytes() / 4);
+        let (layer_floats, ssm_floats) = state_floats(&self.layout);
         let all_rows = 0u64;
         let batch_invariant = self.batch_invariant();
-        for (l, norm) in self.lm.norms.iter().enumerate() {
+        // a decode step (one row per sequence) of a fused model: every layer in one launch
+        let fused = self.fused.as_ref().filter(|f| {
+            pass.rows == pass.seqs
+                && !batch_invariant
+                && self.options.lock().is_ok_and(|o| o.fused_decode)
+                && f.takes(gpu, pass.rows)
+        });
+        if let Some(f) = fused {
+            f.run(gpu, pass.rows, b.residual, pass.at(Table::SeqState))?;
+        }
+        let layers = if fused.is_some() {
+            &[][..]
+        } else {
+            &self.lm.norms[..]
+        };
+        for (l, norm) in layers.iter().enumerate() {
             let args: [&dyn KArg; 6] = [
                 &b.residual,
                 &all_rows,

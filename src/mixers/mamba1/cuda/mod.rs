@@ -6,7 +6,7 @@
 //! (`crate::engine::cuda::family`).
 
 use crate::cuda::context::{DevBuf, Gpu, Kernel};
-use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES};
+use crate::cuda::kernels::{KernelConfig, Module, Program, DTYPES, LANES};
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::Result;
 use crate::mixers::mamba1::weights::Mamba1Weights;
@@ -26,6 +26,7 @@ pub const PROGRAM: Program = Program {
     head: "",
     sources: &[
         DTYPES,
+        LANES,
         LM_ROWS,
         CONV,
         (

@@ -9,7 +9,7 @@
 
 use crate::cuda::context::{DevBuf, Gpu, Kernel};
 use crate::cuda::kernels::{
-    check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, SCAN_TILES,
+    check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, LANES, SCAN_TILES,
 };
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
@@ -23,6 +23,7 @@ pub const PROGRAM: Program = Program {
     head: "",
     sources: &[
         DTYPES,
+        LANES,
         LM_ROWS,
         CONV,
         ("ssd_scan.cu", include_str!("kernels/ssd_scan.cu")),

@@ -4,8 +4,8 @@
 //! training row kernels), and the constants one model's kernels are compiled with.
 
 use crate::cuda::kernels::{
-    f32_literal, proj_ld, state_define, KernelConfig, Program, ScanMath, COMMON, DENSE, DTYPES,
-    GEMV, SCAN_TILES, TRAIN,
+    f32_literal, proj_ld, state_define, KernelConfig, Program, ScanMath, COMMON, DECODE_LAYERS,
+    DENSE, DTYPES, GEMV, SCAN_TILES, TRAIN,
 };
 use crate::error::{Error, Result};
 use crate::model::state_layout::StateLayout;
@@ -31,7 +31,7 @@ pub const INFERENCE: Program = Program {
         SCAN_INPUTS,
         SCAN,
         ("step.cu", include_str!("kernels/step.cu")),
-        ("decode_layers.cu", include_str!("kernels/decode_layers.cu")),
+        DECODE_LAYERS,
     ],
     parts: &[1, 2, 3, 4, 5, 6],
 };

@@ -20,10 +20,12 @@
 //! latency at batch 1 — except with `batch_invariant`, where every pass takes the chunked
 //! scan.
 
+pub mod fused;
+
 use super::weights::{MimoDims, MimoWeights};
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
 use crate::cuda::kernels::{
-    check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, SCAN_TILES,
+    check_smem, KernelConfig, Module, Program, CHUNK_SCAN, DTYPES, LANES, SCAN_TILES,
 };
 use crate::cuda::packed::{ptr_or_null, upload_opt, Carve, DevLinear, LayerRun, Table};
 use crate::error::{Error, Result};
@@ -31,17 +33,22 @@ use crate::mixers::mamba1::cuda::{act_define, LM_ROWS};
 use crate::model::config::{AActivation, NORM_EPS};
 use crate::model::DType;
 
+const MIMO_SCAN: (&str, &str) = ("mimo_scan.cuh", include_str!("kernels/mimo_scan.cuh"));
+const MIMO_STEP: (&str, &str) = ("mimo_step.cu", include_str!("kernels/mimo_step.cu"));
+
 pub const PROGRAM: Program = Program {
     name: "Mamba-3 MIMO",
     head: "",
     sources: &[
         DTYPES,
+        LANES,
         LM_ROWS,
         SCAN_TILES,
         CHUNK_SCAN,
+        MIMO_SCAN,
         ("mimo.cu", include_str!("kernels/mimo.cu")),
         ("mimo_chunk.cu", include_str!("kernels/mimo_chunk.cu")),
-        ("mimo_step.cu", include_str!("kernels/mimo_step.cu")),
+        MIMO_STEP,
     ],
     parts: &[0],
 };
@@ -334,15 +341,32 @@ impl GpuMimo {
     }
 
     fn args(&self, w: &Layer, run: &LayerRun, b: &Bufs) -> MimoScan {
+        let scratch = [b.bcn, b.coef, b.cs];
+        let (proj, ld) = (b.proj, self.d.d_in_proj);
+        self.scan_args(w, run.state_off, run.ssm_floats, proj, ld, scratch)
+    }
+
+    /// Layer `w`'s kernel arguments: its state at `state_off` floats into a sequence's
+    /// (`ssm` `ssm_floats` long), its in_proj rows at `proj`, `ld` apart, and the long
+    /// pass's scratch rows (B̄ and C̄, the coefficients, the phases).
+    fn scan_args(
+        &self,
+        w: &Layer,
+        state_off: usize,
+        ssm_floats: usize,
+        proj: u64,
+        ld: usize,
+        [bcn, coef, cs]: [u64; 3],
+    ) -> MimoScan {
         let d = &self.d;
         let (h, p, n, r, s) = (d.nheads, d.headdim, d.d_state, d.rank, d.num_rope_angles);
-        let angle_off = run.state_off;
+        let angle_off = state_off;
         let ssm_off = angle_off + h * s;
-        let k_off = ssm_off + run.ssm_floats;
+        let k_off = ssm_off + ssm_floats;
         let v_off = k_off + r * h * n;
         MimoScan {
-            proj: b.proj,
-            ld: d.d_in_proj as i32,
+            proj,
+            ld: ld as i32,
             heads: h as i32,
             headdim: p as i32,
             groups: d.ngroups as i32,
@@ -366,9 +390,9 @@ impl GpuMimo {
             a_floor: self.a_floor,
             a_softplus: i32::from(self.a_softplus),
             eps: NORM_EPS as f32,
-            bcn: b.bcn,
-            coef: b.coef,
-            cs: b.cs,
+            bcn,
+            coef,
+            cs,
             angle_off: angle_off as i64,
             ssm_off: ssm_off as i64,
             k_off: k_off as i64,

@@ -97,6 +97,11 @@ __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w,
     ah.dsk = w.d_skip[h];
 }
 
+// This head's state rows in the layer (the fused decode's L2 prefetch).
+__device__ __forceinline__ const state_t* mixer_state_rows(const MixerW&, float* seq, int layer, int h) {
+    return layer_st(seq, layer).ssm + (size_t)h * HEADDIM * DSTATE;
+}
+
 struct NoMark {
     __device__ void operator()(int) const {}
 };

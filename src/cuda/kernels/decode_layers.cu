@@ -1,9 +1,13 @@
 // Every layer of one decode step in a single launch (16-bit models, batches ≤ 16): per
-// layer the phases of the unfused decode — in_proj GEMV with the RMSNorm on its input
-// (`gemv_tc_*`), `mixer_step`, out_proj GEMV adding into the residual, and the MLP's two
-// GEMVs when there is one — run by the same device functions, in the same order, so the
-// result is bit-identical to the unfused launches. CPU twin: the layer loop of
-// `CpuModel::forward` (src/engine/cpu.rs) with one token per sequence.
+// layer the in_proj GEMV with the RMSNorm on its input (`gemv_tc_*`), the mixer's step of
+// every (head, sequence), the out_proj GEMV adding into the residual, and the MLP's two
+// GEMVs when there is one. For Mamba-3 SISO these are the device functions of the unfused
+// launches in the same order (`mixer_step`, kernels of mixers/mamba3), so the result is
+// bit-identical to them; CPU twin: the layer loop of `CpuModel::forward` (src/engine/cpu.rs)
+// with one token per sequence. A mixer brings `MixerW`, `StepSmem`, `StepAhead`,
+// `StepHead`, `mixer_head`, `mixer_ahead`, `mixer_run` and `mixer_state_rows` (SISO's in
+// mixers/mamba3/cuda/kernels/step.cu, MIMO's in mixers/mimo/cuda/kernels/mimo_fused.cuh).
+// in_proj and fc1 are `norm_t` matrices (the normed rows' dtype), out_proj and fc2 `w_t`.
 //
 // Why: at batch 1 a layer is three kernels of a few microseconds each, and most of every
 // kernel is waiting — for its launch, for its weights, for the previous kernel. Here the
@@ -34,11 +38,11 @@
 // Device addresses of one layer's parameters, as src/engine/cuda/weights.rs lays them out.
 struct LayerW {
     const float* norm;
-    const w_t* in_proj;
+    const norm_t* in_proj;
     MixerW mix;
     const w_t* out_proj;
     const float* mlp_norm;
-    const w_t* fc1;
+    const norm_t* fc1;
     const w_t* fc2;
 };
 
@@ -95,8 +99,8 @@ __device__ __forceinline__ int first_tile(bool reverse) {
 // out (+)= transform(in) · Wᵀ over N rows in 16-row tiles; tile t goes to block t mod G,
 // or to block G − 1 − (t mod G) with `reverse` (so that a small GEMV lands on other blocks
 // than the heavy ones of the GEMV before it).
-template <int K, int NT, int mode>
-__device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const float* nw, const w_t* W,
+template <int K, int NT, int mode, typename WT>
+__device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const float* nw, const WT* W,
                                            float* out, int ldo, int nb, int N, int acc, bool reverse) {
     // Two tiles' weights are loaded ahead when both fit in TC_PF k blocks per warp.
     constexpr int PFT = Tc<K>::PFW == Tc<K>::KBW && 2 * Tc<K>::KBW <= TC_PF ? 2 : 1;
@@ -108,24 +112,24 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
         float4 nwr[Tc<K>::KT];
 #pragma unroll
         for (int j = 0; j < PFT; ++j)
-            if (first + j * G < tiles) tc_prefetch<K>(pf[j], W, N, 16 * (first + j * G));
+            if (first + j * G < tiles) tc_prefetch<K, WT>(pf[j], W, N, 16 * (first + j * G));
         tc_norm_ahead<K>(nwr, mode == 1 ? nw : nullptr);
         // the first tile's old output values: only this block writes them
         const float prev = acc ? tc_prev(out, ldo, nb, N, 16 * first) : 0.f;
         ph.wait();
-        act_t *xhi, *xlo;
+        WT *xhi, *xlo;
         float* red;
-        tc_smem_parts<K, NT>(xhi, xlo, red);
-        tc_stage<K, NT, mode>(in, nwr, nb, xhi, xlo);
+        tc_smem_parts<K, NT, WT>(xhi, xlo, red);
+        tc_stage<K, NT, mode, WT>(in, nwr, nb, xhi, xlo);
         ph.mark(3);
 #pragma unroll
         for (int j = 0; j < PFT; ++j)
             if (first + j * G < tiles)
-                tc_tile<K, NT>(pf[j], W, N, 16 * (first + j * G), xhi, xlo, red, out, ldo, nb, acc, prev,
-                               j == 0);
+                tc_tile<K, NT, WT>(pf[j], W, N, 16 * (first + j * G), xhi, xlo, red, out, ldo, nb, acc, prev,
+                                   j == 0);
         for (int t = first + PFT * G; t < tiles; t += G) {
-            tc_prefetch<K>(pf[0], W, N, 16 * t);
-            tc_tile<K, NT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc, 0.f, false);
+            tc_prefetch<K, WT>(pf[0], W, N, 16 * t);
+            tc_tile<K, NT, WT>(pf[0], W, N, 16 * t, xhi, xlo, red, out, ldo, nb, acc, 0.f, false);
         }
         ph.arrive();  // (its mark 2 is also the end of the tiles)
     }
@@ -137,7 +141,9 @@ __device__ __forceinline__ void fused_gemv(Phases& ph, const float* in, const fl
 // two blocks while they all fit in one wave (not with the output norm, which spans the
 // head). Both read the head's whole in_proj row and form k̃, q̃. Measured at B=1 (docs/
 // decisions.md, "Mixer split over two blocks per head"): ≈ 287 → 271 µs per step; four blocks per head were no better.
+#ifndef FUSED_MIXER_SPLIT
 #define FUSED_MIXER_SPLIT 1  // log2 of the most blocks per head
+#endif
 // log2 of the blocks per head for a batch of nb
 __device__ __forceinline__ int mixer_split(int nb) {
     int split = OUTNORM ? 0 : FUSED_MIXER_SPLIT;
@@ -212,10 +218,10 @@ struct PrefetchList {
     __device__ __forceinline__ void piece(const void* p, unsigned bytes) {
         if (j++ % (int)blockDim.x == (int)threadIdx.x) prefetch_l2(p, bytes);
     }
-    template <int K> __device__ __forceinline__ void gemv(const w_t* W, int N, bool reverse) {
+    template <int K, typename WT> __device__ __forceinline__ void gemv(const WT* W, int N, bool reverse) {
         const int G = gridDim.x, tiles = (N + 15) / 16;
         for (int t = first_tile(reverse); t < tiles; t += G)
-            piece(W + (size_t)16 * t * K, (unsigned)((N - 16 * t < 16 ? N - 16 * t : 16) * K * sizeof(w_t)));
+            piece(W + (size_t)16 * t * K, (unsigned)((N - 16 * t < 16 ? N - 16 * t : 16) * K * sizeof(WT)));
     }
 };
 __device__ __forceinline__ void prefetch_layer(const LayerW& w, float* const* __restrict__ states, int layer,
@@ -224,7 +230,7 @@ __device__ __forceinline__ void prefetch_layer(const LayerW& w, float* const* __
     pl.gemv<D_MODEL>(w.in_proj, D_IN_PROJ, false);
     for (int i = blockIdx.x; i < NHEADS * nb << split; i += gridDim.x) {
         const MixItem it(i, split);
-        pl.piece(layer_st(states[it.b], layer).ssm + ((size_t)it.h * HEADDIM + it.p0) * DSTATE,
+        pl.piece(mixer_state_rows(w.mix, states[it.b], layer, it.h) + (size_t)it.p0 * DSTATE,
                  (it.p1 - it.p0) * DSTATE * sizeof(state_t));
     }
     pl.gemv<D_INNER>(w.out_proj, D_MODEL, true);
@@ -248,12 +254,13 @@ __device__ __forceinline__ void fused_layers(Phases& ph, StepSmem& sm, const Lay
         if (l == n_layers - 1) griddep_launch();
         StepHead hd;
         first_mixer_head(hd, states, l, nb, split);
-        fused_gemv<D_MODEL, NT, 1>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
+        fused_gemv<D_MODEL, NT, 1, norm_t>(ph, res, w.norm, w.in_proj, proj, PROJ_LD, nb, D_IN_PROJ, 0, false);
         fused_mixer(ph, sm, w.mix, proj, states, l, nb, split, yf, hd);
-        fused_gemv<D_INNER, NT, 0>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true);
+        fused_gemv<D_INNER, NT, 0, w_t>(ph, yf, nullptr, w.out_proj, res, D_MODEL, nb, D_MODEL, 1, true);
 #if MLP_HIDDEN > 0
-        fused_gemv<D_MODEL, NT, 1>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0, false);
-        fused_gemv<MLP_HIDDEN, NT, 2>(ph, vg, nullptr, w.fc2, res, D_MODEL, nb, D_MODEL, 1, true);
+        fused_gemv<D_MODEL, NT, 1, norm_t>(ph, res, w.mlp_norm, w.fc1, vg, 2 * MLP_HIDDEN, nb, 2 * MLP_HIDDEN, 0,
+                                           false);
+        fused_gemv<MLP_HIDDEN, NT, 2, w_t>(ph, vg, nullptr, w.fc2, res, D_MODEL, nb, D_MODEL, 1, true);
 #endif
     }
 }
