@@ -10,9 +10,11 @@ struct StepHead {};
 
 __device__ __forceinline__ void mixer_head(StepHead&, float* const* __restrict__, int, int, int) {}
 
+// (the state's previous keys go to shared memory in `mixer_run`, once the block's previous
+// head has stored its own from there)
 __device__ __forceinline__ void mixer_ahead(StepAhead& ah, const MixerW& w, float* const* __restrict__ states,
                                             int /*layer*/, int h, int b, int = 0, int = HEADDIM) {
-    mimo_head_load(ah, w, states[b], h);
+    mimo_head_regs(ah, w, states[b], h);
 }
 
 __device__ __forceinline__ const state_t* mixer_state_rows(const MixerW& w, float* seq, int /*layer*/, int h) {
@@ -25,6 +27,7 @@ template <class Mark>
 __device__ __forceinline__ void mixer_run(StepSmem& sm, StepAhead& ah, const StepHead&, const MixerW& w,
                                           const float* proj, float* const* __restrict__ states, int /*layer*/,
                                           int h, int b, float* y_f32, act_t*, Mark, int = 0, int = HEADDIM) {
+    mimo_head_smem(sm, w, states[b], h);
     mimo_head_row(ah, sm, w, proj + (size_t)b * PROJ_LD, h, y_f32 + (size_t)b * D_INNER);
-    mimo_head_store(ah, w, states[b], h);
+    mimo_head_store(ah, sm, w, states[b], h);
 }

@@ -26,51 +26,34 @@
 #define MSTEP_ITERS ((HEADDIM + MSTEP_CPI - 1) / MSTEP_CPI)
 
 
-// Lane q's entries of the key (`which` 0) or query (1) of rank r at `row`: the (rank, group)
-// row of B (C) RMS-normed over N (its sum of squares reduced over the Q lanes of a channel),
-// plus the bias, the pairs (n, n + N/2) with n < S rotated by cs.
-__device__ __forceinline__ void mstep_kq(const MimoScan& p, const float* pr, int h, int g, int r, int q,
-                                         int which, const float2 cs[MIMO_HALF], float out[MIMO_SL]) {
-    const int bcw = MIMO_R * p.groups * DSTATE;
-    const float* src = pr + p.b_off + which * bcw + (r * p.groups + g) * DSTATE + q;
-    const float* w = (which ? p.c_norm : p.b_norm) + q;
-    const float* bias = (which ? p.c_bias : p.b_bias) + (h * MIMO_R + r) * DSTATE + q;
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) {
-        out[i] = __ldcg(src + i * MIMO_Q);
-        ss += out[i] * out[i];
-    }
-    const float rn = 1.f / sqrtf(sum_adjacent_lanes<MIMO_Q>(ss) / (float)DSTATE + p.eps);
-#pragma unroll
-    for (int i = 0; i < MIMO_SL; ++i) out[i] = out[i] * rn * __ldg(w + i * MIMO_Q) + __ldg(bias + i * MIMO_Q);
-#pragma unroll
-    for (int i = 0; i < MIMO_HALF; ++i) {
-        if (q + i * MIMO_Q < p.angles) {
-            const float a = out[i], b = out[i + MIMO_HALF];
-            out[i] = a * cs[i].x - b * cs[i].y;
-            out[i + MIMO_HALF] = a * cs[i].y + b * cs[i].x;
-        }
-    }
-}
+// Angles (n < S ≤ N/2) per thread: thread t holds φ of angles t, t + T, …
+#define MSTEP_PHI ((DSTATE / 2 + MSTEP_THREADS - 1) / MSTEP_THREADS)
+// Entries of an N-row per lane when a warp takes one row
+#define MSTEP_NPL ((DSTATE + 31) / 32)
 
 // What one (sequence, head) holds in registers from before its in_proj rows are read to
 // after its state is stored: lane q's entries of the channels it walks (h), their previous
-// x, the previous keys, the phases, and the head's constants.
+// x, its angles' phases, and the head's constants. The keys, queries and previous keys are
+// the block's, in shared memory (`MimoSmem`).
 struct MimoHead {
     float h[MSTEP_ITERS][MIMO_SL], xp[MSTEP_ITERS];
-    float kp[MIMO_R][MIMO_SL], phi[MIMO_HALF];
+    float phi[MSTEP_PHI];
     float dskip, dt_bias;
 };
-// The block's shared memory: the rank outputs of a row and their norms' scales.
+// The block's shared memory: a row's rotated, biased, normed keys (kq[0]) and queries
+// (kq[1]) of every rank, the previous row's keys (the state's k), the row's cos φ and sin φ,
+// the rank outputs and their norms' scales.
 struct MimoSmem {
+    float kq[2][MIMO_R][DSTATE];
+    float kprev[MIMO_R][DSTATE];
+    float2 cs[DSTATE / 2];
     float y[MIMO_R][HEADDIM];
     float rr[MIMO_R];
 };
 
-// Everything that does not depend on the in_proj rows: the state rows, the previous keys
-// and x, the phases. `st`: the sequence's state.
-__device__ __forceinline__ void mimo_head_load(MimoHead& m, const MimoScan& p, const float* st, int hd) {
+// Everything that does not depend on the in_proj rows, to registers: the state rows, the
+// previous x, the phases, the head's constants. `st`: the sequence's state.
+__device__ __forceinline__ void mimo_head_regs(MimoHead& m, const MimoScan& p, const float* st, int hd) {
     const int tid = threadIdx.x, q = tid % MIMO_Q, cg = tid / MIMO_Q;
     const state_t* hs = reinterpret_cast<const state_t*>(st + p.ssm_off) + (size_t)hd * HEADDIM * DSTATE + q;
 #pragma unroll
@@ -82,25 +65,33 @@ __device__ __forceinline__ void mimo_head_load(MimoHead& m, const MimoScan& p, c
             m.h[it][i] = pp < HEADDIM ? st_load(hs + (size_t)pp * DSTATE + i * MIMO_Q) : 0.f;
     }
 #pragma unroll
-    for (int r = 0; r < MIMO_R; ++r)
-#pragma unroll
-        for (int i = 0; i < MIMO_SL; ++i) m.kp[r][i] = st[p.k_off + ((size_t)r * p.heads + hd) * DSTATE + q + i * MIMO_Q];
-#pragma unroll
-    for (int i = 0; i < MIMO_HALF; ++i) {
-        const int n = q + i * MIMO_Q;
-        m.phi[i] = n < p.angles ? st[p.angle_off + hd * p.angles + n] : 0.f;
+    for (int j = 0; j < MSTEP_PHI; ++j) {
+        const int n = tid + MSTEP_THREADS * j;
+        m.phi[j] = n < p.angles ? st[p.angle_off + hd * p.angles + n] : 0.f;
     }
     m.dskip = p.d_skip[hd];
     m.dt_bias = p.dt_bias[hd];
 }
 
+// The state's previous keys to shared memory (read after the row's first barrier). First a
+// barrier: the block's previous head may still be storing its own from there.
+__device__ __forceinline__ void mimo_head_smem(MimoSmem& sm, const MimoScan& p, const float* st, int hd) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < MIMO_R * DSTATE; e += MSTEP_THREADS) {
+        const int r = e / DSTATE, n = e % DSTATE;
+        sm.kprev[r][n] = st[p.k_off + ((size_t)r * p.heads + hd) * DSTATE + n];
+    }
+}
+
 // One row of head hd: `pr` its in_proj row (read through L2: in the fused decode other
 // blocks of the same launch wrote it), `out` the row's gated output [H·P] (the out_proj's
-// input). Every thread of the block calls it.
+// input). Every thread of the block calls it. The keys and queries are the block's work
+// (a warp per (rank, B or C) row), not every channel's; the update and read-out walk the
+// ranks outermost so that a thread holds one rank's entries at a time.
 template <typename Out>
 __device__ __forceinline__ void mimo_head_row(MimoHead& m, MimoSmem& sm, const MimoScan& p, const float* pr, int hd,
                                               Out* out) {
-    const int tid = threadIdx.x, q = tid % MIMO_Q, cg = tid / MIMO_Q;
+    const int tid = threadIdx.x, q = tid % MIMO_Q, cg = tid / MIMO_Q, warp = tid >> 5, lane = tid & 31;
     const int g = hd / (p.heads / p.groups);
     const float pi = 3.14159265358979f;
     // the head's coefficients (mimo_pre)
@@ -111,57 +102,98 @@ __device__ __forceinline__ void mimo_head_row(MimoHead& m, MimoSmem& sm, const M
     const float lambda = 1.f / (1.f + expf(-__ldcg(pr + p.trap_off + hd)));
     const float alpha = expf(a);
     const float beta = alpha * delta * (1.f - lambda), gamma = lambda * delta;
-    // this lane's phases (mimo_phase, one row)
-    float2 cs[MIMO_HALF];
+    // this thread's phases (mimo_phase, one row)
 #pragma unroll
-    for (int i = 0; i < MIMO_HALF; ++i) {
-        const int n = q + i * MIMO_Q;
+    for (int j = 0; j < MSTEP_PHI; ++j) {
+        const int n = tid + MSTEP_THREADS * j;
         if (n < p.angles) {
-            m.phi[i] = mimo_wrap(m.phi[i] + pi * tanhf(__ldcg(pr + p.ang_off + n)) * delta);
-            sincosf(m.phi[i], &cs[i].y, &cs[i].x);
+            m.phi[j] = mimo_wrap(m.phi[j] + pi * tanhf(__ldcg(pr + p.ang_off + n)) * delta);
+            float sn, cn;
+            sincosf(m.phi[j], &sn, &cn);
+            sm.cs[n] = make_float2(cn, sn);
         }
     }
-    float k[MIMO_R][MIMO_SL], qc[MIMO_R][MIMO_SL];
+    // B̄_r (which 0) and C̄_r (1): the (rank, group) row RMS-normed over N, plus the bias
+    const int bcw = MIMO_R * p.groups * DSTATE;
+    for (int row = warp; row < 2 * MIMO_R; row += MSTEP_THREADS / 32) {
+        const int which = row / MIMO_R, r = row % MIMO_R;
+        const float* src = pr + p.b_off + which * bcw + (r * p.groups + g) * DSTATE;
+        const float* w = which ? p.c_norm : p.b_norm;
+        const float* bias = (which ? p.c_bias : p.b_bias) + (hd * MIMO_R + r) * DSTATE;
+        float v[MSTEP_NPL], ss = 0.f;
 #pragma unroll
-    for (int r = 0; r < MIMO_R; ++r) {
-        mstep_kq(p, pr, hd, g, r, q, 0, cs, k[r]);
-        mstep_kq(p, pr, hd, g, r, q, 1, cs, qc[r]);
+        for (int j = 0; j < MSTEP_NPL; ++j) {
+            const int n = lane + 32 * j;
+            v[j] = n < DSTATE ? __ldcg(src + n) : 0.f;
+            ss += v[j] * v[j];
+        }
+        const float rn = 1.f / sqrtf(fam_warp_sum(ss) / (float)DSTATE + p.eps);
+#pragma unroll
+        for (int j = 0; j < MSTEP_NPL; ++j) {
+            const int n = lane + 32 * j;
+            if (n < DSTATE) sm.kq[which][r][n] = v[j] * rn * __ldg(w + n) + __ldg(bias + n);
+        }
     }
-    // the state update and readout of each channel (mimo_advance, mimo_scan_rows)
+    __syncthreads();
+    // the rotation of the pairs (n, n + N/2), n < S
+    for (int e = tid; e < 2 * MIMO_R * p.angles; e += MSTEP_THREADS) {
+        const int n = e % p.angles, wr = e / p.angles;
+        float* row = sm.kq[wr / MIMO_R][wr % MIMO_R];
+        const float2 c = sm.cs[n];
+        const float x0 = row[n], x1 = row[n + DSTATE / 2];
+        row[n] = x0 * c.x - x1 * c.y;
+        row[n + DSTATE / 2] = x0 * c.y + x1 * c.x;
+    }
+    __syncthreads();
+    // the state update of each channel, rank by rank (mimo_advance):
+    // h ← α·h + Σ_r [β·(x⁻ψ_r)·k̃⁻_r + γ·(xψ_r)·k̃_r]
+    float x[MSTEP_ITERS];
 #pragma unroll
     for (int it = 0; it < MSTEP_ITERS; ++it) {
         const int pp = cg + MSTEP_CPI * it;
-        const bool live = pp < HEADDIM;
-        const int ppc = live ? pp : 0;
-        const float x = __ldcg(pr + p.x_off + hd * HEADDIM + ppc);
-        float psi[MIMO_R];
-#pragma unroll
-        for (int r = 0; r < MIMO_R; ++r) psi[r] = __ldg(p.mimo_x + (hd * MIMO_R + r) * HEADDIM + ppc);
+        x[it] = pp < HEADDIM ? __ldcg(pr + p.x_off + hd * HEADDIM + pp) : 0.f;
 #pragma unroll
         for (int i = 0; i < MIMO_SL; ++i) m.h[it][i] *= alpha;
+    }
+    const float* psi_h = p.mimo_x + hd * MIMO_R * HEADDIM;
 #pragma unroll
-        for (int r = 0; r < MIMO_R; ++r) {
-            const float wb = beta * m.xp[it] * psi[r], wg = gamma * x * psi[r];
+    for (int r = 0; r < MIMO_R; ++r) {
+        float kp[MIMO_SL], k[MIMO_SL];
 #pragma unroll
-            for (int i = 0; i < MIMO_SL; ++i) m.h[it][i] = m.h[it][i] + wb * m.kp[r][i] + wg * k[r][i];
+        for (int i = 0; i < MIMO_SL; ++i) {
+            kp[i] = sm.kprev[r][q + i * MIMO_Q];
+            k[i] = sm.kq[0][r][q + i * MIMO_Q];
         }
-        m.xp[it] = x;
 #pragma unroll
-        for (int r = 0; r < MIMO_R; ++r) {
+        for (int it = 0; it < MSTEP_ITERS; ++it) {
+            const int pp = min(cg + MSTEP_CPI * it, HEADDIM - 1);
+            const float psi = __ldg(psi_h + r * HEADDIM + pp);
+            const float wb = beta * m.xp[it] * psi, wg = gamma * x[it] * psi;
+#pragma unroll
+            for (int i = 0; i < MIMO_SL; ++i) m.h[it][i] = m.h[it][i] + wb * kp[i] + wg * k[i];
+        }
+    }
+    // the read-out y_r = h·q̃_r + D·xψ_r, rank by rank
+#pragma unroll
+    for (int r = 0; r < MIMO_R; ++r) {
+        float qc[MIMO_SL];
+#pragma unroll
+        for (int i = 0; i < MIMO_SL; ++i) qc[i] = sm.kq[1][r][q + i * MIMO_Q];
+#pragma unroll
+        for (int it = 0; it < MSTEP_ITERS; ++it) {
+            const int pp = cg + MSTEP_CPI * it;
             float acc = 0.f;
 #pragma unroll
-            for (int i = 0; i < MIMO_SL; ++i) acc += m.h[it][i] * qc[r][i];
+            for (int i = 0; i < MIMO_SL; ++i) acc += m.h[it][i] * qc[i];
             acc = sum_adjacent_lanes<MIMO_Q>(acc);
-            if (live && q == 0) sm.y[r][pp] = acc + m.dskip * x * psi[r];
+            if (pp < HEADDIM && q == 0) sm.y[r][pp] = acc + m.dskip * x[it] * __ldg(psi_h + r * HEADDIM + pp);
         }
     }
 #pragma unroll
-    for (int r = 0; r < MIMO_R; ++r)
-#pragma unroll
-        for (int i = 0; i < MIMO_SL; ++i) m.kp[r][i] = k[r][i];
-    __syncthreads();
+    for (int it = 0; it < MSTEP_ITERS; ++it) m.xp[it] = x[it];
+    __syncthreads();  // every thread has read the previous keys and this row's
+    for (int e = tid; e < MIMO_R * DSTATE; e += MSTEP_THREADS) sm.kprev[e / DSTATE][e % DSTATE] = sm.kq[0][e / DSTATE][e % DSTATE];
     // the gate (mimo_gate): a warp per rank's norm, then a thread per channel
-    const int warp = tid >> 5, lane = tid & 31;
     for (int r = warp; r < MIMO_R; r += MSTEP_THREADS / 32) {
         float rr = 1.f;
         if (p.out_norm) {
@@ -184,11 +216,12 @@ __device__ __forceinline__ void mimo_head_row(MimoHead& m, MimoSmem& sm, const M
         }
         out[hd * HEADDIM + i] = from_f<Out>(o);
     }
-    __syncthreads();  // sm is the next row's; every thread has read the old k, v, φ
+    __syncthreads();  // sm is the next row's
 }
 
 // The state: h in place, and (mimo_tail) the last row's keys, x and phases.
-__device__ __forceinline__ void mimo_head_store(const MimoHead& m, const MimoScan& p, float* st, int hd) {
+__device__ __forceinline__ void mimo_head_store(const MimoHead& m, const MimoSmem& sm, const MimoScan& p, float* st,
+                                                int hd) {
     const int tid = threadIdx.x, q = tid % MIMO_Q, cg = tid / MIMO_Q;
     state_t* hs = reinterpret_cast<state_t*>(st + p.ssm_off) + (size_t)hd * HEADDIM * DSTATE + q;
 #pragma unroll
@@ -200,16 +233,14 @@ __device__ __forceinline__ void mimo_head_store(const MimoHead& m, const MimoSca
             if (q == 0) st[p.v_off + hd * HEADDIM + pp] = m.xp[it];
         }
     }
-    if (cg == 0) {
+    for (int e = tid; e < MIMO_R * DSTATE; e += MSTEP_THREADS) {
+        const int r = e / DSTATE, n = e % DSTATE;
+        st[p.k_off + ((size_t)r * p.heads + hd) * DSTATE + n] = sm.kprev[r][n];
+    }
 #pragma unroll
-        for (int r = 0; r < MIMO_R; ++r)
-#pragma unroll
-            for (int i = 0; i < MIMO_SL; ++i) st[p.k_off + ((size_t)r * p.heads + hd) * DSTATE + q + i * MIMO_Q] = m.kp[r][i];
-#pragma unroll
-        for (int i = 0; i < MIMO_HALF; ++i) {
-            const int n = q + i * MIMO_Q;
-            if (n < p.angles) st[p.angle_off + hd * p.angles + n] = m.phi[i];
-        }
+    for (int j = 0; j < MSTEP_PHI; ++j) {
+        const int n = tid + MSTEP_THREADS * j;
+        if (n < p.angles) st[p.angle_off + hd * p.angles + n] = m.phi[j];
     }
 }
 
@@ -232,11 +263,12 @@ extern "C" __global__ void __launch_bounds__(MSTEP_THREADS, MSTEP_MINB)
     const int row0 = chunk_row0[c], len = chunk_len[c];
     float* st = reinterpret_cast<float*>(seq_state[chunk_seq[c]]);
     MimoHead m;
-    mimo_head_load(m, p, st, hd);
+    mimo_head_regs(m, p, st, hd);
+    mimo_head_smem(sm, p, st, hd);
     for (int t = 0; t < len; ++t) {
         const size_t row = row0 + t;
         mimo_head_row(m, sm, p, p.proj + row * p.ld, hd, gated + row * (size_t)(p.heads * HEADDIM));
     }
-    mimo_head_store(m, p, st, hd);
+    mimo_head_store(m, sm, p, st, hd);
 }
 #endif
