@@ -247,10 +247,9 @@ __device__ __forceinline__ void mimo_head_store(const MimoHead& m, const MimoSme
 #ifndef MIMO_FUSED_DECODE
 extern "C" __device__ int mimo_step_threads = MSTEP_THREADS;
 // Blocks per SM the registers are budgeted for (a define: `MAMBA3_GPU_DEFINES` measures
-// others). Two: B=64 decodes 10.8 k tokens/s at the 187M shape on an H100, 9.2 k with one,
-// 7.0 k with three (docs/performance.md).
+// others; docs/decisions.md, "MIMO decode: registers per step block").
 #ifndef MSTEP_MINB
-#define MSTEP_MINB 2
+#define MSTEP_MINB 3
 #endif
 
 // Grid (chunks, heads): every sequence one chunk of a few rows; `gated` (the GEMM dtype, the
