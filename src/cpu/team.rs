@@ -192,6 +192,20 @@ pub fn max_members() -> usize {
     rayon::current_num_threads().max(1)
 }
 
+/// Weight bytes per member of a decode step on the team: a step that reads less than twice
+/// this runs on the calling thread alone, a larger one on up to [`max_members`]. (On the
+/// 2-core machine, one thread streams a step's weights at ~25 GB/s and two at ~55 GB/s:
+/// 7.3 MB take ~250 µs against ~130 µs; the team's barriers, a few per layer, and its
+/// wake-up cost a few µs, worth paying from about a megabyte: a choice from these rates,
+/// not a measured crossover.)
+const BYTES_PER_MEMBER: usize = 512 << 10;
+
+/// How many threads a decode step that reads `step_bytes` of weights runs on: the one
+/// place that decides between the calling thread alone and the team.
+pub fn members_for(step_bytes: usize) -> usize {
+    (step_bytes / BYTES_PER_MEMBER).clamp(1, max_members())
+}
+
 fn worker(sh: &'static Shared, id: usize) {
     let mut last = 0u64;
     loop {
