@@ -387,6 +387,14 @@ pub fn stream_part<F: Real>(xk: &[F], rows: usize, w: &Matrix, j0: usize, t: &mu
     with_data!(&w.data, v => dot_block(xk, rows, &v[j0 * k..j1 * k], k, t))
 }
 
+/// Weight rows per piece when a team's members take a product's rows piece by piece
+/// ([`crate::cpu::team::Member::chunks`]): about 128 KB of weights (~10 µs to stream; a
+/// piece costs an atomic add on a line the members share), a multiple of 16 rows.
+pub fn piece_rows(w: &Matrix) -> usize {
+    let row_bytes = (w.cols * w.data.dtype().size()).max(1);
+    ((128 << 10) / row_bytes).next_multiple_of(16).max(16)
+}
+
 /// Columns `js` of `out[rows, W.rows] = x·Wᵀ` (every input row against the weight rows
 /// `js`) on the weight-streaming kernel, `xk` from [`stream_input`]: the bits of
 /// [`matmul_t`]. A member of a thread team's share of a product; with several rows the
