@@ -42,11 +42,14 @@ const ALONE_AFTER_LATE: u32 = 64;
 const LATE_SLEEPS: usize = 3;
 const LATE_SHARE: usize = 8;
 
-/// ... but for no longer than this: 64 steps of a small model last ~10 ms, of a large one
-/// a second. On the idle 2-core machine, passing interruptions (two jobs with 16 and 37
-/// late barriers of 97 in a run of 256 mamba-130m-shaped bf16 steps) had sent half the
-/// steps alone: 12.9–13.4 ms/token against 10.6 with the team never going alone.
-const ALONE_AT_MOST: Duration = Duration::from_millis(20);
+/// ... but for no longer than this the first time, twice as long after each team job
+/// that was late again (a machine that stays busy), and again this after one that was not.
+/// 64 steps of a small model last ~10 ms, of a large one a second: on the idle 2-core
+/// machine, passing interruptions (two jobs with 16 and 37 late barriers of 97 in a run of
+/// 256 mamba-130m-shaped bf16 steps) had sent half the steps alone, 12.9–13.4 ms/token
+/// against 10.6 with the team never going alone; a fixed 20 ms, under a busy loop on one
+/// core, tried the team again too often (up to 28 ms/token against 24 on the pool).
+const ALONE_AT_FIRST: Duration = Duration::from_millis(20);
 
 /// One member's view of a running job.
 pub struct Member<'a> {
@@ -211,6 +214,8 @@ pub struct Team {
     alone_left: u32,
     /// ... until then.
     alone_until: Instant,
+    /// The last such window ([`ALONE_AT_FIRST`]); zero after a team job on time.
+    alone_for: Duration,
 }
 
 static TEAM: OnceLock<Mutex<Team>> = OnceLock::new();
@@ -240,6 +245,7 @@ fn team() -> &'static Mutex<Team> {
             workers,
             alone_left: 0,
             alone_until: Instant::now(),
+            alone_for: Duration::ZERO,
         })
     })
 }
@@ -402,7 +408,11 @@ fn run_on(want: usize, f: &(dyn Fn(&Member) + Sync), exact: bool) -> usize {
     let passed = barrier.generation.load(Ordering::Relaxed);
     if late >= LATE_SLEEPS.max(passed / LATE_SHARE) && !exact {
         team.alone_left = ALONE_AFTER_LATE;
-        team.alone_until = Instant::now() + ALONE_AT_MOST;
+        // (capped: 64 jobs end a window first anyway)
+        team.alone_for = (team.alone_for * 2).clamp(ALONE_AT_FIRST, Duration::from_secs(60));
+        team.alone_until = Instant::now() + team.alone_for;
+    } else if !exact {
+        team.alone_for = Duration::ZERO;
     }
     *sh.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
     drop(team);
