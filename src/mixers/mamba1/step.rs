@@ -62,9 +62,9 @@ struct MemberWork<F> {
     dbc: Vec<F>,
     /// `[rows, R]`: δ
     dlow: Vec<F>,
-    /// `[share, rows]`: Δ of the member's channels
+    /// `[piece, rows]`: Δ of the channels of the member's current piece
     delta: Vec<F>,
-    /// `[share·N]`: A of the member's channels where it is not precomputed (f64)
+    /// `[piece·N]`: their A where it is not precomputed (f64)
     a: Vec<F>,
 }
 
@@ -109,8 +109,8 @@ fn step_bytes(w: &Mamba1Weights) -> usize {
 
 /// [`step_into`] on up to `members` threads (exactly that many, capped at the pool's, if
 /// `exact`); returns how many ran the last job. Batches over [`STREAM_MAX_ROWS`] run in
-/// pieces of that many rows, each a job: every row then takes the weight-streaming
-/// products (the same bits whatever the batch).
+/// parts of that many rows, each a job: every row takes the weight-streaming products (the
+/// same bits whatever the batch; the pool's step took the GEMM above 64 rows).
 pub(crate) fn step_on<F: Real>(
     w: &Mamba1Weights,
     states: &mut [&mut State<F>],

@@ -89,7 +89,7 @@ pub fn step_into<F: Real>(
 
 /// [`step_into`] on up to `members` threads (exactly that many, capped at the pool's, if
 /// `exact`); returns how many ran the last job. Batches over [`STREAM_MAX_ROWS`] run in
-/// pieces of that many rows, each a job.
+/// parts of that many rows, each a job (as Mamba-1's).
 pub(crate) fn step_on<F: Real>(
     w: &Mamba2Weights,
     states: &mut [&mut State<F>],
