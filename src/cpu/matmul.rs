@@ -7,7 +7,10 @@
 //! of the batch.
 
 use super::real::Real;
-use super::simd::{dot_wrows, dots_for_row, kernel_order, Widen};
+use super::simd::{
+    dot_wrows, dots_for_row, kernel_order, kernel_order_into, needs_kernel_order, Widen,
+};
+use super::team::SharedBuf;
 use crate::model::dtype::{Element, TensorData};
 use crate::model::weights::Matrix;
 use crate::with_data;
@@ -327,31 +330,102 @@ fn dots_f32<W: Widen, const J: usize>(x: &[f32], rows: usize, w: &[W], k: usize,
     }
 }
 
-/// Weight rows `j0..j0 + t.len() / rows` of `w` against the `rows` inputs `x`:
-/// `t[(j − j0)·rows + r] = ⟨x_r, w_j⟩`, on the arithmetic of [`matmul_t`]'s
-/// weight-streaming path (the same bits). A share of one product, for callers that split
-/// the weight rows themselves.
-pub fn stream_part<F: Real>(x: &[F], rows: usize, w: &Matrix, j0: usize, t: &mut [F]) {
+/// The input `x` (`rows` rows) of streamed products with `w`, in the kernels' order
+/// ([`kernel_order`]): `x` itself, or its reordering in `buf`, a buffer the caller keeps.
+/// Reordered once per product and handed to each share's [`stream_part`], nothing is
+/// allocated per product or per share.
+pub fn stream_input<'a, F: Real>(
+    x: &'a [F],
+    rows: usize,
+    w: &Matrix,
+    buf: &'a mut Vec<F>,
+) -> &'a [F] {
+    let is_f32 = std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>();
+    let reorder = is_f32
+        && match &w.data {
+            TensorData::F32(_) => needs_kernel_order::<f32>(),
+            TensorData::BF16(_) => needs_kernel_order::<half::bf16>(),
+            TensorData::F16(_) => needs_kernel_order::<half::f16>(),
+            TensorData::F64(_) => false,
+        };
+    if !reorder {
+        return x;
+    }
+    kernel_order_into(x, rows, w.cols, buf);
+    buf
+}
+
+/// Weight rows `j0..j0 + t.len() / rows` of `w` against the `rows` inputs `xk` (from
+/// [`stream_input`] for `w`): `t[(j − j0)·rows + r] = ⟨x_r, w_j⟩`, on the arithmetic of
+/// [`matmul_t`]'s weight-streaming path (the same bits). A share of one product, for
+/// callers that split the weight rows themselves. `wide`: f32 weight rows 8 at a time
+/// rather than 4 (for weights streaming from memory; [`dots_f32`]).
+pub fn stream_part<F: Real>(xk: &[F], rows: usize, w: &Matrix, j0: usize, t: &mut [F], wide: bool) {
     let k = w.cols;
     let j1 = j0 + t.len() / rows;
     assert!(
-        t.len().is_multiple_of(rows) && j1 <= w.rows && x.len() == rows * k,
+        t.len().is_multiple_of(rows) && j1 <= w.rows && xk.len() == rows * k,
         "stream_part: shapes"
     );
     if std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>() {
-        let x32: &[f32] = bytemuck::cast_slice(x);
+        let x32: &[f32] = bytemuck::cast_slice(xk);
         let t32: &mut [f32] = bytemuck::cast_slice_mut(t);
-        fn part<W: Widen>(x: &[f32], rows: usize, w: &[W], k: usize, t: &mut [f32]) {
-            dots_f32::<W, 4>(&kernel_order::<W>(x, rows, k), rows, w, k, t)
+        fn part<W: Widen>(x: &[f32], rows: usize, w: &[W], k: usize, t: &mut [f32], wide: bool) {
+            if wide {
+                dots_f32::<W, 8>(x, rows, w, k, t)
+            } else {
+                dots_f32::<W, 4>(x, rows, w, k, t)
+            }
         }
         match &w.data {
-            TensorData::F32(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32),
-            TensorData::BF16(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32),
-            TensorData::F16(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32),
+            TensorData::F32(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32, wide),
+            TensorData::BF16(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32, wide),
+            TensorData::F16(v) => return part(x32, rows, &v[j0 * k..j1 * k], k, t32, wide),
             TensorData::F64(_) => {}
         }
     }
-    with_data!(&w.data, v => dot_block(x, rows, &v[j0 * k..j1 * k], k, t))
+    with_data!(&w.data, v => dot_block(xk, rows, &v[j0 * k..j1 * k], k, t))
+}
+
+/// Weight rows per piece when a team's members take a product's rows piece by piece
+/// ([`crate::cpu::team::Member::chunks`]): about 128 KB of weights (~10 µs to stream; a
+/// piece costs an atomic add on a line the members share), a multiple of 16 rows.
+pub fn piece_rows(w: &Matrix) -> usize {
+    let row_bytes = (w.cols * w.data.dtype().size()).max(1);
+    ((128 << 10) / row_bytes).next_multiple_of(16).max(16)
+}
+
+/// Columns `js` of `out[rows, W.rows] = x·Wᵀ` (every input row against the weight rows
+/// `js`) on the weight-streaming kernel, `xk` from [`stream_input`]: the bits of
+/// [`matmul_t`]. A member of a thread team's share of a product; with several rows the
+/// share goes through `tmp` (`[W.rows, rows]`) to be transposed.
+///
+/// # Safety
+/// No one else reads or writes `out`'s columns `js` (in any row) or `tmp`'s entries
+/// `js.start·rows .. js.end·rows` until the next barrier of the team.
+pub unsafe fn product_cols<F: Real>(
+    xk: &[F],
+    rows: usize,
+    w: &Matrix,
+    js: std::ops::Range<usize>,
+    (out, tmp): (&SharedBuf<F>, &SharedBuf<F>),
+    wide: bool,
+) {
+    let n = w.rows;
+    if js.is_empty() {
+        return;
+    }
+    if rows == 1 {
+        return stream_part(xk, 1, w, js.start, out.part(js), wide);
+    }
+    let t = tmp.part(js.start * rows..js.end * rows);
+    stream_part(xk, rows, w, js.start, t, wide);
+    for b in 0..rows {
+        let o = out.part(b * n + js.start..b * n + js.end);
+        for (jj, o) in o.iter_mut().enumerate() {
+            *o = t[jj * rows + b];
+        }
+    }
 }
 
 fn dot_block<F: Real, W: Element>(x: &[F], rows: usize, w: &[W], k: usize, t: &mut [F]) {

@@ -94,10 +94,25 @@ pub trait Widen: Element {
 /// one core, 14.8–15.8 → 13.7–14.4 ms for the mamba-130m shape on two
 /// (`benches/decode_gemv.rs`, 2-core Xeon, load ~2.5).
 pub fn kernel_order<W: Widen>(x: &[f32], rows: usize, k: usize) -> std::borrow::Cow<'_, [f32]> {
-    if !W::PAIRED || isa() != Isa::Avx512 {
+    if !needs_kernel_order::<W>() {
         return std::borrow::Cow::Borrowed(x);
     }
-    let mut o = x[..rows * k].to_vec();
+    let mut o = Vec::new();
+    kernel_order_into(x, rows, k, &mut o);
+    std::borrow::Cow::Owned(o)
+}
+
+/// Whether [`kernel_order`] reorders the activations for weights of type `W` on this host.
+pub fn needs_kernel_order<W: Widen>() -> bool {
+    W::PAIRED && isa() == Isa::Avx512
+}
+
+/// The reordering of [`kernel_order`] (whether or not `W` needs it) into `o`, a buffer the
+/// caller keeps: a decode step reorders an input per product, and a fresh vector each time
+/// was an allocation per product.
+pub fn kernel_order_into<T: Copy>(x: &[T], rows: usize, k: usize, o: &mut Vec<T>) {
+    o.clear();
+    o.extend_from_slice(&x[..rows * k]);
     for (orow, xrow) in o.chunks_exact_mut(k).zip(x.chunks_exact(k)) {
         for (ob, xb) in orow.chunks_exact_mut(32).zip(xrow.chunks_exact(32)) {
             for t in 0..16 {
@@ -106,7 +121,6 @@ pub fn kernel_order<W: Widen>(x: &[f32], rows: usize, k: usize) -> std::borrow::
             }
         }
     }
-    std::borrow::Cow::Owned(o)
 }
 
 impl Widen for f32 {

@@ -21,16 +21,35 @@ const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(300);
 /// How long a member spins at a barrier before it sleeps there: longer than the members'
 /// usual imbalance within a step, short enough that on a machine busy with other work a
 /// member whose partner was descheduled gives its core up instead of spinning through the
-/// partner's time slice.
+/// partner's time slice. At least this; for a long phase, [`SPIN_PHASE_SHARE`] of it.
 const SPIN_AT_BARRIER: Duration = Duration::from_micros(30);
 
+/// A member spins at a barrier for up to this share (1/n) of the phase it just ran (since
+/// the barrier before), if longer than [`SPIN_AT_BARRIER`]: in a large model's step
+/// (phases of a few hundred µs, streaming memory) members arrive more than 30 µs apart
+/// often enough (with fixed halves of each product, at 1 to 41 of the 97 barriers of a
+/// mamba-130m-shaped bf16 step on the 2-core machine) that each sleep's wake-up adds up.
+const SPIN_PHASE_SHARE: u32 = 4;
+
 /// Jobs run on the calling thread alone after one whose members had to sleep at
-/// [`LATE_SLEEPS`] barriers or more (members kept off their cores: other work on the
-/// machine, or both members placed on one core, where every barrier then costs a spin and
-/// a sleep; a single late barrier is a passing interruption). The next team job tries
-/// again.
+/// [`LATE_SLEEPS`] barriers or more, and at one in [`LATE_SHARE`] of its barriers or more
+/// (members kept off their cores: other work on the machine, or both members placed on
+/// one core, where every barrier then costs a spin and a sleep; a single late barrier is
+/// a passing interruption). The share keeps a long job — a decode step of a large model
+/// passes a hundred barriers, phases of a few hundred µs apart — on the team when a few
+/// of its phases drift apart by more than the spin. The next team job tries again.
 const ALONE_AFTER_LATE: u32 = 64;
 const LATE_SLEEPS: usize = 3;
+const LATE_SHARE: usize = 8;
+
+/// ... but for no longer than this the first time, twice as long after each team job
+/// that was late again (a machine that stays busy), and again this after one that was not.
+/// 64 steps of a small model last ~10 ms, of a large one a second: on the idle 2-core
+/// machine, passing interruptions (two jobs with 16 and 37 late barriers of 97 in a run of
+/// 256 mamba-130m-shaped bf16 steps) had sent half the steps alone, 12.9–13.4 ms/token
+/// against 10.6 with the team never going alone; a fixed 20 ms, under a busy loop on one
+/// core, tried the team again too often (up to 28 ms/token against 24 on the pool).
+const ALONE_AT_FIRST: Duration = Duration::from_millis(20);
 
 /// One member's view of a running job.
 pub struct Member<'a> {
@@ -55,6 +74,27 @@ impl Member<'_> {
         let start = (self.id * per).min(len);
         start..((self.id + 1) * per).min(len)
     }
+
+    /// Pieces `start..end` of `0..len`, `chunk` long (the last the rest), handed out to
+    /// whichever member asks next: a member that runs ahead takes more, so the members
+    /// reach the next barrier together where fixed shares of a long phase (a large model's
+    /// products, hundreds of µs) drift apart. One such loop per phase: the counter is reset
+    /// when the members pass a barrier.
+    pub fn chunks(
+        &self,
+        len: usize,
+        chunk: usize,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        let chunk = chunk.max(1);
+        std::iter::from_fn(move || {
+            let start = self
+                .barrier
+                .next
+                .fetch_add(1, Ordering::Relaxed)
+                .saturating_mul(chunk);
+            (start < len).then(|| start..(start + chunk).min(len))
+        })
+    }
 }
 
 /// A barrier that spins, then sleeps; a member that panicked poisons it, so the others
@@ -69,6 +109,11 @@ struct Barrier {
     wake: Condvar,
     /// How many times members slept at a barrier after the first.
     late: AtomicUsize,
+    /// When the barrier was made, and when it last let its members go (ns after).
+    t0: Instant,
+    released_ns: AtomicU64,
+    /// The next piece of the phase's [`Member::chunks`].
+    next: AtomicUsize,
 }
 
 impl Barrier {
@@ -82,16 +127,24 @@ impl Barrier {
             lock: Mutex::new(()),
             wake: Condvar::new(),
             late: AtomicUsize::new(0),
+            t0: Instant::now(),
+            released_ns: AtomicU64::new(0),
+            next: AtomicUsize::new(0),
         }
     }
 
     fn wait(&self) {
         if self.n == 1 {
+            self.next.store(0, Ordering::Relaxed);
             return;
         }
         let g = self.generation.load(Ordering::Acquire);
         if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
             self.arrived.store(0, Ordering::Relaxed);
+            // (every member is here: nobody takes a piece until the release below)
+            self.next.store(0, Ordering::Relaxed);
+            let now = self.t0.elapsed().as_nanos() as u64;
+            self.released_ns.store(now, Ordering::Relaxed);
             self.generation.fetch_add(1, Ordering::SeqCst);
             if self.sleepers.load(Ordering::SeqCst) > 0 {
                 let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -100,13 +153,17 @@ impl Barrier {
             return;
         }
         let t0 = Instant::now();
+        let phase = (t0 - self.t0).saturating_sub(Duration::from_nanos(
+            self.released_ns.load(Ordering::Relaxed),
+        ));
+        let spin = SPIN_AT_BARRIER.max(phase / SPIN_PHASE_SHARE);
         let mut spins = 0u32;
         while self.generation.load(Ordering::Acquire) == g {
             if self.poisoned.load(Ordering::Relaxed) {
                 panic!("another member of the thread team panicked");
             }
             spins += 1;
-            if spins.is_multiple_of(64) && t0.elapsed() > SPIN_AT_BARRIER {
+            if spins.is_multiple_of(64) && t0.elapsed() > spin {
                 let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
                 self.sleepers.fetch_add(1, Ordering::SeqCst);
                 // (the first barrier may wait for a worker that was asleep: not late)
@@ -155,6 +212,10 @@ pub struct Team {
     workers: usize,
     /// Jobs still to run alone (see [`ALONE_AFTER_LATE`]).
     alone_left: u32,
+    /// ... until then.
+    alone_until: Instant,
+    /// The last such window ([`ALONE_AT_FIRST`]); zero after a team job on time.
+    alone_for: Duration,
 }
 
 static TEAM: OnceLock<Mutex<Team>> = OnceLock::new();
@@ -183,6 +244,8 @@ fn team() -> &'static Mutex<Team> {
             shared,
             workers,
             alone_left: 0,
+            alone_until: Instant::now(),
+            alone_for: Duration::ZERO,
         })
     })
 }
@@ -190,6 +253,20 @@ fn team() -> &'static Mutex<Team> {
 /// The most members a job can have: the rayon pool's thread count.
 pub fn max_members() -> usize {
     rayon::current_num_threads().max(1)
+}
+
+/// Weight bytes per member of a decode step on the team: a step that reads less than twice
+/// this runs on the calling thread alone, a larger one on up to [`max_members`]. (On the
+/// 2-core machine, one thread streams a step's weights at ~25 GB/s and two at ~55 GB/s:
+/// 7.3 MB take ~250 µs against ~130 µs; the team's barriers, a few per layer, and its
+/// wake-up cost a few µs, worth paying from about a megabyte: a choice from these rates,
+/// not a measured crossover.)
+const BYTES_PER_MEMBER: usize = 512 << 10;
+
+/// How many threads a decode step that reads `step_bytes` of weights runs on: the one
+/// place that decides between the calling thread alone and the team.
+pub fn members_for(step_bytes: usize) -> usize {
+    (step_bytes / BYTES_PER_MEMBER).clamp(1, max_members())
 }
 
 fn worker(sh: &'static Shared, id: usize) {
@@ -274,6 +351,9 @@ fn run_on(want: usize, f: &(dyn Fn(&Member) + Sync), exact: bool) -> usize {
     if n <= 1 {
         return alone(f);
     }
+    if team.alone_left > 0 && Instant::now() >= team.alone_until {
+        team.alone_left = 0;
+    }
     if team.alone_left > 0 && !exact {
         team.alone_left -= 1;
         drop(team);
@@ -324,8 +404,15 @@ fn run_on(want: usize, f: &(dyn Fn(&Member) + Sync), exact: bool) -> usize {
         }
     }
     let worker_panicked = sh.panicked.load(Ordering::SeqCst);
-    if barrier.late.load(Ordering::Relaxed) >= LATE_SLEEPS && !exact {
+    let late = barrier.late.load(Ordering::Relaxed);
+    let passed = barrier.generation.load(Ordering::Relaxed);
+    if late >= LATE_SLEEPS.max(passed / LATE_SHARE) && !exact {
         team.alone_left = ALONE_AFTER_LATE;
+        // (capped: 64 jobs end a window first anyway)
+        team.alone_for = (team.alone_for * 2).clamp(ALONE_AT_FIRST, Duration::from_secs(60));
+        team.alone_until = Instant::now() + team.alone_for;
+    } else if !exact {
+        team.alone_for = Duration::ZERO;
     }
     *sh.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
     drop(team);
@@ -412,6 +499,42 @@ mod tests {
             }
             assert!(buf.iter().all(|&v| v == 50 * 51 / 2));
             assert!(sums[0] >= 1);
+        }
+    }
+
+    #[test]
+    fn pieces_cover_each_phase_once_whoever_takes_them() {
+        for want in [1, 2, 3] {
+            let mut hits = vec![0u32; 3 * 1000];
+            {
+                let shared = SharedBuf::new(&mut hits);
+                run_exact(want, &|m| {
+                    // Three phases of different lengths and piece sizes, each its own loop.
+                    for (phase, (len, piece)) in
+                        [(1000, 7), (999, 16), (5, 100)].into_iter().enumerate()
+                    {
+                        for r in m.chunks(len, piece) {
+                            // SAFETY: each piece goes to one member.
+                            let part = unsafe {
+                                shared.part(phase * 1000 + r.start..phase * 1000 + r.end)
+                            };
+                            part.iter_mut().for_each(|v| *v += 1);
+                        }
+                        m.barrier();
+                    }
+                });
+            }
+            for (phase, len) in [1000, 999, 5].into_iter().enumerate() {
+                let h = &hits[phase * 1000..(phase + 1) * 1000];
+                assert!(
+                    h[..len].iter().all(|&v| v == 1),
+                    "{want} members, phase {phase}"
+                );
+                assert!(
+                    h[len..].iter().all(|&v| v == 0),
+                    "{want} members, phase {phase}"
+                );
+            }
         }
     }
 

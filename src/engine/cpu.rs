@@ -8,7 +8,7 @@
 //! would only cost accuracy: they are never stored in bulk).
 
 use crate::cpu::math::{rms_norm, silu};
-use crate::cpu::matmul::{matmul_t, stream_part};
+use crate::cpu::matmul::{matmul_t, product_cols, stream_input};
 use crate::cpu::real::Real;
 use crate::cpu::team::{self, Member, SharedBuf};
 use crate::error::{Error, Result};
@@ -45,20 +45,6 @@ const SMALL_STEP_ROWS: usize = 8;
 /// machine: 34–35 ms/token f32 and 23 bf16 on the team against 20 and 14 on the pool).
 const SMALL_STEP_MAX_BYTES: usize = 32 << 20;
 
-/// Weight bytes per member of a small decode step's thread team: a step that reads less
-/// than twice this runs on the calling thread alone, a larger one on up to the pool's
-/// thread count. (On the 2-core machine, one thread streams a step's weights at ~25 GB/s
-/// and two at ~55 GB/s: 7.3 MB take ~250 µs against ~130 µs; the team's barriers, a few
-/// per layer, and its wake-up cost a few µs, worth paying from about a megabyte: a
-/// choice from these rates, not a measured crossover.)
-const TEAM_BYTES_PER_MEMBER: usize = 512 << 10;
-
-/// How many threads a decode step that reads `step_bytes` of weights runs on: the one
-/// place that decides between the calling thread alone and the team.
-fn step_members(step_bytes: usize) -> usize {
-    (step_bytes / TEAM_BYTES_PER_MEMBER).clamp(1, team::max_members())
-}
-
 /// Buffers of the small decode step: shared ones that members write in parts, and each
 /// member's own. Fresh buffers every step cost page faults (decisions.md, "CPU decode of
 /// small models: one team job per step").
@@ -87,6 +73,8 @@ struct MemberWork<F> {
     /// `[rows, mlp_hidden]`
     act: Vec<F>,
     pre: TokenPre<F>,
+    /// a product's input in the kernels' order
+    xk: Vec<F>,
 }
 
 /// Bytes of one decode step's matrices.
@@ -104,7 +92,8 @@ fn step_bytes(w: &Weights) -> usize {
 }
 
 /// This member's share of `out[rows, W.rows] = x·Wᵀ` (weight rows cut among the members),
-/// on the weight-streaming kernel: the bits of [`matmul_t`].
+/// on the weight-streaming kernel: the bits of [`matmul_t`]. `xk` is the member's own
+/// buffer for the input in the kernels' order.
 ///
 /// # Safety
 /// Every member of the job calls it for the same product, and nobody reads `out` or
@@ -114,25 +103,15 @@ unsafe fn product_share<F: Real>(
     x: &[F],
     rows: usize,
     w: &Matrix,
-    out: &SharedBuf<F>,
-    tmp: &SharedBuf<F>,
+    (out, tmp): (&SharedBuf<F>, &SharedBuf<F>),
+    xk: &mut Vec<F>,
 ) {
-    let n = w.rows;
-    let r = m.share(n, 16);
+    let r = m.share(w.rows, 16);
     if r.is_empty() {
         return;
     }
-    if rows == 1 {
-        return stream_part(x, 1, w, r.start, out.part(r));
-    }
-    let t = tmp.part(r.start * rows..r.end * rows);
-    stream_part(x, rows, w, r.start, t);
-    for b in 0..rows {
-        let o = out.part(b * n + r.start..b * n + r.end);
-        for (jj, o) in o.iter_mut().enumerate() {
-            *o = t[jj * rows + b];
-        }
-    }
+    let xk = stream_input(x, rows, w, xk);
+    product_cols(xk, rows, w, r, (out, tmp), false);
 }
 
 /// Check a batch before anything is touched, so that bad input leaves states unchanged.
@@ -270,7 +249,7 @@ impl<F: Real> CpuModel<F> {
 
     /// A decode step of up to [`SMALL_STEP_ROWS`] sequences (one token each, the last
     /// position's logits wanted) on the thread team ([`crate::cpu::team`]) or the calling
-    /// thread alone ([`step_members`]), in buffers kept across steps: the same arithmetic
+    /// thread alone ([`team::members_for`]), in buffers kept across steps: the same arithmetic
     /// as [`CpuModel::run_in_pool`], so the same bits, on any number of members. `None`
     /// for any other call.
     fn small_step(
@@ -290,7 +269,7 @@ impl<F: Real> CpuModel<F> {
             return None;
         }
         Some(
-            self.small_step_on(seqs, states, step_members(self.step_bytes), false)
+            self.small_step_on(seqs, states, team::members_for(self.step_bytes), false)
                 .map(|(logits, _)| logits),
         )
     }
@@ -410,6 +389,7 @@ impl<F: Real> CpuModel<F> {
             normed,
             act,
             pre,
+            xk,
         } = mine;
         res.clear();
         res.resize(rows * dm, F::zero());
@@ -439,7 +419,7 @@ impl<F: Real> CpuModel<F> {
                 add(res, hs.get());
             }
             norm(res, &lw.norm, normed);
-            product_share(m, normed, rows, &lw.in_proj, proj, tmp);
+            product_share(m, normed, rows, &lw.in_proj, (proj, tmp), xk);
             m.barrier();
             let ctx = MixerCtx {
                 d,
@@ -467,12 +447,12 @@ impl<F: Real> CpuModel<F> {
                 );
             }
             m.barrier();
-            product_share(m, y.get(), rows, &lw.out_proj, hs, tmp);
+            product_share(m, y.get(), rows, &lw.out_proj, (hs, tmp), xk);
             m.barrier();
             if let Some(mlp) = &lw.mlp {
                 add(res, hs.get());
                 norm(res, &mlp.norm, normed);
-                product_share(m, normed, rows, &mlp.fc1, vg, tmp);
+                product_share(m, normed, rows, &mlp.fc1, (vg, tmp), xk);
                 m.barrier();
                 let hidden = d.mlp_hidden;
                 for (a, vg) in act.chunks_mut(hidden).zip(vg.get().chunks(2 * hidden)) {
@@ -480,13 +460,13 @@ impl<F: Real> CpuModel<F> {
                         a[i] = vg[i] * silu(vg[hidden + i]);
                     }
                 }
-                product_share(m, act, rows, &mlp.fc2, hs, tmp);
+                product_share(m, act, rows, &mlp.fc2, (hs, tmp), xk);
                 m.barrier();
             }
         }
         add(res, hs.get());
         norm(res, &w.norm_f, normed);
-        product_share(m, normed, rows, w.head(), out, tmp);
+        product_share(m, normed, rows, w.head(), (out, tmp), xk);
     }
 
     fn run_in_pool(

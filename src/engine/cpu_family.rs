@@ -2,10 +2,11 @@
 //! pipeline in `cpu.rs`): Mamba-3 MIMO, Mamba-1 and Mamba-2, each through its mixer's fast
 //! CPU paths on the engine's flat states.
 //!
-//! MIMO runs any pass as one packed batch (the projections over every row at once). For
-//! Mamba-1 and Mamba-2 a pass of one token per sequence is their batched decode step (every
-//! weight read once for the batch), and a pass of longer sequences prefills each from its
-//! own state in turn (each prefill parallel inside).
+//! MIMO runs any pass as one packed batch (the projections over every row at once), on the
+//! rayon pool. For Mamba-1 and Mamba-2 a pass of one token per sequence is their batched
+//! decode step (every weight read once for the batch), one job on the thread team
+//! (`cpu/team.rs`) in buffers kept here across steps, and a pass of longer sequences
+//! prefills each from its own state in turn (each prefill parallel inside, on the pool).
 
 use super::backend::Backend;
 use super::logits::{HostBuf, LogitsWant, StepLogits};
@@ -13,9 +14,13 @@ use super::state::StateData;
 use crate::error::{Error, Result};
 use crate::mixers::{mamba1, mamba2, mimo, MixerWeights};
 use crate::model::state_layout::StateBuf;
+use std::sync::Mutex;
 
 pub struct FamilyCpu {
     weights: MixerWeights,
+    /// The buffers of Mamba-1's or Mamba-2's decode step, kept across steps.
+    mamba1_work: Mutex<mamba1::step::StepWork<f32>>,
+    mamba2_work: Mutex<mamba2::step::StepWork<f32>>,
 }
 
 impl FamilyCpu {
@@ -26,7 +31,11 @@ impl FamilyCpu {
                 "Mamba-3 SISO runs on the engine's CpuModel, not FamilyCpu",
             ));
         }
-        Ok(FamilyCpu { weights })
+        Ok(FamilyCpu {
+            weights,
+            mamba1_work: Mutex::default(),
+            mamba2_work: Mutex::default(),
+        })
     }
 
     /// Each sequence's tokens from its own state: the rows `want` asks for, logits with
@@ -42,6 +51,12 @@ impl FamilyCpu {
         let tokens: Vec<u32> = seqs.iter().filter_map(|s| s.first().copied()).collect();
         let vp = self.weights.lm_dims().vocab_padded;
         let rows = |flat: Vec<f32>| flat.chunks(vp).map(<[f32]>::to_vec).collect();
+        if one_token_each {
+            let mut logits = Vec::new();
+            if let Some(r) = self.team_step(&tokens, states, &mut logits) {
+                return r.map(|()| rows(logits));
+            }
+        }
         // One trip into the thread pool per call: the parallel loops inside then split
         // their work among the pool's threads instead of each handing it over from this
         // thread and sleeping until it is done (a futex wake-up both ways per loop).
@@ -49,12 +64,6 @@ impl FamilyCpu {
             MixerWeights::Mimo(w) => {
                 let chunk = mimo_chunk_len(w.dims.rank);
                 mimo::mimo_forward(w, seqs, states, chunk, want, head)
-            }
-            MixerWeights::Mamba1(w) if one_token_each => {
-                Ok(rows(mamba1::step::step(w, states, &tokens)?))
-            }
-            MixerWeights::Mamba2(w) if one_token_each => {
-                Ok(rows(mamba2::step::step(w, states, &tokens)?))
             }
             MixerWeights::Mamba1(w) => seqs
                 .iter()
@@ -68,6 +77,34 @@ impl FamilyCpu {
                 .collect(),
             MixerWeights::Mamba3(_) => unreachable!("refused by FamilyCpu::new"),
         })
+    }
+
+    /// A decode step on the thread team (`cpu/team.rs`: no pool wake-ups, buffers kept
+    /// across steps), its logits `[batch, vocab_padded]` into `logits`; `None` for a
+    /// family whose step runs on the pool.
+    fn team_step(
+        &self,
+        tokens: &[u32],
+        states: &mut [&mut StateBuf<f32>],
+        logits: &mut Vec<f32>,
+    ) -> Option<Result<()>> {
+        // A step that finds the buffers taken (another thread's step of this model) runs
+        // in fresh ones.
+        fn kept<T: Default>(m: &Mutex<T>, f: impl FnOnce(&mut T) -> Result<()>) -> Result<()> {
+            match m.try_lock() {
+                Ok(mut g) => f(&mut g),
+                Err(_) => f(&mut T::default()),
+            }
+        }
+        match &self.weights {
+            MixerWeights::Mamba1(w) => Some(kept(&self.mamba1_work, |work| {
+                mamba1::step::step_into(w, states, tokens, work, logits)
+            })),
+            MixerWeights::Mamba2(w) => Some(kept(&self.mamba2_work, |work| {
+                mamba2::step::step_into(w, states, tokens, work, logits)
+            })),
+            _ => None,
+        }
     }
 }
 
@@ -94,13 +131,19 @@ impl Backend for FamilyCpu {
         states: &mut [&mut StateData],
         out: &mut StepLogits,
     ) -> Result<()> {
+        let mut states = StateData::hosts_mut(states)?;
+        // The step's logits straight into the caller's buffer, kept from step to step.
+        let mut buf = match std::mem::replace(&mut out.buf, HostBuf::Heap(Vec::new())) {
+            HostBuf::Heap(v) => v,
+            #[cfg(feature = "cuda")]
+            HostBuf::Pinned(_) => Vec::new(),
+        };
+        if let Some(r) = self.team_step(tokens, &mut states, &mut buf) {
+            out.buf = HostBuf::Heap(buf);
+            return r;
+        }
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
-        let rows = self.run(
-            &seqs,
-            &mut StateData::hosts_mut(states)?,
-            LogitsWant::Last,
-            true,
-        )?;
+        let rows = self.run(&seqs, &mut states, LogitsWant::Last, true)?;
         out.buf = HostBuf::Heap(rows.concat());
         Ok(())
     }

@@ -213,18 +213,22 @@ pub fn mamba1(
         n_layer,
         vocab,
         seed.is_multiple_of(2),
-        |g| Mamba1Mixer {
-            in_proj: g.matrix(2 * di, d_model, 2.0),
-            in_proj_bias: g.maybe(m.proj_bias, 2 * di),
-            conv_weight: g.vec(di * k, -0.6, 0.6),
-            conv_bias: g.maybe(m.conv_bias, di),
-            x_proj: g.matrix(r + 2 * n, di, 2.0),
-            dt_proj: g.matrix(di, r, 1.0),
-            dt_bias: g.dt_bias(di, 0.005, 0.5),
-            a_log: g.vec(di * n, 0.0, 16f64.ln()),
-            d: g.vec(di, 0.5, 1.5),
-            out_proj: g.matrix(d_model, di, 1.0),
-            out_proj_bias: g.maybe(m.proj_bias, d_model),
+        |g| {
+            Mamba1Mixer {
+                in_proj: g.matrix(2 * di, d_model, 2.0),
+                in_proj_bias: g.maybe(m.proj_bias, 2 * di),
+                conv_weight: g.vec(di * k, -0.6, 0.6),
+                conv_bias: g.maybe(m.conv_bias, di),
+                x_proj: g.matrix(r + 2 * n, di, 2.0),
+                dt_proj: g.matrix(di, r, 1.0),
+                dt_bias: g.dt_bias(di, 0.005, 0.5),
+                a_log: g.vec(di * n, 0.0, 16f64.ln()),
+                a_neg: Vec::new(),
+                d: g.vec(di, 0.5, 1.5),
+                out_proj: g.matrix(d_model, di, 1.0),
+                out_proj_bias: g.maybe(m.proj_bias, d_model),
+            }
+            .with_a()
         },
     )
 }

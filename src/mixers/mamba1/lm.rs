@@ -3,7 +3,8 @@
 //! head over `vocab_padded` rows.
 
 use crate::cpu::math::{rms_norm, silu};
-use crate::cpu::matmul::matmul_t;
+use crate::cpu::matmul::{matmul_t, piece_rows, product_cols, stream_input};
+use crate::cpu::team::{Member, SharedBuf};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::mixers::LogitsWant;
@@ -289,4 +290,124 @@ pub fn decay_exp<F: Real>(x: F, cutoff: F) -> F {
 /// The cutoff of [`decay_exp`]: `ln(smallest normal) / 2` (−43.7 in f32, −354 in f64).
 pub fn decay_cutoff<F: Real>() -> F {
     F::min_positive_value().ln() * F::from_f(0.5)
+}
+
+/// One token's causal conv of the channels `c0 ..` of `x` (their new inputs), `conv` their
+/// rows of the conv state `[width, K]` (oldest first), shifted to take `x`; writes
+/// `o = silu(Σ_k conv[c,k]·w[c,k] + b[c])`: the operations of [`conv_rows`] for one row,
+/// without its transposed copies and buffers (a decode step's conv).
+pub fn conv_token<F: Real>(x: &[F], c0: usize, conv: &mut [F], taps: ConvTaps, o: &mut [F]) {
+    let k = taps.d_conv;
+    for (i, ((row, &xv), o)) in conv.chunks_exact_mut(k).zip(x).zip(o).enumerate() {
+        let c = c0 + i;
+        let w = &taps.weight[c * k..(c + 1) * k];
+        let mut acc = match taps.bias {
+            Some(b) => F::from_f(b[c] as f64),
+            None => F::zero(),
+        };
+        row.copy_within(1.., 0);
+        row[k - 1] = xv;
+        for (&v, &t) in row.iter().zip(w) {
+            acc = acc + v * F::from_f(t as f64);
+        }
+        *o = silu(acc);
+    }
+}
+
+/// The buffers of a decode step on the thread team (`cpu/team.rs`) that the LM around
+/// any mixer shares among the members.
+pub(crate) struct TeamShared<'a, F> {
+    /// `[rows, D_m]`: each layer's mixer output (out_proj, bias added)
+    pub hs: SharedBuf<'a, F>,
+    /// `[widest product, rows]`: the products' transposes for batches
+    pub tmp: SharedBuf<'a, F>,
+    /// `[rows, vocab_padded]`: the logits
+    pub out: SharedBuf<'a, F>,
+    /// each sequence's state: `(layer_len, data)`
+    pub states: Vec<(usize, SharedBuf<'a, F>)>,
+}
+
+/// A member's own buffers for the LM around the mixer (kept across steps).
+#[derive(Default)]
+pub(crate) struct TeamLm<F> {
+    /// `[rows, D_m]`: the residual stream (the same values in every member)
+    res: Vec<F>,
+    /// `[rows, D_m]`: its norm
+    normed: Vec<F>,
+    /// a product's input in the kernels' order
+    pub xk: Vec<F>,
+}
+
+/// One member's part of a team decode step of the LM (the operations of [`lm_rows`], so
+/// the same bits on any number of members): the embedding, then per layer the residual
+/// add, the norm and `mixer(member, layer, weights, normed rows, xk)`, which leaves the
+/// layer's output in `sh.hs` and meets the others at a barrier after writing it; then
+/// `norm_f` and the head, its rows taken piece by piece.
+///
+/// # Safety
+/// Called by every member of one job, with the shared buffers sized for the batch.
+pub(crate) unsafe fn team_lm<F: Real, M>(
+    m: &Member,
+    w: &LmWeights<M>,
+    tokens: &[u32],
+    lm: &mut TeamLm<F>,
+    sh: &TeamShared<F>,
+    mut mixer: impl FnMut(usize, &M, &[F], &mut Vec<F>),
+) {
+    let rows = tokens.len();
+    let dm = w.embedding.cols;
+    let eps = F::from_f(w.config.norm_eps);
+    let TeamLm { res, normed, xk } = lm;
+    res.resize(rows * dm, F::zero());
+    normed.resize(rows * dm, F::zero());
+    for (row, &t) in res.chunks_mut(dm).zip(tokens) {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = F::from_f(w.embedding.data.get_f64(t as usize * dm + j));
+        }
+    }
+    let add = |res: &mut [F], hs: &[F]| {
+        for (r, &o) in res.iter_mut().zip(hs) {
+            *r = *r + o;
+        }
+    };
+    for (l, block) in w.layers.iter().enumerate() {
+        if l > 0 {
+            add(res, sh.hs.get());
+        }
+        norm_rows(res, &block.norm, eps, normed, dm);
+        mixer(l, &block.mixer, normed, xk);
+    }
+    add(res, sh.hs.get());
+    norm_rows(res, &w.norm_f, eps, normed, dm);
+    let head = w.head();
+    let x = stream_input(normed, rows, head, xk);
+    for js in m.chunks(head.rows, piece_rows(head)) {
+        product_cols(x, rows, head, js, (&sh.out, &sh.tmp), true);
+    }
+}
+
+/// Columns `js` of `out[rows, W.rows] = x·Wᵀ + bias` (the operations of [`project`]) for
+/// a member of a team, `xk` from [`stream_input`]; weights streaming from memory (f32
+/// rows 8 at a time).
+///
+/// # Safety
+/// As [`product_cols`]: nobody else touches these columns of `out` or `tmp` until the
+/// next barrier.
+pub(crate) unsafe fn project_cols<F: Real>(
+    xk: &[F],
+    rows: usize,
+    (w, bias): (&Matrix, Option<&[f32]>),
+    js: std::ops::Range<usize>,
+    (out, tmp): (&SharedBuf<F>, &SharedBuf<F>),
+) {
+    product_cols(xk, rows, w, js.clone(), (out, tmp), true);
+    if let Some(bias) = bias {
+        let n = w.rows;
+        for b in 0..rows {
+            let o = out.part(b * n + js.start..b * n + js.end);
+            for (v, &bb) in o.iter_mut().zip(&bias[js.clone()]) {
+                *v = *v + F::from_f(bb as f64);
+            }
+        }
+    }
 }

@@ -100,17 +100,29 @@ pub(crate) fn deltas<F: Real>(
     proj: &[F],
     rows: usize,
 ) -> Vec<F> {
+    let mut delta = Vec::new();
+    deltas_into(c, mw, proj, rows, &mut delta);
+    delta
+}
+
+/// [`deltas`] into `delta`, a buffer the caller keeps.
+pub(crate) fn deltas_into<F: Real>(
+    c: &Mamba2Config,
+    mw: &Mamba2Mixer,
+    proj: &[F],
+    rows: usize,
+    delta: &mut Vec<F>,
+) {
     let (h_n, width) = (c.nheads, c.d_in_proj());
     let dt_off = 2 * c.d_mlp() + c.d_ssm + c.conv_dim();
     let (lo, hi) = (F::from_f(c.dt_limit.0), F::from_f(c.dt_limit.1));
-    let mut delta = vec![F::zero(); rows * h_n];
+    delta.resize(rows * h_n, F::zero());
     for t in 0..rows {
         for h in 0..h_n {
             let u = proj[t * width + dt_off + h] + F::from_f(mw.dt_bias[h] as f64);
             delta[t * h_n + h] = softplus(u).max(lo).min(hi);
         }
     }
-    delta
 }
 
 /// From the SSM output `y` `[rows, d_ssm]` to the out_proj input `[rows, D_i]`: the gate,
@@ -122,9 +134,22 @@ pub(crate) fn gate_rows<F: Real>(
     y_ssm: &[F],
     rows: usize,
 ) -> Vec<F> {
+    let mut o = vec![F::zero(); rows * c.d_inner];
+    gate_rows_into(c, mw, proj, y_ssm, rows, &mut o);
+    o
+}
+
+/// [`gate_rows`] into `o` `[rows, D_i]`, a buffer the caller keeps.
+pub(crate) fn gate_rows_into<F: Real>(
+    c: &Mamba2Config,
+    mw: &Mamba2Mixer,
+    proj: &[F],
+    y_ssm: &[F],
+    rows: usize,
+    o: &mut [F],
+) {
     let (d_mlp, d_ssm, width) = (c.d_mlp(), c.d_ssm, c.d_in_proj());
     let z_off = 2 * d_mlp;
-    let mut o = vec![F::zero(); rows * c.d_inner];
     let eps = F::from_f(c.gated_norm_eps);
     for t in 0..rows {
         let pr = &proj[t * width..(t + 1) * width];
@@ -153,7 +178,6 @@ pub(crate) fn gate_rows<F: Real>(
             }
         }
     }
-    o
 }
 
 /// `C·Bᵀ` of every chunk and group, shared by the group's heads: chunk `k`, group `g` at
