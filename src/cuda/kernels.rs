@@ -195,7 +195,12 @@ pub fn state_define(dtype: DType) -> &'static str {
 /// The row stride of the in_proj output: `d_in_proj` rounded up to 8 (16-byte-aligned f32
 /// rows; cuBLASLt's bf16 kernels were seen to write NaN into f32 rows 2760 bytes apart).
 pub fn proj_ld(d: &Dims) -> usize {
-    d.d_in_proj.next_multiple_of(8)
+    proj_stride(d.d_in_proj)
+}
+
+/// [`proj_ld`] for a row of `d_in_proj` values (also MIMO's fused decode).
+pub fn proj_stride(d_in_proj: usize) -> usize {
+    d_in_proj.next_multiple_of(8)
 }
 
 /// An f32 constant written so that NVRTC reads back exactly the same bits.

@@ -13,8 +13,8 @@
 use super::{GpuMimo, MimoDims, MimoScan, MIMO_SCAN, MIMO_STEP};
 use crate::cuda::context::{DevBuf, Gpu, KArg, Kernel};
 use crate::cuda::kernels::{
-    f32_literal, state_define, KernelConfig, Module, Program, COMMON, DECODE_LAYERS, DTYPES, GEMV,
-    LANES,
+    f32_literal, proj_stride, state_define, KernelConfig, Module, Program, COMMON, DECODE_LAYERS,
+    DTYPES, GEMV, LANES,
 };
 use crate::error::Result;
 use crate::mixers::mamba1::cuda::act_define;
@@ -83,7 +83,7 @@ pub fn fused_config(
     i(&mut k, "NHEADS", d.nheads);
     i(&mut k, "NGROUPS", d.ngroups);
     i(&mut k, "D_IN_PROJ", d.d_in_proj);
-    i(&mut k, "PROJ_LD", proj_ld(d.d_in_proj));
+    i(&mut k, "PROJ_LD", proj_stride(d.d_in_proj));
     i(&mut k, "MLP_HIDDEN", d.mlp_hidden);
     // (common.cuh's SISO helpers name these; MIMO's step takes its own from `MimoScan`)
     i(&mut k, "OUTNORM", 0);
@@ -94,11 +94,6 @@ pub fn fused_config(
     k.set("NORM", act_define(normed));
     k.set("STATE", state_define(layout.state_dtype()));
     Ok(Some(k))
-}
-
-/// The in_proj rows' stride in the fused step.
-fn proj_ld(d_in_proj: usize) -> usize {
-    d_in_proj.next_multiple_of(8)
 }
 
 /// The fused decode of one MIMO model on its device: the kernels, the layer table and the
@@ -157,7 +152,7 @@ impl FusedDecode {
             kern.allow_smem(smem as usize)?;
             kernels.push((kern, smem));
         }
-        let ld = proj_ld(d.d_in_proj);
+        let ld = proj_stride(d.d_in_proj);
         let table: Vec<FusedLayer> = mimo
             .layers
             .iter()
