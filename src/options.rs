@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 /// Each variable, its values and what it does (the README's table).
-pub const VARIABLES: [(&str, &str); 16] = [
+pub const VARIABLES: [(&str, &str); 17] = [
     ("MAMBA3_TIMELINE", "`1`: print when each stage of start-up ends (checkpoint read, device opened, kernels compiled or read from the cache, weights uploaded, each pass); `2`: also wait for and time every GPU step"),
     ("MAMBA3_KERNEL_CACHE", "folder of the compiled-kernel cache and the GEMM algorithm choices (default `~/.cache/mamba3/kernels`)"),
     ("MAMBA3_GPU_DEBUG", "`1`: check every GPU step's output for non-finite values and name the first"),
@@ -24,6 +24,7 @@ pub const VARIABLES: [(&str, &str); 16] = [
     ("MAMBA3_GPU_SCAN_F16", "`0`: keep the TF32 scan where f16 tensor cores would be chosen (an A/B diagnostic)"),
     ("MAMBA3_GPU_PROJ_F16", "`0`: keep the f32 in_proj output of 16-bit models (an A/B diagnostic)"),
     ("MAMBA3_GPU_CHUNKS_PER_SEGMENT", "`P` or `P/T`: force the prefill scan's segment plan (an A/B diagnostic)"),
+    ("MAMBA3_GPU_MIMO_CHUNK", "tokens: the MIMO prefill scan's chunk length (a block's walk) instead of the model's choice (an A/B diagnostic)"),
     ("MAMBA3_GPU_DEFINES", "`NAME=VALUE …`: kernel constants added or overridden, to measure a tuning without a rebuild"),
 ];
 
@@ -89,6 +90,7 @@ pub struct EnvOptions {
     pub scan_f16: bool,
     pub proj_f16: bool,
     pub chunks_per_segment: Option<String>,
+    pub mimo_chunk: Option<usize>,
     pub gpu_defines: Option<String>,
 }
 
@@ -108,6 +110,9 @@ pub fn env() -> &'static EnvOptions {
         scan_f16: flag("MAMBA3_GPU_SCAN_F16", true),
         proj_f16: flag("MAMBA3_GPU_PROJ_F16", true),
         chunks_per_segment: var("MAMBA3_GPU_CHUNKS_PER_SEGMENT"),
+        mimo_chunk: var("MAMBA3_GPU_MIMO_CHUNK")
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&n| n > 0),
         gpu_defines: var("MAMBA3_GPU_DEFINES"),
     })
 }

@@ -12,11 +12,12 @@
 //! shared-memory tiles (`scan_tiles.cuh`, shared with Mamba-2's and SISO's scans): exact
 //! f32 FMA for f32 models, TF32 for bf16 ones, f16 for f16 ones, f32 accumulation
 //! (`scan_products`). Chunk states from zero, their carry along each sequence (seeded with
-//! the boundary fold), then the outputs — one launch when every sequence is one chunk. Passes of at most
+//! the boundary fold), then the outputs, each tile ending with the rank-combining gate —
+//! one launch when every sequence is one chunk. Passes of at most
 //! `RECURRENT_ROWS_PER_SEQ` rows per sequence, every sequence one chunk (decode steps),
 //! take the fused step instead (`kernels/mimo_step.cu`): the recurrent form, with the
 //! preprocessing, phases, gate and state tail of the pass, in one launch — the chunked
-//! scan's tiles would be mostly padding, and each of the six launches it replaces is mostly
+//! scan's tiles would be mostly padding, and each launch it replaces is mostly
 //! latency at batch 1 — except with `batch_invariant`, where every pass takes the chunked
 //! scan.
 
@@ -139,6 +140,9 @@ const RECURRENT_ROWS_PER_SEQ: usize = 4;
 /// Rows (tokens) per chunk of the scan, a block of the chunked scan each, walked in tiles of
 /// `CHUNK / R` tokens (the chunk states of a long pass are `H·P·N` floats each).
 pub fn chunk_len(rows: usize) -> usize {
+    if let Some(n) = crate::options::env().mimo_chunk {
+        return n;
+    }
     if rows <= 16384 {
         64
     } else {
@@ -216,7 +220,6 @@ struct Kernels {
     chunk_carry: Kernel,
     chunk_out: Kernel,
     tail: Kernel,
-    gate: Kernel,
     glu: Kernel,
     rms_norm: Kernel,
     /// threads of a fused-step block
@@ -240,7 +243,6 @@ struct Bufs {
     bcn: u64,
     coef: u64,
     cs: u64,
-    y: u64,
     gated: u64,
     h_chunk: u64,
     log_decay: u64,
@@ -296,7 +298,6 @@ impl GpuMimo {
             chunk_carry: module.kernel("mimo_chunk_carry")?,
             chunk_out: module.kernel("mimo_chunk_out")?,
             tail: module.kernel("mimo_tail")?,
-            gate: module.kernel("mimo_gate")?,
             glu: module.kernel("mimo_glu")?,
             rms_norm: module.kernel("fam_rms_norm")?,
             step_threads: module.global("mimo_step_threads")?,
@@ -324,7 +325,6 @@ impl GpuMimo {
             bcn: c.take(rows * 2 * d.bc_width(), 4),
             coef: c.take(rows * d.nheads, 16),
             cs: c.take((rows * d.nheads * d.num_rope_angles).max(1), 8),
-            y: c.take(rows * d.nheads * d.rank * d.headdim, 4),
             gated: c.take(rows * d.d_inner, act_bytes),
             h_chunk: c.take(chunks * state, 4),
             log_decay: c.take(chunks * d.nheads, 4),
@@ -417,7 +417,7 @@ impl GpuMimo {
             let carry_grid = (pass.seqs as u32 * heads, per_head.div_ceil(256) as u32, 1);
             gpu.launch(&self.k.chunk_carry, carry_grid, 256, 0, false, &args)?;
         }
-        let args: [&dyn KArg; 5] = [p, &t, &b.h_chunk, &direct, &b.y];
+        let args: [&dyn KArg; 5] = [p, &t, &b.h_chunk, &direct, &b.gated];
         gpu.launch(&self.k.chunk_out, grid, threads, smem, false, &args)
     }
 
@@ -474,8 +474,6 @@ impl GpuMimo {
             self.chunked_scan(run, &p, &b)?;
             let args: [&dyn KArg; 4] = [&p, &seq_row0, &seq_len, &seq_state];
             gpu.launch(&self.k.tail, (pass.seqs as u32, 1, 1), 256, 0, false, &args)?;
-            let args: [&dyn KArg; 3] = [&p, &b.y, &b.gated];
-            gpu.launch(&self.k.gate, grid_rows, 256, 0, false, &args)?;
         }
         w.out_proj.apply(run, b.gated, residual, true)?;
 

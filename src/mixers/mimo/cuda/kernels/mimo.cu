@@ -8,9 +8,9 @@
 //                   sequence from its state, cos φ and sin φ per row, the last φ to the state
 //   the scan        the chunked matrix form on the tensor cores (mimo_chunk.cu:
 //                   mimo_chunk_states, mimo_chunk_carry, mimo_chunk_out); y_r = h·q̃_r + D·u_r
-//                   before the gate
+//                   and, in mimo_chunk_out's tiles, the gate: o = Σ_r ω_r ⊙ G(y_r) ⊙
+//                   silu(z ⊙ ζ_r) in the GEMM dtype
 //   mimo_tail       per sequence: the state's k (last row's rotated keys) and v (last raw x)
-//   mimo_gate       per row: o = Σ_r ω_r ⊙ G(y_r) ⊙ silu(z ⊙ ζ_r) in the GEMM dtype
 //   mimo_glu        per row (GatedMLP blocks): v ⊙ silu(g)
 //
 // A pass of a few rows per sequence (decode steps) takes mimo_step (mimo_step.cu) instead of
@@ -108,39 +108,6 @@ extern "C" __global__ void mimo_tail(MimoScan p, const int* seq_row0, const int*
     }
     for (int e = threadIdx.x; e < p.heads * p.headdim; e += blockDim.x)
         st[p.v_off + e] = p.proj[row * p.ld + p.x_off + e];
-}
-
-// o = Σ_r ω_r ⊙ G(y_r) ⊙ silu(z ⊙ ζ_r) (§2.7), G the per-rank RMSNorm over P times
-// out_norm[h] when there is one. One block per row, a warp per head.
-extern "C" __global__ void mimo_gate(MimoScan p, const float* y, act_t* out) {
-    const size_t row = blockIdx.x;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int pn = p.headdim;
-    for (int h = warp; h < p.heads; h += warps) {
-        const float* yh = y + (row * p.heads + h) * MIMO_R * pn;
-        float rr[MIMO_R];
-#pragma unroll
-        for (int r = 0; r < MIMO_R; ++r) {
-            rr[r] = 1.f;
-            if (p.out_norm) {
-                float ss = 0.f;
-                for (int i = lane; i < pn; i += 32) ss += yh[r * pn + i] * yh[r * pn + i];
-                rr[r] = 1.f / sqrtf(fam_warp_sum(ss) / (float)pn + p.eps);
-            }
-        }
-        const float* z = p.proj + row * p.ld + h * pn;
-        for (int i = lane; i < pn; i += 32) {
-            float o = 0.f;
-#pragma unroll
-            for (int r = 0; r < MIMO_R; ++r) {
-                const int at = (h * MIMO_R + r) * pn + i;
-                float g = yh[r * pn + i];
-                if (p.out_norm) g = g * rr[r] * p.out_norm[h * pn + i];
-                o = o + p.mimo_o[at] * g * silu_f(z[i] * p.mimo_z[at]);
-            }
-            out[row * (size_t)(p.heads * pn) + h * pn + i] = from_f<act_t>(o);
-        }
-    }
 }
 
 // out[r, i] = v ⊙ silu(g) with [v ‖ g] = vg[r, :] (the GatedMLP's fc1 output, f32 [rows, 2·w]),

@@ -26,17 +26,32 @@
 //   mimo_chunk_carry:  per (sequence, head), the state entering each chunk, seeded with the
 //                      folded carried state;
 //   mimo_chunk_out:    from the entering state (the carry's, or the folded carried state
-//                      when every sequence is one chunk: `direct`), y_r before the gate
-//                      (f32 [rows, H, R, P]) and, for a sequence's last chunk, its final state.
+//                      when every sequence is one chunk: `direct`), each tile's y_r staged
+//                      in shared memory and through the gate (mimo_tile_gate: D·u_r, the
+//                      per-rank norm, the rank sum) into out_proj's input; for a sequence's
+//                      last chunk, its final state. (The gate as a kernel of its own cost
+//                      0.7 ms a layer at B=8 T=4096 on an H100, most of it y's f32 round trip.)
 // HEADDIM, DSTATE, MIMO_R and CHUNK (pseudo-rows of a tile) are compile-time.
 
 #define MIMO_TOK (CHUNK / MIMO_R)  // tokens per tile
 #if MIMO_TOK < 1
 #error "CHUNK must hold at least one token's MIMO_R pseudo-rows"
 #endif
-// Per-token tables of a tile after the operand tiles: Lc (a before the prefix sum), γ, c.
-#define MIMO_CHUNK_SMEM (SCAN_TILES + ALIGN128(3 * CHP * 4))
-#define MIMO_CHUNK_MINB (MIMO_CHUNK_SMEM <= 110 * 1024 ? 2 : 1)
+// After the operand tiles: a tile's y for the gate (f32 [CHP][LDY]); its tokens' x and z
+// (f32 [MIMO_TOK][P] each); per token Lc (a before the prefix sum), γ, c, and per
+// pseudo-row the gate's 1/rms; then the head's constants, read once per block: B_bias and
+// C_bias [2][R][N], ψ, ζ and ω [3][R][P].
+#define LDY (PP + 4)
+#define MIMO_Y_BYTES ALIGN128(CHP * LDY * 4)
+#define MIMO_XZ_BYTES ALIGN128(2 * MIMO_TOK * HEADDIM * 4)
+#define MIMO_TABLES ALIGN128(4 * CHP * 4)
+#define MIMO_HEAD_FLOATS (2 * MIMO_R * DSTATE + 3 * MIMO_R * HEADDIM)
+#define MIMO_CHUNK_SMEM (SCAN_TILES + MIMO_Y_BYTES + MIMO_XZ_BYTES + MIMO_TABLES + ALIGN128(MIMO_HEAD_FLOATS * 4))
+// Two blocks an SM when two fit in its 228 KB (each also takes 1 KB the system reserves).
+#define MIMO_CHUNK_MINB (2 * (MIMO_CHUNK_SMEM + 1024) <= 228 * 1024 ? 2 : 1)
+// Floats per load of a B̄/C̄ half row (a float4 when N/2 is a multiple of 4: bcn's rows and
+// the carve's buffers are 16-byte aligned then).
+#define MIMO_KV ((DSTATE / 2) % 4 == 0 ? 4 : 1)
 // Read by the host (cuModuleGetGlobal) to size the launch.
 extern "C" __device__ int mimo_chunk_smem_bytes = MIMO_CHUNK_SMEM;
 extern "C" __device__ int mimo_chunk_threads = SCAN_THREADS;
@@ -67,58 +82,177 @@ __device__ __forceinline__ float mimo_fold_weight(const MimoScan& p, size_t row,
     return cf.w - cf.z;
 }
 
+template <int V> __device__ __forceinline__ void mimo_ldv(float (&d)[V], const float* src) {
+    if constexpr (V == 4) {
+        const float4 t = __ldg(reinterpret_cast<const float4*>(src));
+        d[0] = t.x, d[1] = t.y, d[2] = t.z, d[3] = t.w;
+    } else {
+#pragma unroll
+        for (int u = 0; u < V; ++u) d[u] = __ldg(src + u);
+    }
+}
+
 // K̃ (and Q̃) of a tile's `rows` pseudo-rows from row r0: B̄ (C̄) of the head's group plus
-// the head's bias, the pairs (n, n + N/2) with n < S turned by the row's phase (§2.4); zero
-// past the pseudo-rows. A thread's loads go in batches of MIMO_LOAD_BATCH passes, all
-// issued before the batch's shared stores (which the compiler would not move them across).
-#define MIMO_LOAD_BATCH 4
+// the head's bias (s_bias), the pairs (n, n + N/2) with n < S turned by the row's phase
+// (§2.4); zero past the pseudo-rows. A thread takes MIMO_KV consecutive n of a pseudo-row
+// per item; every load of a batch of items is issued before its shared stores (which the
+// compiler would not move them across), so a tile waits on memory about once.
+// (Two items at a time where registers allow: the 16-bit and exact-f32 products' larger
+// fragments spilled with two.)
+#ifndef MIMO_LOAD_BATCH
+#define MIMO_LOAD_BATCH (SCAN_MMA == 1 ? 2 : 1)
+#endif
 template <bool OUT>
-__device__ __forceinline__ void mimo_build_kq(const MimoScan& p, size_t r0, int rows, int h, int g, op_t* sK,
-                                              op_t* sQ) {
-    constexpr int NH = DSTATE / 2;
-    constexpr int IT = (CHP * NH + SCAN_THREADS - 1) / SCAN_THREADS;  // passes of the block
+__device__ __forceinline__ void mimo_build_kq(const MimoScan& p, size_t r0, int rows, int h, int g,
+                                              const float* s_bias, op_t* sK, op_t* sQ) {
+    constexpr int NH = DSTATE / 2, V = MIMO_KV, NV = NH / V;
+    constexpr int IT = (CHP * NV + SCAN_THREADS - 1) / SCAN_THREADS;  // items per thread
     const int bcw = MIMO_R * p.groups * DSTATE;
+#pragma unroll
     for (int i0 = 0; i0 < IT; i0 += MIMO_LOAD_BATCH) {
-        float k[MIMO_LOAD_BATCH][2], q[MIMO_LOAD_BATCH][2];
-        float2 cs[MIMO_LOAD_BATCH];
+        float k[MIMO_LOAD_BATCH][2][V], q[MIMO_LOAD_BATCH][2][V];
+        float2 cs[MIMO_LOAD_BATCH][V];
 #pragma unroll
         for (int u = 0; u < MIMO_LOAD_BATCH; ++u) {
-            const int e = (i0 + u) * SCAN_THREADS + threadIdx.x, i = e / NH, n = e % NH;
-            k[u][0] = k[u][1] = q[u][0] = q[u][1] = 0.f;
-            cs[u] = make_float2(1.f, 0.f);
+            const int e = (i0 + u) * SCAN_THREADS + threadIdx.x, i = e / NV, n = (e % NV) * V;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                k[u][0][v] = k[u][1][v] = q[u][0][v] = q[u][1][v] = 0.f;
+                cs[u][v] = make_float2(1.f, 0.f);
+            }
             if (i0 + u < IT && i < rows) {
                 const int j = i / MIMO_R, r = i % MIMO_R;
                 const size_t row = r0 + j;
                 const float* src = p.bcn + row * 2 * bcw + (r * p.groups + g) * DSTATE + n;
-                const float* kb = p.b_bias + (h * MIMO_R + r) * DSTATE + n;
-                k[u][0] = __ldg(src) + __ldg(kb);
-                k[u][1] = __ldg(src + NH) + __ldg(kb + NH);
+                mimo_ldv<V>(k[u][0], src);
+                mimo_ldv<V>(k[u][1], src + NH);
                 if (OUT) {
-                    const float* qb = p.c_bias + (h * MIMO_R + r) * DSTATE + n;
-                    q[u][0] = __ldg(src + bcw) + __ldg(qb);
-                    q[u][1] = __ldg(src + bcw + NH) + __ldg(qb + NH);
+                    mimo_ldv<V>(q[u][0], src + bcw);
+                    mimo_ldv<V>(q[u][1], src + bcw + NH);
                 }
-                if (n < p.angles) cs[u] = __ldg(p.cs + (row * p.heads + h) * p.angles + n);
+                const float2* csr = p.cs + (row * p.heads + h) * p.angles;
+#pragma unroll
+                for (int v = 0; v < V; ++v)
+                    if (n + v < p.angles) cs[u][v] = __ldg(csr + n + v);
             }
         }
 #pragma unroll
         for (int u = 0; u < MIMO_LOAD_BATCH; ++u) {
-            const int e = (i0 + u) * SCAN_THREADS + threadIdx.x, i = e / NH, n = e % NH;
+            const int e = (i0 + u) * SCAN_THREADS + threadIdx.x, i = e / NV, n = (e % NV) * V;
             if (i0 + u >= IT || i >= CHP) break;
-            const float c = cs[u].x, sn = cs[u].y;
-            put_one(&sK[i * LDK + n], k[u][0] * c - k[u][1] * sn);
-            put_one(&sK[i * LDK + n + NH], k[u][0] * sn + k[u][1] * c);
-            if (OUT) {
-                put_one(&sQ[i * LDQ + n], q[u][0] * c - q[u][1] * sn);
-                put_one(&sQ[i * LDQ + n + NH], q[u][0] * sn + q[u][1] * c);
+            const bool live = i < rows;  // padding rows stay zero (no bias)
+            const int r = i % MIMO_R;
+            const float* kb = s_bias + r * DSTATE + n;
+            const float* qb = s_bias + (MIMO_R + r) * DSTATE + n;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                const float c = cs[u][v].x, sn = cs[u][v].y;
+                const float k0 = live ? k[u][0][v] + kb[v] : 0.f, k1 = live ? k[u][1][v] + kb[v + NH] : 0.f;
+                put_one(&sK[i * LDK + n + v], k0 * c - k1 * sn);
+                put_one(&sK[i * LDK + n + v + NH], k0 * sn + k1 * c);
+                if (OUT) {
+                    const float q0 = live ? q[u][0][v] + qb[v] : 0.f, q1 = live ? q[u][1][v] + qb[v + NH] : 0.f;
+                    put_one(&sQ[i * LDQ + n + v], q0 * c - q1 * sn);
+                    put_one(&sQ[i * LDQ + n + v + NH], q0 * sn + q1 * c);
+                }
             }
         }
     }
 }
 
+// x and z of a tile's tokens into s_x, s_z (f32 [MIMO_TOK][P]): the loads of a thread's
+// share first, then its stores, so that they overlap the keys' loads (the caller issues
+// those between `mimo_xz_load` and `mimo_xz_store`).
+#define MIMO_XZIT ((MIMO_TOK * HEADDIM + SCAN_THREADS - 1) / SCAN_THREADS)
+struct MimoXz {
+    float x[MIMO_XZIT], z[MIMO_XZIT];
+};
+__device__ __forceinline__ MimoXz mimo_xz_load(const MimoScan& p, int h, size_t r0, int len) {
+    MimoXz v;
+    const float* zh = p.proj + h * HEADDIM;  // z of this head at row·ld; x at + x_off
+#pragma unroll
+    for (int t = 0; t < MIMO_XZIT; ++t) {
+        const int e = t * SCAN_THREADS + threadIdx.x, j = e / HEADDIM, pp = e % HEADDIM;
+        v.x[t] = v.z[t] = 0.f;
+        if (j < len) {
+            v.z[t] = __ldg(zh + (r0 + j) * p.ld + pp);
+            v.x[t] = __ldg(zh + (r0 + j) * p.ld + p.x_off + pp);
+        }
+    }
+    return v;
+}
+__device__ __forceinline__ void mimo_xz_store(const MimoXz& v, float* s_x, float* s_z) {
+#pragma unroll
+    for (int t = 0; t < MIMO_XZIT; ++t) {
+        const int e = t * SCAN_THREADS + threadIdx.x;
+        if (e < MIMO_TOK * HEADDIM) {
+            s_x[e] = v.x[t];
+            s_z[e] = v.z[t];
+        }
+    }
+}
+
+// The gate of a tile's tokens (§2.7), from y staged in sY: y_r += D·x ⊙ ψ_r, then
+// o = Σ_r ω_r ⊙ G(y_r) ⊙ silu(z ⊙ ζ_r), G the per-rank RMSNorm over P times out_norm[h]
+// when there is one, written in the GEMM dtype to out [rows, H·P]. A thread per (token,
+// channel); with a norm, y goes back to sY and a warp per pseudo-row sums its squares
+// (lanes in a fixed order).
+#define MIMO_GIT ((MIMO_TOK * HEADDIM + SCAN_THREADS - 1) / SCAN_THREADS)
+__device__ __forceinline__ void mimo_tile_gate(const MimoScan& p, size_t r0, int len, int h, float* sY,
+                                               float* s_rs, const float* s_x, const float* s_z,
+                                               const float* s_psi, const float* s_zeta, const float* s_omega,
+                                               act_t* out) {
+    const float dskip = p.d_skip[h];
+    float yv[MIMO_GIT][MIMO_R], zv[MIMO_GIT];
+#pragma unroll
+    for (int t = 0; t < MIMO_GIT; ++t) {
+        const int e = t * SCAN_THREADS + threadIdx.x, j = e / HEADDIM, pp = e % HEADDIM;
+        zv[t] = 0.f;
+        float xf = 0.f;
+        if (j < len) {
+            zv[t] = s_z[e];
+            xf = s_x[e];
+        }
+#pragma unroll
+        for (int r = 0; r < MIMO_R; ++r) {
+            float* y = &sY[(j * MIMO_R + r) * LDY + pp];
+            yv[t][r] = 0.f;
+            if (j < len) {
+                yv[t][r] = *y + dskip * (xf * s_psi[r * HEADDIM + pp]);
+                if (p.out_norm) *y = yv[t][r];
+            }
+        }
+    }
+    if (p.out_norm) {
+        __syncthreads();
+        const int lane = threadIdx.x & 31;
+        for (int i = threadIdx.x >> 5; i < len * MIMO_R; i += SCAN_WARPS) {
+            float ss = 0.f;
+            for (int pp = lane; pp < HEADDIM; pp += 32) ss += sY[i * LDY + pp] * sY[i * LDY + pp];
+            ss = fam_warp_sum(ss);
+            if (lane == 0) s_rs[i] = 1.f / sqrtf(ss / (float)HEADDIM + p.eps);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int t = 0; t < MIMO_GIT; ++t) {
+        const int e = t * SCAN_THREADS + threadIdx.x, j = e / HEADDIM, pp = e % HEADDIM;
+        if (j >= len) continue;
+        const float on = p.out_norm ? p.out_norm[h * HEADDIM + pp] : 1.f;
+        float o = 0.f;
+#pragma unroll
+        for (int r = 0; r < MIMO_R; ++r) {
+            float gv = yv[t][r];
+            if (p.out_norm) gv = gv * s_rs[j * MIMO_R + r] * on;
+            o = o + s_omega[r * HEADDIM + pp] * gv * silu_f(zv[t] * s_zeta[r * HEADDIM + pp]);
+        }
+        out[(r0 + j) * (size_t)(p.heads * HEADDIM) + h * HEADDIM + pp] = from_f<act_t>(o);
+    }
+}
+
 template <bool OUT>
 __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTable& t, float* h_chunk,
-                                                float* log_decay, int direct, float* y) {
+                                                float* log_decay, int direct, act_t* gated) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* at = smem;
     op_t* sQ = reinterpret_cast<op_t*>(at);  // [CHP][LDQ] q̃ (the query side)
@@ -133,9 +267,20 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
     at += SZ_MCS;
     op_t* sS = reinterpret_cast<op_t*>(at);  // [PP][LDSO] the entering state as an operand
     at += SZ_SO;
+    float* sY = reinterpret_cast<float*>(at);  // [CHP][LDY] y for the gate
+    at += MIMO_Y_BYTES;
+    float* s_x = reinterpret_cast<float*>(at);  // [MIMO_TOK][P] x of the tile's tokens, then z
+    float* s_z = s_x + MIMO_TOK * HEADDIM;
+    at += MIMO_XZ_BYTES;
     float* s_lc = reinterpret_cast<float*>(at);  // [CHP] per token: a, then Lc (Lc_end past the tile)
     float* s_gam = s_lc + CHP;                   // [CHP] γ (zero past the tile's tokens)
     float* s_c = s_gam + CHP;                    // [CHP] c = γ + the next token's look-back
+    float* s_rs = s_c + CHP;                     // [CHP] per pseudo-row: the gate's 1/rms
+    at += MIMO_TABLES;
+    float* s_bias = reinterpret_cast<float*>(at);  // [2][R][N] B_bias, C_bias of the head
+    float* s_psi = s_bias + 2 * MIMO_R * DSTATE;   // [R][P] ψ, then ζ, then ω
+    float* s_zeta = s_psi + MIMO_R * HEADDIM;
+    float* s_omega = s_zeta + MIMO_R * HEADDIM;
 
     const int c = blockIdx.x, h = blockIdx.y, heads = p.heads;
     const int sq = t.seq[c];
@@ -149,9 +294,18 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
     // the sequence's ssm state (of the storage type `state_t`, dtypes.cuh)
     state_t* st = reinterpret_cast<state_t*>(reinterpret_cast<float*>(t.seq_state[sq]) + p.ssm_off) + head_at;
     float* hc = h_chunk + (size_t)c * heads * HEADDIM * DSTATE + head_at;
-    const float* x_h = p.proj + p.x_off + h * HEADDIM;  // x of this head at row·ld
-    const float* psi = p.mimo_x + h * MIMO_R * HEADDIM; // ψ [R, P] of this head
-    const float dskip = p.d_skip[h];
+
+    // The head's constants.
+    for (int e = tid; e < MIMO_HEAD_FLOATS; e += SCAN_THREADS) {
+        const int rn = MIMO_R * DSTATE, rp = MIMO_R * HEADDIM;
+        float v;
+        if (e < rn) v = p.b_bias[h * rn + e];
+        else if (e < 2 * rn) v = p.c_bias[h * rn + e - rn];
+        else if (e < 2 * rn + rp) v = p.mimo_x[h * rp + e - 2 * rn];
+        else if (e < 2 * rn + 2 * rp) v = p.mimo_z[h * rp + e - 2 * rn - rp];
+        else v = p.mimo_o[h * rp + e - 2 * rn - 2 * rp];
+        s_bias[e] = v;
+    }
 
     // This warp's tiles of S, f32 in registers for the whole chunk: from zero (states),
     // the carry's entering state, or (direct) the carried state with the boundary fold.
@@ -186,7 +340,9 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
         const int rows = len * MIMO_R;                                    // pseudo-rows
         const size_t r0 = (size_t)row0 + j0;
         const bool last_tile = j0 + MIMO_TOK >= total;
-        __syncthreads();  // the previous tile's readers are done
+        __syncthreads();  // the previous tile's readers are done (and the head's constants written)
+        // x and z of the tile, loaded with the keys below.
+        const MimoXz xz = mimo_xz_load(p, h, r0, len);
         // Per token: a, γ and c. The token after the chunk's last is the next chunk's first
         // row when the sequence goes on.
         for (int j = tid; j < CHP; j += SCAN_THREADS) {
@@ -206,38 +362,22 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
             s_c[j] = cc;
         }
         if (OUT) state_operand(sacc, s, sS);
-        mimo_build_kq<OUT>(p, r0, rows, h, g, sK, sQ);
+        mimo_build_kq<OUT>(p, r0, rows, h, g, s_bias, sK, sQ);
+        mimo_xz_store(xz, s_x, s_z);
         __syncthreads();
         prefix_sum_warp0(s_lc);
         __syncthreads();
         const float lc_end = s_lc[len - 1];
-        // U and w ⊙ U, w_j = e^{Lc_end − Lc_j}·c_j, in pairs of channels (loads batched as
-        // in mimo_build_kq).
-        {
-            constexpr int IT = (CHP * (PP / 2) + SCAN_THREADS - 1) / SCAN_THREADS;
-            for (int i0 = 0; i0 < IT; i0 += MIMO_LOAD_BATCH) {
-                float u[MIMO_LOAD_BATCH][2];
-#pragma unroll
-                for (int v = 0; v < MIMO_LOAD_BATCH; ++v) {
-                    const int e = (i0 + v) * SCAN_THREADS + tid, i = e / (PP / 2), pp = 2 * (e % (PP / 2));
-                    u[v][0] = u[v][1] = 0.f;
-                    if (i0 + v < IT && i < rows && pp < HEADDIM) {
-                        const int j = i / MIMO_R, r = i % MIMO_R;
-                        const float* xr = x_h + (r0 + j) * p.ld + pp;
-                        u[v][0] = __ldg(xr) * __ldg(psi + r * HEADDIM + pp);
-                        if (pp + 1 < HEADDIM) u[v][1] = __ldg(xr + 1) * __ldg(psi + r * HEADDIM + pp + 1);
-                    }
-                }
-#pragma unroll
-                for (int v = 0; v < MIMO_LOAD_BATCH; ++v) {
-                    const int e = (i0 + v) * SCAN_THREADS + tid, i = e / (PP / 2), pp = 2 * (e % (PP / 2));
-                    if (i0 + v >= IT || i >= CHP) break;
-                    const int j = i / MIMO_R;
-                    const float w = i < rows ? expf(lc_end - s_lc[j]) * s_c[j] : 0.f;
-                    if (OUT) put_pair(sU + i * LDX + pp, u[v][0], u[v][1]);
-                    put_pair(sW + i * LDW + pp, u[v][0] * w, u[v][1] * w);
-                }
+        // U and w ⊙ U, w_j = e^{Lc_end − Lc_j}·c_j (zero past the rows and channels).
+        for (int e = tid; e < CHP * PP; e += SCAN_THREADS) {
+            const int i = e / PP, pp = e % PP, j = i / MIMO_R;
+            float u = 0.f, w = 0.f;
+            if (i < rows && pp < HEADDIM) {
+                u = s_x[j * HEADDIM + pp] * s_psi[(i % MIMO_R) * HEADDIM + pp];
+                w = expf(lc_end - s_lc[j]) * s_c[j];
             }
+            if (OUT) put_one(sU + i * LDX + pp, u);
+            put_one(sW + i * LDW + pp, u * w);
         }
         __syncthreads();
         if (OUT) {
@@ -298,30 +438,27 @@ __device__ __forceinline__ void mimo_chunk_body(const MimoScan& p, const ChunkTa
                 mma_kstep<TileY::T, true, false, true>(yacc, sM + 16 * y_rb * LDM, LDM, sU + 8 * y_first, LDX, k0,
                                                        y_nt);
             }
-            // + D·u (u in f32 from x and ψ), y_r before the gate.
 #pragma unroll
             for (int i = 0; i < TileY::T; ++i) {
                 if (i >= y_nt) break;
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int rr = 16 * y_rb + fg + 8 * hf;
-                    if (rr >= rows) continue;
-                    const int j = rr / MIMO_R, r = rr % MIMO_R;
-                    const size_t row = r0 + j;
-                    float* yr = y + ((row * heads + h) * MIMO_R + r) * HEADDIM;
-#pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const int pp = 8 * (y_first + i) + 2 * ft + u;
-                        if (pp >= HEADDIM) continue;
-                        const float uf = x_h[row * p.ld + pp] * psi[r * HEADDIM + pp];
-                        yr[pp] = yacc[i][2 * hf + u] + dskip * uf;
-                    }
+                    const int rr = 16 * y_rb + fg + 8 * hf, pp = 8 * (y_first + i) + 2 * ft;
+                    sY[rr * LDY + pp] = yacc[i][2 * hf];
+                    sY[rr * LDY + pp + 1] = yacc[i][2 * hf + 1];
                 }
             }
-        }
-        // S ← e^{Lc_end}·S + (w ⊙ U)ᵀ·K̃ (not after the last tile of a chunk whose final
-        // state nobody reads).
-        if (!(OUT && last_tile && !seq_last)) {
+            // S ← e^{Lc_end}·S + (w ⊙ U)ᵀ·K̃ (not after the last tile of a chunk whose
+            // final state nobody reads).
+            if (!(last_tile && !seq_last)) {
+                scale_acc(sacc, expf(lc_end));
+                for (int k0 = 0; k0 < CHP; k0 += KSTEP)
+                    mma_kstep<TileS::T, false, false, true>(sacc, sW + 16 * s.rb, LDW, sK + 8 * s.first, LDK, k0,
+                                                            s.nt);
+            }
+            __syncthreads();  // y staged
+            mimo_tile_gate(p, r0, len, h, sY, s_rs, s_x, s_z, s_psi, s_zeta, s_omega, gated);
+        } else {
             scale_acc(sacc, expf(lc_end));
             for (int k0 = 0; k0 < CHP; k0 += KSTEP)
                 mma_kstep<TileS::T, false, false, true>(sacc, sW + 16 * s.rb, LDW, sK + 8 * s.first, LDK, k0, s.nt);
@@ -349,8 +486,8 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS, MIMO_CHUNK_MINB)
     mimo_chunk_body<false>(p, t, h_chunk, log_decay, 0, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS, MIMO_CHUNK_MINB)
-    mimo_chunk_out(MimoScan p, ChunkTable t, float* h_chunk, int direct, float* y) {
-    mimo_chunk_body<true>(p, t, h_chunk, nullptr, direct, y);
+    mimo_chunk_out(MimoScan p, ChunkTable t, float* h_chunk, int direct, act_t* gated) {
+    mimo_chunk_body<true>(p, t, h_chunk, nullptr, direct, gated);
 }
 
 // One thread per state element of a head: h_chunk[c] (chunk c's state from zero, from

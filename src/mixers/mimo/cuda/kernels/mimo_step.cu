@@ -1,6 +1,6 @@
 // The fused MIMO step (§2.6, §3.4): a pass whose every sequence is a few rows (decode steps)
 // in one launch between the in_proj and out_proj products — what mimo_pre, mimo_phase, the
-// scan, mimo_tail and mimo_gate do for a long pass, for one (sequence, head) per block:
+// scan, mimo_tail and mimo_chunk_out's gate do for a long pass, for one (sequence, head) per block:
 //
 //   Δ, α, β, γ from the row; φ ← wrap(φ + π·tanh(ang)·Δ); k̃_r, q̃_r = rotate(B̄_r + b_r),
 //   rotate(C̄_r + c_r);  h ← α·h + Σ_r [β·(x⁻ψ_r)·k̃⁻_r + γ·(xψ_r)·k̃_r];  y_r = h·q̃_r + D·xψ_r;
@@ -193,7 +193,7 @@ __device__ __forceinline__ void mimo_head_row(MimoHead& m, MimoSmem& sm, const M
     for (int it = 0; it < MSTEP_ITERS; ++it) m.xp[it] = x[it];
     __syncthreads();  // every thread has read the previous keys and this row's
     for (int e = tid; e < MIMO_R * DSTATE; e += MSTEP_THREADS) sm.kprev[e / DSTATE][e % DSTATE] = sm.kq[0][e / DSTATE][e % DSTATE];
-    // the gate (mimo_gate): a warp per rank's norm, then a thread per channel
+    // the gate (mimo_tile_gate): a warp per rank's norm, then a thread per channel
     for (int r = warp; r < MIMO_R; r += MSTEP_THREADS / 32) {
         float rr = 1.f;
         if (p.out_norm) {
@@ -253,7 +253,7 @@ extern "C" __device__ int mimo_step_threads = MSTEP_THREADS;
 #endif
 
 // Grid (chunks, heads): every sequence one chunk of a few rows; `gated` (the GEMM dtype, the
-// out_proj's input) as mimo_gate writes it; the state updated in place.
+// out_proj's input) as mimo_chunk_out writes it; the state updated in place.
 extern "C" __global__ void __launch_bounds__(MSTEP_THREADS, MSTEP_MINB)
     mimo_step(MimoScan p, const int* chunk_row0, const int* chunk_len, const int* chunk_seq,
               const unsigned long long* seq_state, act_t* gated) {
