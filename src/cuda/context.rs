@@ -317,6 +317,16 @@ impl Gpu {
         Ok(n.max(0) as usize)
     }
 
+    /// How many blocks of `k` (`block` threads, `smem` bytes of dynamic shared memory each)
+    /// the GPU runs at once (at least one an SM).
+    pub fn resident_blocks(&self, k: &Kernel, block: u32, smem: u32) -> Result<usize> {
+        let per_sm = k
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)
+            .map_err(|e| dev_err(&format!("asking the occupancy of `{}`", k.name), e))?;
+        Ok(self.sms * per_sm.max(1) as usize)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn launch_with(
         &self,

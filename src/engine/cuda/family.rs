@@ -62,11 +62,12 @@ impl GpuMixer {
             GpuMixer::Mimo(m) => m.scratch_bytes(rows, chunks, act_bytes),
         }
     }
-    fn chunk_len(&self, rows: usize) -> usize {
+    /// Rows per chunk of a pass of `rows` rows in `seqs` sequences on `gpu`.
+    fn chunk_len(&self, gpu: &Gpu, rows: usize, seqs: usize, batch_invariant: bool) -> usize {
         match self {
             GpuMixer::Mamba1(_) => mamba1::cuda::chunk_len(rows),
             GpuMixer::Mamba2(_) => mamba2::cuda::chunk_len(rows),
-            GpuMixer::Mimo(_) => mimo::cuda::chunk_len(rows),
+            GpuMixer::Mimo(m) => m.chunk_len(gpu, rows, seqs, batch_invariant),
         }
     }
 }
@@ -314,7 +315,10 @@ impl FamilyCuda {
         picked: usize,
     ) -> Result<(PackedPass, PassBufs)> {
         let rows: usize = lens.iter().sum();
-        let pass = PackedPass::new(&self.gpu, tables, lens, addrs, self.mixer.chunk_len(rows))?;
+        let chunk_len = self
+            .mixer
+            .chunk_len(&self.gpu, rows, lens.len(), self.batch_invariant());
+        let pass = PackedPass::new(&self.gpu, tables, lens, addrs, chunk_len)?;
         let mut sizing = Carve::new(0);
         self.carve(&mut sizing, rows, pass.chunks, picked);
         let base = scratch.reserve(&self.gpu, sizing.used())?;
@@ -600,7 +604,8 @@ impl FamilyCuda {
             &mut g.tables,
             &lens,
             &addrs,
-            self.mixer.chunk_len(bucket),
+            self.mixer
+                .chunk_len(&self.gpu, bucket, bucket, self.batch_invariant()),
         )?;
         self.gpu.htod(&toks, tok_at)?;
         self.sampling.count_pass();

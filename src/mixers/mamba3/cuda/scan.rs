@@ -6,7 +6,7 @@
 //! src/mixers/mamba3/token.rs and `HeadScan::chunk` in src/mixers/mamba3/chunk.rs, whose
 //! module doc holds the mathematics.
 
-use crate::cuda::context::{dev_err, Gpu, KArg, Kernel};
+use crate::cuda::context::{Gpu, KArg, Kernel};
 pub use crate::cuda::kernels::check_smem;
 use crate::cuda::kernels::Module;
 use crate::error::Result;
@@ -135,17 +135,7 @@ impl ScanKernels {
             check_smem(gpu, kern, bytes)?;
             kern.allow_smem(bytes as usize)?;
         }
-        let per_sm = k
-            .scan_outputs
-            .func
-            .occupancy_max_active_blocks_per_multiprocessor(
-                k.scan_threads,
-                k.scan_smem as usize,
-                None,
-            )
-            .map_err(|e| dev_err("asking the scan's occupancy", e))?
-            .max(1) as usize;
-        k.scan_slots = gpu.sms * per_sm;
+        k.scan_slots = gpu.resident_blocks(&k.scan_outputs, k.scan_threads, k.scan_smem)?;
         Ok(k)
     }
 }

@@ -138,10 +138,29 @@ fn scan_products(dtype: DType) -> (&'static str, &'static str) {
 const RECURRENT_ROWS_PER_SEQ: usize = 4;
 
 /// Rows (tokens) per chunk of the scan, a block of the chunked scan each, walked in tiles of
-/// `CHUNK / R` tokens (the chunk states of a long pass are `H·P·N` floats each).
-pub fn chunk_len(rows: usize) -> usize {
+/// `CHUNK / R` tokens (the chunk states of a long pass are `H·P·N` floats each), for a pass
+/// of `rows` rows in `seqs` sequences of a model of `heads` heads on a GPU that holds
+/// `slots` blocks of the scan at once. Every sequence is one chunk when its heads fill
+/// between 5/4 of the SMs and every slot: one wave whose blocks walk whole sequences skips
+/// the chunk states and their carry (a third of the chunked scan's work) and beats the
+/// chunked scan's better balance — B=8 T=4096 at the 187M shape on an H100 (192 blocks, 264
+/// slots): 158.9 ms against 173.9 ms in chunks of 256 (docs/decisions.md, "MIMO prefill:
+/// whole sequences per block"). Not under `batch_invariant`: whether a sequence's scan is
+/// cut would follow its batch.
+fn chunk_len(
+    rows: usize,
+    seqs: usize,
+    heads: usize,
+    slots: usize,
+    sms: usize,
+    batch_invariant: bool,
+) -> usize {
     if let Some(n) = crate::options::env().mimo_chunk {
         return n;
+    }
+    let blocks = seqs * heads;
+    if !batch_invariant && 4 * blocks >= 5 * sms && blocks <= slots {
+        return rows.max(1);
     }
     if rows <= 16384 {
         64
@@ -227,6 +246,8 @@ struct Kernels {
     /// threads and dynamic shared memory of a chunked-scan block
     chunk_threads: u32,
     chunk_smem: u32,
+    /// blocks of the chunked scan the GPU holds at once
+    chunk_slots: usize,
 }
 
 /// A MIMO model's mixers (and GatedMLPs) on the device.
@@ -290,7 +311,7 @@ impl GpuMimo {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let k = Kernels {
+        let mut k = Kernels {
             pre: module.kernel("mimo_pre")?,
             phase: module.kernel("mimo_phase")?,
             step: module.kernel("mimo_step")?,
@@ -303,11 +324,13 @@ impl GpuMimo {
             step_threads: module.global("mimo_step_threads")?,
             chunk_threads: module.global("mimo_chunk_threads")?,
             chunk_smem: module.global("mimo_chunk_smem_bytes")?,
+            chunk_slots: 0,
         };
         for kern in [&k.chunk_states, &k.chunk_out] {
             check_smem(gpu, kern, k.chunk_smem)?;
             kern.allow_smem(k.chunk_smem as usize)?;
         }
+        k.chunk_slots = gpu.resident_blocks(&k.chunk_out, k.chunk_threads, k.chunk_smem)?;
         Ok(GpuMimo {
             d,
             a_floor: w.config.ssm_cfg.a_floor as f32,
@@ -332,6 +355,18 @@ impl GpuMimo {
             mlp_vg: c.take(rows * 2 * d.mlp_hidden, 4),
             mlp_act: c.take(rows * d.mlp_hidden, act_bytes),
         }
+    }
+
+    /// Rows per chunk of the scan of a pass (`chunk_len`).
+    pub fn chunk_len(&self, gpu: &Gpu, rows: usize, seqs: usize, batch_invariant: bool) -> usize {
+        chunk_len(
+            rows,
+            seqs,
+            self.d.nheads,
+            self.k.chunk_slots,
+            gpu.sms,
+            batch_invariant,
+        )
     }
 
     pub fn scratch_bytes(&self, rows: usize, chunks: usize, act_bytes: usize) -> usize {
