@@ -249,7 +249,7 @@ extern "C" __device__ int mimo_step_threads = MSTEP_THREADS;
 // Blocks per SM the registers are budgeted for (a define: `MAMBA3_GPU_DEFINES` measures
 // others; docs/decisions.md, "MIMO decode: registers per step block").
 #ifndef MSTEP_MINB
-#define MSTEP_MINB 3
+#define MSTEP_MINB 2
 #endif
 
 // Grid (chunks, heads): every sequence one chunk of a few rows; `gated` (the GEMM dtype, the
