@@ -82,12 +82,12 @@ impl StepLogits {
     #[cfg(feature = "cuda")]
     pub(crate) fn pinned(
         &mut self,
-        m: &crate::engine::cuda::CudaModel,
+        gpu: &crate::cuda::context::Gpu,
         len: usize,
     ) -> crate::error::Result<&mut [f32]> {
         let fits = matches!(&self.buf, HostBuf::Pinned(p) if p.len() >= len);
         if !fits {
-            let p = crate::cuda::context::PinnedBuf::new(m.gpu(), len.next_power_of_two())?;
+            let p = crate::cuda::context::PinnedBuf::new(gpu, len.next_power_of_two())?;
             self.buf = HostBuf::Pinned(p);
         }
         match &mut self.buf {

@@ -48,7 +48,7 @@ impl Backend for CudaModel {
         states: &mut [&mut StateData],
         out: &mut StepLogits,
     ) -> Result<()> {
-        let dst = out.pinned(self, tokens.len() * self.weights.dims.vocab_padded)?;
+        let dst = out.pinned(self.gpu(), tokens.len() * self.weights.dims.vocab_padded)?;
         let mut st = device_states(states)?;
         if self.decode_bucket(tokens.len())?.is_some() {
             self.decode_graph_into(tokens, &mut st, dst)
