@@ -60,6 +60,13 @@ pub fn set_command_line(flags: GpuFlags) {
     let _ = COMMAND_LINE.set(flags);
 }
 
+/// The command line's `--fast` on the CPU: a bf16 model's many-row products on
+/// activations rounded to bf16 rather than split into two bf16 parts
+/// (`cpu::gemm_bf16`).
+pub fn cpu_fast() -> bool {
+    COMMAND_LINE.get().is_some_and(|f| f.fast)
+}
+
 /// `--state-dtype` of the command line (`f32`, `bf16` or `f16`, already checked by the
 /// command), set once before it loads a model: the storage dtype of the `ssm` state of
 /// every model `engine::Model::load` makes in this process. Kept as the name because this

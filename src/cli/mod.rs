@@ -72,8 +72,9 @@ pub struct RunOpts {
     /// f32 models on a GPU: GEMMs and scan products on TF32 tensor cores.
     #[arg(long)]
     pub tf32: bool,
-    /// 16-bit models on a GPU: the prefill scan's products on 16-bit tensor cores (faster,
-    /// a little less accurate).
+    /// 16-bit models, faster and a little less accurate: on a GPU the prefill scan's
+    /// products on 16-bit tensor cores; on a CPU with AVX-512 BF16 a bf16 model's prefill
+    /// products on activations rounded to bf16 (else split into two bf16 parts).
     #[arg(long)]
     pub fast: bool,
     /// On a GPU: a sequence's output does not depend on the other sequences of its batch,

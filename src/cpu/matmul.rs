@@ -1,11 +1,12 @@
 //! Matrix products on the CPU.
 //!
 //! Prefill multiplies many rows at once: that is a GEMM, done by the `gemm` crate on
-//! strided views. Decode multiplies one row (or a few) by a weight matrix: that is
+//! strided views (bf16 weights on a CPU with AVX-512 BF16: [`super::gemm_bf16`]). Decode multiplies one row (or a few) by a weight matrix: that is
 //! bound by reading the weights, so it gets its own kernel that reads each weight row
 //! once, straight from its storage dtype (bf16 widening is a shift), for every sequence
 //! of the batch.
 
+use super::gemm_bf16;
 use super::real::Real;
 use super::simd::{
     dot_wrows, dots_for_row, kernel_order, kernel_order_into, needs_kernel_order, Widen,
@@ -207,28 +208,46 @@ pub fn matmul_t<F: Real>(x: &[F], rows: usize, w: &Matrix, out: &mut [F]) {
             threads,
         ),
         None => {
-            // Weights in another dtype: widened a panel of weight rows at a time into one
-            // buffer, each panel's columns of the output one product. (A fresh copy of the
-            // whole matrix per product spent ~12 % of a bf16 prefill at the mamba2-780m
-            // shape in page faults and clearing.)
-            let (n, k) = (w.rows, w.cols);
-            let panel = WIDEN_PANEL_ROWS.min(n);
-            let mut wide = vec![F::zero(); panel * k];
-            for j0 in (0..n).step_by(panel) {
-                let j1 = (j0 + panel).min(n);
-                let part = &mut wide[..(j1 - j0) * k];
-                with_data!(&w.data, v => widen_into(&v[j0 * k..j1 * k], part));
-                gemm(
-                    ViewMut::strided(&mut out[j0..], rows, j1 - j0, n, 1),
-                    None,
-                    xv,
-                    View::new(part, j1 - j0, k).t(),
-                    F::one(),
-                    threads,
-                );
+            if let (Some(x32), TensorData::BF16(v)) = (as_f32(x), &w.data) {
+                let out32: &mut [f32] = bytemuck::cast_slice_mut(out);
+                let split = !crate::options::cpu_fast();
+                if gemm_bf16::matmul_t_bf16(x32, rows, (v, w.rows, w.cols), out32, split) {
+                    return;
+                }
             }
+            matmul_t_widened(x, rows, w, out)
         }
     }
+}
+
+/// [`matmul_t`] of many rows by 16-bit weights on the `gemm` crate: the weights widened a
+/// panel of rows at a time into one buffer, each panel's columns of the output one
+/// product. (A fresh copy of the whole matrix per product spent ~12 % of a bf16 prefill at
+/// the mamba2-780m shape in page faults and clearing.) The path of f16 weights, and of bf16
+/// ones where [`gemm_bf16`] does not apply.
+pub fn matmul_t_widened<F: Real>(x: &[F], rows: usize, w: &Matrix, out: &mut [F]) {
+    let (n, k) = (w.rows, w.cols);
+    let xv = View::new(x, rows, k);
+    let panel = WIDEN_PANEL_ROWS.min(n);
+    let mut wide = vec![F::zero(); panel * k];
+    for j0 in (0..n).step_by(panel) {
+        let j1 = (j0 + panel).min(n);
+        let part = &mut wide[..(j1 - j0) * k];
+        with_data!(&w.data, v => widen_into(&v[j0 * k..j1 * k], part));
+        gemm(
+            ViewMut::strided(&mut out[j0..], rows, j1 - j0, n, 1),
+            None,
+            xv,
+            View::new(part, j1 - j0, k).t(),
+            F::one(),
+            rayon::current_num_threads(),
+        );
+    }
+}
+
+/// `x` as `&[f32]` when `F` is f32.
+fn as_f32<F: Real>(x: &[F]) -> Option<&[f32]> {
+    (std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>()).then(|| bytemuck::cast_slice(x))
 }
 
 /// Weight rows widened at a time by [`matmul_t`] for 16-bit weights.

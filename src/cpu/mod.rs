@@ -5,6 +5,7 @@
 //! own folder under `crate::mixers`.
 
 pub mod fastmath;
+pub mod gemm_bf16;
 pub mod math;
 pub mod matmul;
 pub mod ops;
