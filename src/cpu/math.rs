@@ -38,9 +38,11 @@ pub fn sigmoid<F: Real>(u: F) -> F {
     F::one() / (F::one() + (-u).exp())
 }
 
+/// `u·σ(u)`, on the vectorisable `exp_fast` (in f32 within a few ulp of the library's
+/// `exp`; glibc's scalar call was 4 % of a Mamba-2 prefill, its gates and conv).
 #[inline]
 pub fn silu<F: Real>(u: F) -> F {
-    u * sigmoid(u)
+    u / (F::one() + (-u).exp_fast())
 }
 
 /// `wrap(φ) = φ − 2π·floor(φ/2π)`, into [0, 2π).

@@ -3,13 +3,15 @@
 //! head over `vocab_padded` rows.
 
 use crate::cpu::math::{rms_norm, silu};
-use crate::cpu::matmul::{matmul_t, piece_rows, product_cols, stream_input};
-use crate::cpu::team::{Member, SharedBuf};
+use crate::cpu::matmul::{matmul_t, piece_rows, product_cols, stream_input, STREAM_MAX_ROWS};
+use crate::cpu::team::{self, Member, SharedBuf};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::mixers::LogitsWant;
 use crate::model::family_weights::LmWeights;
+use crate::model::state_layout::StateBuf;
 use crate::model::weights::Matrix;
+use std::sync::Mutex;
 
 /// A `[rows, cols]` matrix converted to the arithmetic type.
 pub struct Dense<F> {
@@ -122,17 +124,53 @@ pub fn rms_unit<F: Real>(v: &mut [F], eps: F) {
     }
 }
 
+/// Buffers kept across the layers of a pass. A prefill's per-layer arrays run to tens of
+/// MB; fresh ones came back from the allocator as fresh pages, faulted in and cleared at
+/// every layer — a quarter of a bf16 mamba2-780m prefill on the 2-core EPYC
+/// (docs/decisions.md, "Family CPU prefill: buffers kept across layers").
+pub struct Scratch<F> {
+    kept: Vec<Vec<F>>,
+}
+
+impl<F: Real> Default for Scratch<F> {
+    fn default() -> Self {
+        Scratch { kept: Vec::new() }
+    }
+}
+
+impl<F: Real> Scratch<F> {
+    /// `len` zeros, in the smallest kept buffer that holds them (else the largest, grown).
+    pub fn take(&mut self, len: usize) -> Vec<F> {
+        let fits = (0..self.kept.len())
+            .filter(|&i| self.kept[i].capacity() >= len)
+            .min_by_key(|&i| self.kept[i].capacity());
+        let largest = (0..self.kept.len()).max_by_key(|&i| self.kept[i].capacity());
+        let mut v = fits
+            .or(largest)
+            .map_or_else(Vec::new, |i| self.kept.swap_remove(i));
+        v.clear();
+        v.resize(len, F::zero());
+        v
+    }
+
+    /// Keeps `v` for a later [`Scratch::take`].
+    pub fn give(&mut self, v: Vec<F>) {
+        self.kept.push(v);
+    }
+}
+
 /// The LM around a mixer over many rows at once (spec §1): a window of one sequence in
 /// prefill, or one token of each sequence in a batched decode step. `mixer(layer, weights,
 /// normed rows)` returns the mixer's output rows `[rows, D_m]`. Token errors name the
 /// position in `tokens`. Returns the chosen rows, flattened: logits `[rows, vocab_padded]`
-/// with `head`, else the hidden states after `norm_f` `[rows, D_m]`.
+/// with `head`, else the hidden states after `norm_f` `[rows, D_m]`. The mixer takes its
+/// buffers from, and its output comes back to, one [`Scratch`] kept across the layers.
 pub fn lm_rows<F: Real, M>(
     w: &LmWeights<M>,
     tokens: &[u32],
     want: LogitsWant,
     head: bool,
-    mut mixer: impl FnMut(usize, &M, &[F]) -> Result<Vec<F>>,
+    mut mixer: impl FnMut(usize, &M, &[F], &mut Scratch<F>) -> Result<Vec<F>>,
 ) -> Result<Vec<F>> {
     let (vocab, dm) = (w.embedding.rows, w.embedding.cols);
     if let Some((i, &t)) = tokens
@@ -158,13 +196,15 @@ pub fn lm_rows<F: Real, M>(
         }
     }
     let mut normed = vec![F::zero(); rows * dm];
+    let mut scratch = Scratch::default();
     for (l, block) in w.layers.iter().enumerate() {
         norm_rows(&residual, &block.norm, eps, &mut normed, dm);
-        let out = mixer(l, &block.mixer, &normed)?;
+        let out = mixer(l, &block.mixer, &normed, &mut scratch)?;
         debug_assert_eq!(out.len(), rows * dm);
-        for (r, o) in residual.iter_mut().zip(out) {
+        for (r, &o) in residual.iter_mut().zip(&out) {
             *r = *r + o;
         }
+        scratch.give(out);
     }
     let keep = match want {
         LogitsWant::All => rows,
@@ -189,9 +229,16 @@ fn norm_rows<F: Real>(x: &[F], w: &[f32], eps: F, out: &mut [F], width: usize) {
     }
 }
 
-/// `out[rows, W.rows] = x·Wᵀ (+ bias)` for a weight matrix in any storage dtype.
-pub fn project<F: Real>(x: &[F], rows: usize, w: &Matrix, bias: Option<&[f32]>) -> Vec<F> {
-    let mut out = vec![F::zero(); rows * w.rows];
+/// `out[rows, W.rows] = x·Wᵀ (+ bias)` for a weight matrix in any storage dtype, `out`
+/// from `scratch`.
+pub fn project<F: Real>(
+    x: &[F],
+    rows: usize,
+    w: &Matrix,
+    bias: Option<&[f32]>,
+    scratch: &mut Scratch<F>,
+) -> Vec<F> {
+    let mut out = scratch.take(rows * w.rows);
     matmul_t(x, rows, w, &mut out);
     if let Some(b) = bias {
         for r in out.chunks_mut(w.rows) {
@@ -214,13 +261,14 @@ pub struct ConvTaps<'a> {
 
 /// Causal depthwise conv over `rows` new inputs `x` (row `t` = `x[t·stride + off ..][..C]`)
 /// continuing from `conv_state` `[C, K]` (the last K inputs, oldest first), then SiLU;
-/// updates the state to the last K inputs. Returns `[rows, C]`.
+/// updates the state to the last K inputs. Returns `[rows, C]` (from `scratch`).
 pub fn conv_rows<F: Real>(
     x: &[F],
     rows: usize,
     (stride, off): (usize, usize),
     conv_state: &mut [F],
     taps: ConvTaps,
+    scratch: &mut Scratch<F>,
 ) -> Vec<F> {
     let ConvTaps {
         weight,
@@ -230,7 +278,7 @@ pub fn conv_rows<F: Real>(
     let c_n = conv_state.len() / k;
     // Inputs in time order, token-major so the loops below run along channels: the K held
     // inputs, then the new ones. The window of new token t is entries t+1 ..= t+K.
-    let mut ext = vec![F::zero(); (k + rows) * c_n];
+    let mut ext = scratch.take((k + rows) * c_n);
     for c in 0..c_n {
         for j in 0..k {
             ext[j * c_n + c] = conv_state[c * k + j];
@@ -246,7 +294,7 @@ pub fn conv_rows<F: Real>(
             taps_t[j * c_n + c] = F::from_f(weight[c * k + j] as f64);
         }
     }
-    let mut out = vec![F::zero(); rows * c_n];
+    let mut out = scratch.take(rows * c_n);
     for (t, o) in out.chunks_mut(c_n).enumerate() {
         match bias {
             Some(b) => o
@@ -269,6 +317,7 @@ pub fn conv_rows<F: Real>(
             conv_state[c * k + j] = ext[(rows + j) * c_n + c];
         }
     }
+    scratch.give(ext);
     out
 }
 
@@ -336,6 +385,101 @@ pub(crate) struct TeamLm<F> {
     normed: Vec<F>,
     /// a product's input in the kernels' order
     pub xk: Vec<F>,
+}
+
+/// The LM's part of a team decode step's buffers, kept across steps: the layer output and
+/// the products' transposes the members share, and each member's own LM buffers beside its
+/// mixer's `W`.
+pub(crate) struct TeamWork<F, W> {
+    /// `[rows, D_m]`: out_proj's output, bias added
+    hs: Vec<F>,
+    /// `[widest, rows]`: the products' transposes for batches
+    tmp: Vec<F>,
+    members: Vec<Mutex<(TeamLm<F>, W)>>,
+}
+
+impl<F, W> Default for TeamWork<F, W> {
+    fn default() -> Self {
+        TeamWork {
+            hs: Vec::new(),
+            tmp: Vec::new(),
+            members: Vec::new(),
+        }
+    }
+}
+
+/// A family's decode step over `states` in jobs of at most [`STREAM_MAX_ROWS`] rows (every
+/// row on the weight-streaming products: the same bits whatever the batch): `job(states,
+/// tokens, logits)` for each, `logits` resized to `[batch, vocab_padded]`. Returns what the
+/// last job returned (how many members ran it).
+pub(crate) fn in_jobs<F: Real>(
+    states: &mut [&mut StateBuf<F>],
+    tokens: &[u32],
+    logits: &mut Vec<F>,
+    vocab_padded: usize,
+    mut job: impl FnMut(&mut [&mut StateBuf<F>], &[u32], &mut [F]) -> usize,
+) -> usize {
+    logits.resize(tokens.len() * vocab_padded, F::zero());
+    let mut ran = 0;
+    for ((st, toks), out) in states
+        .chunks_mut(STREAM_MAX_ROWS)
+        .zip(tokens.chunks(STREAM_MAX_ROWS))
+        .zip(logits.chunks_mut(STREAM_MAX_ROWS * vocab_padded))
+    {
+        ran = job(st, toks, out);
+    }
+    ran
+}
+
+/// One job of a team decode step: `tokens` (one per state) on `members` threads (exactly
+/// that many, capped at the pool's, if `exact`), each member running [`team_lm`] with
+/// `mixer(member, layer, weights, normed rows, xk, its own W, the shared LM buffers)`;
+/// `widest` is the widest product's output row. Returns how many members ran.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn team_job<F: Real, M: Sync, W: Default + Send>(
+    w: &LmWeights<M>,
+    states: &mut [&mut StateBuf<F>],
+    tokens: &[u32],
+    logits: &mut [F],
+    work: &mut TeamWork<F, W>,
+    widest: usize,
+    (members, exact): (usize, bool),
+    mixer: impl Fn(&Member, usize, &M, &[F], &mut Vec<F>, &mut W, &TeamShared<F>) + Sync,
+) -> usize {
+    let rows = tokens.len();
+    work.hs.resize(rows * w.embedding.cols, F::zero());
+    work.tmp.resize(rows * widest, F::zero());
+    if work.members.len() < members {
+        work.members.resize_with(members, Default::default);
+    }
+    let TeamWork {
+        hs,
+        tmp,
+        members: own,
+    } = work;
+    let lm = TeamShared {
+        hs: SharedBuf::new(hs),
+        tmp: SharedBuf::new(tmp),
+        out: SharedBuf::new(logits),
+        states: states
+            .iter_mut()
+            .map(|s| (s.layer_len, SharedBuf::new(&mut s.data)))
+            .collect(),
+    };
+    let own = &*own;
+    let run = if exact { team::run_exact } else { team::run };
+    run(members, &|m: &Member| {
+        let mut guard = own[m.id].lock().unwrap_or_else(|e| e.into_inner());
+        let (mine_lm, mine) = &mut *guard;
+        // SAFETY: every shared buffer is written in disjoint shares (the products' weight
+        // rows, the members' channels and heads) and read whole only after the barrier
+        // that ends the phase writing it.
+        unsafe {
+            team_lm(m, w, tokens, mine_lm, &lm, |l, mw, normed, xk| {
+                mixer(m, l, mw, normed, xk, mine, &lm)
+            })
+        }
+    })
 }
 
 /// One member's part of a team decode step of the LM (the operations of [`lm_rows`], so

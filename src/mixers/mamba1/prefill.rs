@@ -6,7 +6,9 @@
 //! blocks of channels in parallel, with each block's state held transposed `[N, block]`
 //! in L1 for the whole window.
 
-use super::lm::{conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps};
+use super::lm::{
+    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, Scratch,
+};
 use super::{check_state, layer, layout, State};
 use crate::cpu::math::{silu, softplus};
 use crate::cpu::Real;
@@ -42,22 +44,32 @@ pub fn prefill_rows<F: Real>(
     let cfg = w.mixer_config()?.clone();
     check_state(state, &layout(&cfg, w.config.n_layer))?;
     let rows = tokens.len();
-    lm_rows(w, tokens, want, head, |l, mw, normed| {
-        let proj = project(normed, rows, &mw.in_proj, mw.in_proj_bias.as_deref());
+    lm_rows(w, tokens, want, head, |l, mw, normed, scratch| {
+        let proj = project(
+            normed,
+            rows,
+            &mw.in_proj,
+            mw.in_proj_bias.as_deref(),
+            scratch,
+        );
         let st = layer(state, l, &cfg);
-        let gated = mixer_rows(&cfg, mw, &proj, rows, st.conv, st.ssm);
-        Ok(project(
+        let gated = mixer_rows(&cfg, mw, &proj, rows, st.conv, st.ssm, scratch);
+        scratch.give(proj);
+        let out = project(
             &gated,
             rows,
             &mw.out_proj,
             mw.out_proj_bias.as_deref(),
-        ))
+            scratch,
+        );
+        scratch.give(gated);
+        Ok(out)
     })
 }
 
 /// One layer's mixer over `rows` consecutive tokens of one sequence, from the in_proj
 /// output `[rows, 2·D_i]` to the out_proj input `y ⊙ silu(z)` `[rows, D_i]`; advances the
-/// conv state `[D_i, K]` and the SSM state `[D_i, N]`.
+/// conv state `[D_i, K]` and the SSM state `[D_i, N]`. Buffers come from `scratch`.
 pub fn mixer_rows<F: Real>(
     c: &Mamba1Config,
     mw: &Mamba1Mixer,
@@ -65,11 +77,23 @@ pub fn mixer_rows<F: Real>(
     rows: usize,
     conv_state: &mut [F],
     ssm_state: &mut [F],
+    scratch: &mut Scratch<F>,
 ) -> Vec<F> {
-    let xc = conv_rows(proj, rows, (2 * c.d_inner, 0), conv_state, taps(c, mw));
-    let (dbc, delta) = ssm_inputs(c, mw, &xc, rows);
-    let y = scan_rows(c, mw, &xc, &delta, &dbc, rows, ssm_state);
-    gate_rows(c, &y, proj, rows)
+    let xc = conv_rows(
+        proj,
+        rows,
+        (2 * c.d_inner, 0),
+        conv_state,
+        taps(c, mw),
+        scratch,
+    );
+    let (dbc, delta) = ssm_inputs(c, mw, &xc, rows, scratch);
+    let y = scan_rows(c, mw, &xc, &delta, &dbc, rows, ssm_state, scratch);
+    let gated = gate_rows(c, &y, proj, rows, scratch);
+    for v in [xc, dbc, delta, y] {
+        scratch.give(v);
+    }
+    gated
 }
 
 pub(crate) fn taps<'a>(c: &Mamba1Config, mw: &'a Mamba1Mixer) -> ConvTaps<'a> {
@@ -87,9 +111,10 @@ pub(crate) fn ssm_inputs<F: Real>(
     mw: &Mamba1Mixer,
     xc: &[F],
     rows: usize,
+    scratch: &mut Scratch<F>,
 ) -> (Vec<F>, Vec<F>) {
     let (di, n, r) = (c.d_inner, c.d_state, c.dt_rank);
-    let mut dbc = project(xc, rows, &mw.x_proj, None);
+    let mut dbc = project(xc, rows, &mw.x_proj, None, scratch);
     let wd = r + 2 * n;
     if let Some(eps) = c.bcdt_rms_eps {
         let eps = F::from_f(eps);
@@ -102,7 +127,7 @@ pub(crate) fn ssm_inputs<F: Real>(
         }
     }
     let delta_low: Vec<F> = dbc.chunks(wd).flat_map(|row| row[..r].to_vec()).collect();
-    let mut delta = project(&delta_low, rows, &mw.dt_proj, None);
+    let mut delta = project(&delta_low, rows, &mw.dt_proj, None, scratch);
     for row in delta.chunks_mut(di) {
         for (v, &b) in row.iter_mut().zip(&mw.dt_bias) {
             *v = softplus(*v + F::from_f(b as f64));
@@ -113,6 +138,7 @@ pub(crate) fn ssm_inputs<F: Real>(
 
 /// The selective scan of one sequence over `rows` tokens: `y` `[rows, D_i]` with the D
 /// skip; advances `ssm_state` `[D_i, N]`. Blocks of channels run in parallel.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn scan_rows<F: Real>(
     c: &Mamba1Config,
     mw: &Mamba1Mixer,
@@ -121,6 +147,7 @@ pub(crate) fn scan_rows<F: Real>(
     dbc: &[F],
     rows: usize,
     ssm_state: &mut [F],
+    scratch: &mut Scratch<F>,
 ) -> Vec<F> {
     let (di, n) = (c.d_inner, c.d_state);
     let blocks: Vec<Vec<F>> = ssm_state
@@ -128,7 +155,7 @@ pub(crate) fn scan_rows<F: Real>(
         .enumerate()
         .map(|(bi, s)| scan_block(c, mw, bi * BLOCK, xc, delta, dbc, rows, s))
         .collect();
-    let mut y = vec![F::zero(); rows * di];
+    let mut y = scratch.take(rows * di);
     for (bi, yb) in blocks.iter().enumerate() {
         let c0 = bi * BLOCK;
         let width = yb.len() / rows.max(1);
@@ -140,9 +167,15 @@ pub(crate) fn scan_rows<F: Real>(
 }
 
 /// `y ⊙ silu(z)` per row, z from the in_proj output `[rows, 2·D_i]`.
-pub(crate) fn gate_rows<F: Real>(c: &Mamba1Config, y: &[F], proj: &[F], rows: usize) -> Vec<F> {
+pub(crate) fn gate_rows<F: Real>(
+    c: &Mamba1Config,
+    y: &[F],
+    proj: &[F],
+    rows: usize,
+    scratch: &mut Scratch<F>,
+) -> Vec<F> {
     let di = c.d_inner;
-    let mut gated = vec![F::zero(); rows * di];
+    let mut gated = scratch.take(rows * di);
     for t in 0..rows {
         let z = &proj[t * 2 * di + di..(t + 1) * 2 * di];
         for i in 0..di {

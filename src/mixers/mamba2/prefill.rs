@@ -13,7 +13,7 @@ use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::check_state;
 use crate::mixers::mamba1::lm::{
-    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps,
+    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, Scratch,
 };
 use crate::mixers::mamba2::weights::{Mamba2Mixer, Mamba2Weights};
 use crate::mixers::LogitsWant;
@@ -43,46 +43,75 @@ pub fn prefill_rows<F: Real>(
     check_state(state, &layout(&cfg, w.config.n_layer))?;
     let chunk = cfg.chunk_size;
     let rows = tokens.len();
-    lm_rows(w, tokens, want, head, |l, mw, normed| {
-        let proj = project(normed, rows, &mw.in_proj, mw.in_proj_bias.as_deref());
+    lm_rows(w, tokens, want, head, |l, mw, normed, scratch| {
+        let proj = project(
+            normed,
+            rows,
+            &mw.in_proj,
+            mw.in_proj_bias.as_deref(),
+            scratch,
+        );
         let st = layer(state, l, &cfg);
-        let o = mixer_rows(&cfg, mw, &proj, rows, st.conv, st.ssm, chunk);
-        Ok(project(&o, rows, &mw.out_proj, mw.out_proj_bias.as_deref()))
+        let o = mixer_rows(&cfg, mw, &proj, rows, (st.conv, st.ssm), chunk, scratch);
+        scratch.give(proj);
+        let out = project(&o, rows, &mw.out_proj, mw.out_proj_bias.as_deref(), scratch);
+        scratch.give(o);
+        Ok(out)
     })
 }
 
 /// One layer's mixer over `rows` consecutive tokens of one sequence, from the in_proj
 /// output `proj` `[rows, d_in_proj]` to the out_proj input `[rows, D_i]`; advances the
 /// conv state `[C_d, K]` and the SSM state `[H, P, N]`. `chunk` is the SSD chunk length.
+/// Buffers come from `scratch`.
 pub fn mixer_rows<F: Real>(
     c: &Mamba2Config,
     mw: &Mamba2Mixer,
     proj: &[F],
     rows: usize,
-    conv_state: &mut [F],
-    ssm_state: &mut [F],
+    (conv_state, ssm_state): (&mut [F], &mut [F]),
     chunk: usize,
+    scratch: &mut Scratch<F>,
 ) -> Vec<F> {
     let (d_ssm, h_n, width) = (c.d_ssm, c.nheads, c.d_in_proj());
     let xbc_off = 2 * c.d_mlp() + d_ssm;
-    let v = conv_rows(proj, rows, (width, xbc_off), conv_state, taps(c, mw));
+    let v = conv_rows(
+        proj,
+        rows,
+        (width, xbc_off),
+        conv_state,
+        taps(c, mw),
+        scratch,
+    );
     let delta = deltas(c, mw, proj, rows);
     let q = chunk.max(1).min(rows.max(1));
-    let cb = chunk_cb(c, &v, rows, q);
-    let per_head: Vec<Vec<F>> = ssm_state
-        .par_chunks_mut(c.headdim * c.d_state)
-        .enumerate()
-        .map(|(h, s)| head_scan(c, mw, h, &v, &delta, &cb, rows, s, q))
-        .collect();
+    let cb = chunk_cb(c, &v, rows, q, scratch);
     let p_n = c.headdim;
-    let mut y = vec![F::zero(); rows * d_ssm];
+    // Each head's y `[rows, P]`, heads one after the other; its chunk temporaries once per
+    // task of the pool, not per head.
+    let mut per_head = scratch.take(h_n * rows * p_n);
+    ssm_state
+        .par_chunks_mut(p_n * c.d_state)
+        .zip(per_head.par_chunks_mut(rows * p_n))
+        .enumerate()
+        .for_each_init(
+            || HeadTemps::new(q, p_n, c.d_state),
+            |tmp, (h, (s, y))| head_scan(c, mw, h, (&v, &delta, &cb), rows, s, q, y, tmp),
+        );
+    let mut y = scratch.take(rows * d_ssm);
     for t in 0..rows {
         for h in 0..h_n {
+            let src = (h * rows + t) * p_n;
             y[t * d_ssm + h * p_n..t * d_ssm + (h + 1) * p_n]
-                .copy_from_slice(&per_head[h][t * p_n..(t + 1) * p_n]);
+                .copy_from_slice(&per_head[src..src + p_n]);
         }
     }
-    gate_rows(c, mw, proj, &y, rows)
+    let mut o = scratch.take(rows * c.d_inner);
+    gate_rows_into(c, mw, proj, &y, rows, &mut o);
+    for b in [v, cb, per_head, y] {
+        scratch.give(b);
+    }
+    o
 }
 
 pub(crate) fn taps<'a>(c: &Mamba2Config, mw: &'a Mamba2Mixer) -> ConvTaps<'a> {
@@ -125,21 +154,9 @@ pub(crate) fn deltas_into<F: Real>(
     }
 }
 
-/// From the SSM output `y` `[rows, d_ssm]` to the out_proj input `[rows, D_i]`: the gate,
-/// the grouped RMSNorm (§3.4) and the gated-MLP branch, row by row.
-pub(crate) fn gate_rows<F: Real>(
-    c: &Mamba2Config,
-    mw: &Mamba2Mixer,
-    proj: &[F],
-    y_ssm: &[F],
-    rows: usize,
-) -> Vec<F> {
-    let mut o = vec![F::zero(); rows * c.d_inner];
-    gate_rows_into(c, mw, proj, y_ssm, rows, &mut o);
-    o
-}
-
-/// [`gate_rows`] into `o` `[rows, D_i]`, a buffer the caller keeps.
+/// From the SSM output `y` `[rows, d_ssm]` to the out_proj input `o` `[rows, D_i]`, a
+/// buffer the caller keeps: the gate, the grouped RMSNorm (§3.4) and the gated-MLP branch,
+/// row by row.
 pub(crate) fn gate_rows_into<F: Real>(
     c: &Mamba2Config,
     mw: &Mamba2Mixer,
@@ -182,10 +199,16 @@ pub(crate) fn gate_rows_into<F: Real>(
 
 /// `C·Bᵀ` of every chunk and group, shared by the group's heads: chunk `k`, group `g` at
 /// `[(k·G + g)·q², ..]`, `len × len` row-major for a chunk of `len` rows.
-fn chunk_cb<F: Real>(c: &Mamba2Config, v: &[F], rows: usize, q: usize) -> Vec<F> {
+fn chunk_cb<F: Real>(
+    c: &Mamba2Config,
+    v: &[F],
+    rows: usize,
+    q: usize,
+    scratch: &mut Scratch<F>,
+) -> Vec<F> {
     let (n, g_n, cd) = (c.d_state, c.ngroups, c.conv_dim());
     let chunks = rows.div_ceil(q);
-    let mut cb = vec![F::zero(); chunks * g_n * q * q];
+    let mut cb = scratch.take(chunks * g_n * q * q);
     cb.par_chunks_mut(q * q)
         .enumerate()
         .for_each(|(slot, out)| {
@@ -208,20 +231,41 @@ fn chunk_cb<F: Real>(c: &Mamba2Config, v: &[F], rows: usize, q: usize) -> Vec<F>
     cb
 }
 
-/// Head `h` over all rows, chunk by chunk (spec §3.5): returns `y` `[rows, P]` (with the
-/// D skip) and advances its state `s` `[P, N]`.
+/// One task's buffers for [`head_scan`]'s chunks.
+struct HeadTemps<F> {
+    cum: Vec<F>,
+    xt: Vec<F>,
+    m: Vec<F>,
+    c_scaled: Vec<F>,
+    b_weighted: Vec<F>,
+}
+
+impl<F: Real> HeadTemps<F> {
+    fn new(q: usize, p_n: usize, n: usize) -> Self {
+        HeadTemps {
+            cum: vec![F::zero(); q],
+            xt: vec![F::zero(); q * p_n],
+            m: vec![F::zero(); q * q],
+            c_scaled: vec![F::zero(); q * n],
+            b_weighted: vec![F::zero(); q * n],
+        }
+    }
+}
+
+/// Head `h` over all rows, chunk by chunk (spec §3.5): writes its `y` `[rows, P]` (with
+/// the D skip) and advances its state `s` `[P, N]`.
 #[allow(clippy::too_many_arguments)]
 fn head_scan<F: Real>(
     c: &Mamba2Config,
     mw: &Mamba2Mixer,
     h: usize,
-    v: &[F],
-    delta: &[F],
-    cb: &[F],
+    (v, delta, cb): (&[F], &[F], &[F]),
     rows: usize,
     s: &mut [F],
     q: usize,
-) -> Vec<F> {
+    y: &mut [F],
+    tmp: &mut HeadTemps<F>,
+) {
     let (p_n, n, h_n, cd) = (c.headdim, c.d_state, c.nheads, c.conv_dim());
     let g = c.group_of(h);
     let x_off = h * p_n;
@@ -235,13 +279,14 @@ fn head_scan<F: Real>(
             mw.d[h]
         } as f64)
     };
-    let mut y = vec![F::zero(); rows * p_n];
     let cutoff = decay_cutoff::<F>();
-    let mut cum = vec![F::zero(); q];
-    let mut xt = vec![F::zero(); q * p_n];
-    let mut m = vec![F::zero(); q * q];
-    let mut c_scaled = vec![F::zero(); q * n];
-    let mut b_weighted = vec![F::zero(); q * n];
+    let HeadTemps {
+        cum,
+        xt,
+        m,
+        c_scaled,
+        b_weighted,
+    } = tmp;
     let mut start = 0;
     while start < rows {
         let len = q.min(rows - start);
@@ -316,5 +361,4 @@ fn head_scan<F: Real>(
         );
         start += len;
     }
-    y
 }
