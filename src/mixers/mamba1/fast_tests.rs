@@ -26,6 +26,14 @@ pub trait FastFamily {
     fn step<F: Real>(&self, states: &mut [&mut StateBuf<F>], tokens: &[u32]) -> Result<Vec<F>>;
     /// The f64 reference over `tokens` from `st`: every position's logits.
     fn reference(&self, st: &mut StateBuf<f64>, tokens: &[u32]) -> Vec<f64>;
+    /// The team step in f32 on exactly `members` threads (fresh buffers): how many ran.
+    fn step_on(
+        &self,
+        states: &mut [&mut StateBuf<f32>],
+        tokens: &[u32],
+        logits: &mut Vec<f32>,
+        members: usize,
+    ) -> Result<usize>;
 }
 
 impl FastFamily for Mamba1Weights {
@@ -54,6 +62,16 @@ impl FastFamily for Mamba1Weights {
         let r = super::reference::Reference::<f64>::new(self).unwrap();
         r.forward(st, tokens).unwrap().concat()
     }
+    fn step_on(
+        &self,
+        states: &mut [&mut StateBuf<f32>],
+        tokens: &[u32],
+        logits: &mut Vec<f32>,
+        members: usize,
+    ) -> Result<usize> {
+        let mut work = super::step::StepWork::default();
+        super::step::step_on(self, states, tokens, &mut work, logits, members, true)
+    }
 }
 
 impl FastFamily for Mamba2Weights {
@@ -81,6 +99,48 @@ impl FastFamily for Mamba2Weights {
     fn reference(&self, st: &mut StateBuf<f64>, tokens: &[u32]) -> Vec<f64> {
         let r = mamba2::reference::Reference::<f64>::new(self).unwrap();
         r.forward(st, tokens).unwrap().concat()
+    }
+    fn step_on(
+        &self,
+        states: &mut [&mut StateBuf<f32>],
+        tokens: &[u32],
+        logits: &mut Vec<f32>,
+        members: usize,
+    ) -> Result<usize> {
+        let mut work = mamba2::step::StepWork::default();
+        mamba2::step::step_on(self, states, tokens, &mut work, logits, members, true)
+    }
+}
+
+/// Three sequences prefilled to different lengths, then one step of batch 1 and of batch 3
+/// on one and on two members of the thread team: the same bits, logits and states.
+pub fn team_step_is_member_invariant(w: &impl FastFamily, vocab: usize, what: &str) {
+    let mut gen = Gen::new(9);
+    let start: Vec<StateBuf<f32>> = (0..3)
+        .map(|i| {
+            let mut st = w.zero_state();
+            w.prefill::<f32>(&mut st, &gen.tokens(2 + 3 * i, vocab), LogitsWant::None)
+                .unwrap();
+            st
+        })
+        .collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for batch in [1, 3] {
+        let toks = gen.tokens(batch, vocab);
+        let mut runs = Vec::new();
+        for members in [1, 2] {
+            let mut sts = start.clone();
+            let mut refs: Vec<&mut StateBuf<f32>> = sts.iter_mut().take(batch).collect();
+            let mut logits = Vec::new();
+            let ran = w.step_on(&mut refs, &toks, &mut logits, members).unwrap();
+            assert_eq!(ran, members.min(crate::cpu::team::max_members()));
+            let states: Vec<u32> = sts.iter().flat_map(|s| bits(&s.data)).collect();
+            runs.push((bits(&logits), states));
+        }
+        assert!(
+            runs[0] == runs[1],
+            "{what} batch {batch}: 1 and 2 members differ"
+        );
     }
 }
 

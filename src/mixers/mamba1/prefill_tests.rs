@@ -1,7 +1,10 @@
 //! The fast Mamba-1 prefill against the reference (random configs, windows from carried
 //! states, f64 and f32) and against the goldens.
 
-use super::fast_tests::{batched_step_matches_the_reference, state_err, windows, FastFamily};
+use super::fast_tests::{
+    batched_step_matches_the_reference, state_err, team_step_is_member_invariant, windows,
+    FastFamily,
+};
 use super::golden_tests::{conv_ssm_parts, fixture, rel_l2, to64, Golden, LAYOUTS, TOL};
 use super::prefill::prefill;
 use super::reference::Reference;
@@ -238,7 +241,6 @@ fn weights_paired_with_another_familys_config_are_an_error() {
 /// a share of every product's rows and of the channels), for one sequence and a batch.
 #[test]
 fn team_step_is_the_same_on_any_number_of_members() {
-    use super::step::{step_on, StepWork};
     let c = Mamba1Config {
         d_inner: 40,
         d_state: 8,
@@ -250,33 +252,6 @@ fn team_step_is_the_same_on_any_number_of_members() {
     };
     for dtype in [DType::F32, DType::BF16] {
         let w = mamba1(c.clone(), 24, 2, 50, 4).with_dtype(dtype);
-        let mut gen = Gen::new(9);
-        let start: Vec<State<f32>> = (0..3)
-            .map(|i| {
-                let mut st = zero_state(&c, 2);
-                prefill(&w, &mut st, &gen.tokens(2 + 3 * i, 50), LogitsWant::None).unwrap();
-                st
-            })
-            .collect();
-        for batch in [1, 3] {
-            let toks = gen.tokens(batch, 50);
-            let mut runs = Vec::new();
-            for members in [1, 2] {
-                let mut sts = start.clone();
-                let mut refs: Vec<&mut State<f32>> = sts.iter_mut().take(batch).collect();
-                let mut logits = Vec::new();
-                let mut work = StepWork::default();
-                let ran =
-                    step_on(&w, &mut refs, &toks, &mut work, &mut logits, members, true).unwrap();
-                assert_eq!(ran, members.min(crate::cpu::team::max_members()));
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                let states: Vec<u32> = sts.iter().flat_map(|s| bits(&s.data)).collect();
-                runs.push((bits(&logits), states));
-            }
-            assert!(
-                runs[0] == runs[1],
-                "{dtype} batch {batch}: 1 and 2 members differ"
-            );
-        }
+        team_step_is_member_invariant(&w, 50, &format!("{dtype}"));
     }
 }

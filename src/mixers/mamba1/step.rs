@@ -16,22 +16,20 @@
 //! runs the conv of its x channels.
 
 use super::lm::{
-    conv_token, decay_cutoff, decay_exp, project_cols, rms_unit, team_lm, TeamLm, TeamShared,
+    conv_token, decay_cutoff, decay_exp, in_jobs, project_cols, rms_unit, team_job, TeamShared,
+    TeamWork,
 };
 use super::prefill::taps;
 use super::weights::{Mamba1Mixer, Mamba1Weights};
 use super::{check_state, layout, State};
 use crate::cpu::math::{silu, softplus};
-use crate::cpu::matmul::{
-    dot, piece_rows, product_cols, stream_input, stream_part, STREAM_MAX_ROWS,
-};
+use crate::cpu::matmul::{dot, piece_rows, product_cols, stream_input, stream_part};
 use crate::cpu::team::{self, Member, SharedBuf};
 use crate::cpu::Real;
 use crate::error::{Error, Result};
 use crate::model::family_config::Mamba1Config;
 use crate::model::state_layout::StateLayout;
 use crate::model::weights::Matrix;
-use std::sync::Mutex;
 
 /// Channels per piece of the scan phase (Δ's product, the scan, the gate): a few µs each.
 const SCAN_PIECE: usize = 128;
@@ -48,11 +46,7 @@ pub struct StepWork<F> {
     dbc: Vec<F>,
     /// `[rows, D_i]`: `y ⊙ silu(z)`
     gated: Vec<F>,
-    /// `[rows, D_m]`: out_proj's output, bias added
-    hs: Vec<F>,
-    /// `[widest, rows]`: the products' transposes for batches
-    tmp: Vec<F>,
-    members: Vec<Mutex<(TeamLm<F>, MemberWork<F>)>>,
+    lm: TeamWork<F, MemberWork<F>>,
 }
 
 /// What each member computes for itself in the mixer.
@@ -108,7 +102,7 @@ fn step_bytes(w: &Mamba1Weights) -> usize {
 }
 
 /// [`step_into`] on up to `members` threads (exactly that many, capped at the pool's, if
-/// `exact`); returns how many ran the last job. Batches over [`STREAM_MAX_ROWS`] run in
+/// `exact`); returns how many ran the last job. Batches over [`crate::cpu::matmul::STREAM_MAX_ROWS`] run in
 /// parts of that many rows, each a job: every row takes the weight-streaming products (the
 /// same bits whatever the batch; the pool's step took the GEMM above 64 rows).
 pub(crate) fn step_on<F: Real>(
@@ -123,20 +117,12 @@ pub(crate) fn step_on<F: Real>(
     let cfg = w.mixer_config()?.clone();
     let vp = w.config.vocab_padded;
     check_step(states, tokens, &layout(&cfg, w.config.n_layer), vp)?;
-    logits.resize(tokens.len() * vp, F::zero());
-    let mut ran = 0;
-    for ((st, toks), out) in states
-        .chunks_mut(STREAM_MAX_ROWS)
-        .zip(tokens.chunks(STREAM_MAX_ROWS))
-        .zip(logits.chunks_mut(STREAM_MAX_ROWS * vp))
-    {
-        ran = job(w, &cfg, st, toks, work, out, members, exact);
-    }
-    Ok(ran)
+    Ok(in_jobs(states, tokens, logits, vp, |st, toks, out| {
+        job(w, &cfg, st, toks, work, out, (members, exact))
+    }))
 }
 
-/// One team job: the step of up to [`STREAM_MAX_ROWS`] sequences, checked.
-#[allow(clippy::too_many_arguments)]
+/// One team job: the step of up to [`crate::cpu::matmul::STREAM_MAX_ROWS`] sequences, checked.
 fn job<F: Real>(
     w: &Mamba1Weights,
     cfg: &Mamba1Config,
@@ -144,8 +130,7 @@ fn job<F: Real>(
     tokens: &[u32],
     work: &mut StepWork<F>,
     logits: &mut [F],
-    members: usize,
-    exact: bool,
+    members: (usize, bool),
 ) -> usize {
     let rows = tokens.len();
     let (di, dm, vp) = (cfg.d_inner, w.config.d_model, w.config.vocab_padded);
@@ -155,49 +140,30 @@ fn job<F: Real>(
     work.xc.resize(rows * di, F::zero());
     work.dbc.resize(rows * wd, F::zero());
     work.gated.resize(rows * di, F::zero());
-    work.hs.resize(rows * dm, F::zero());
-    work.tmp.resize(rows * widest, F::zero());
-    if work.members.len() < members {
-        work.members.resize_with(members, Default::default);
-    }
     let StepWork {
         proj,
         xc,
         dbc,
         gated,
-        hs,
-        tmp,
-        members: own,
+        lm,
     } = work;
-    let lm = TeamShared {
-        hs: SharedBuf::new(hs),
-        tmp: SharedBuf::new(tmp),
-        out: SharedBuf::new(logits),
-        states: states
-            .iter_mut()
-            .map(|s| (s.layer_len, SharedBuf::new(&mut s.data)))
-            .collect(),
-    };
     let mix = Shared {
         proj: SharedBuf::new(proj),
         xc: SharedBuf::new(xc),
         dbc: SharedBuf::new(dbc),
         gated: SharedBuf::new(gated),
     };
-    let own = &*own;
-    let run = if exact { team::run_exact } else { team::run };
-    run(members, &|m: &Member| {
-        let mut guard = own[m.id].lock().unwrap_or_else(|e| e.into_inner());
-        let (mine_lm, mine) = &mut *guard;
-        // SAFETY: every shared buffer is written in disjoint shares (the products' weight
-        // rows, the members' channels) and read whole only after the barrier that ends
-        // the phase writing it.
-        unsafe {
-            team_lm(m, w, tokens, mine_lm, &lm, |l, mw, normed, xk| {
-                mixer(m, cfg, l, mw, normed, xk, mine, &mix, &lm)
-            })
-        }
-    })
+    let mixer = |m: &Member,
+                 l,
+                 mw: &Mamba1Mixer,
+                 normed: &[F],
+                 xk: &mut Vec<F>,
+                 mine: &mut MemberWork<F>,
+                 sh: &TeamShared<F>| {
+        // SAFETY: called by every member of the job, the buffers sized above.
+        unsafe { mixer(m, cfg, l, mw, normed, xk, mine, &mix, sh) }
+    };
+    team_job(w, states, tokens, logits, lm, widest, members, mixer)
 }
 
 /// The mixer's buffers the members share.

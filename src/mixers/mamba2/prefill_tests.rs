@@ -8,7 +8,8 @@ use super::step::step;
 use super::{zero_state, State};
 use crate::mixers::family_synthetic::{mamba2, mamba2_config, Gen};
 use crate::mixers::mamba1::fast_tests::{
-    batched_step_matches_the_reference, state_err, windows, FastFamily,
+    batched_step_matches_the_reference, state_err, team_step_is_member_invariant, windows,
+    FastFamily,
 };
 use crate::mixers::mamba1::golden_tests::{
     conv_ssm_parts, fixture, rel_l2, to64, Golden, LAYOUTS, TOL,
@@ -184,7 +185,6 @@ fn speed_against_the_reference() {
 /// sequence and a batch.
 #[test]
 fn team_step_is_the_same_on_any_number_of_members() {
-    use super::step::{step_on, StepWork};
     // two groups, the gated-MLP branch, D per channel, biases
     let mut c = config(24, 4, 3, 6);
     c.d_ssm = 36;
@@ -193,33 +193,6 @@ fn team_step_is_the_same_on_any_number_of_members() {
     c.proj_bias = true;
     for dtype in [DType::F32, DType::BF16] {
         let w = mamba2(c.clone(), 24, 2, 40, 5).with_dtype(dtype);
-        let mut gen = Gen::new(9);
-        let start: Vec<State<f32>> = (0..3)
-            .map(|i| {
-                let mut st = zero_state(&c, 2);
-                prefill(&w, &mut st, &gen.tokens(2 + 3 * i, 40), LogitsWant::None).unwrap();
-                st
-            })
-            .collect();
-        for batch in [1, 3] {
-            let toks = gen.tokens(batch, 40);
-            let mut runs = Vec::new();
-            for members in [1, 2] {
-                let mut sts = start.clone();
-                let mut refs: Vec<&mut State<f32>> = sts.iter_mut().take(batch).collect();
-                let mut logits = Vec::new();
-                let mut work = StepWork::default();
-                let ran =
-                    step_on(&w, &mut refs, &toks, &mut work, &mut logits, members, true).unwrap();
-                assert_eq!(ran, members.min(crate::cpu::team::max_members()));
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                let states: Vec<u32> = sts.iter().flat_map(|s| bits(&s.data)).collect();
-                runs.push((bits(&logits), states));
-            }
-            assert!(
-                runs[0] == runs[1],
-                "{dtype} batch {batch}: 1 and 2 members differ"
-            );
-        }
+        team_step_is_member_invariant(&w, 40, &format!("{dtype}"));
     }
 }

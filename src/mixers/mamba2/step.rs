@@ -13,18 +13,17 @@
 
 use super::prefill::{deltas_into, gate_rows_into, taps};
 use super::{layout, State};
-use crate::cpu::matmul::{dot, piece_rows, stream_input, STREAM_MAX_ROWS};
+use crate::cpu::matmul::{dot, piece_rows, stream_input};
 use crate::cpu::team::{self, Member, SharedBuf};
 use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::lm::{
-    conv_token, decay_cutoff, decay_exp, project_cols, team_lm, TeamLm, TeamShared,
+    conv_token, decay_cutoff, decay_exp, in_jobs, project_cols, team_job, TeamShared, TeamWork,
 };
 use crate::mixers::mamba1::step::check_step;
 use crate::mixers::mamba2::weights::{Mamba2Mixer, Mamba2Weights};
 use crate::model::family_config::Mamba2Config;
 use crate::model::weights::Matrix;
-use std::sync::Mutex;
 
 /// Channels per piece of the conv: a few µs each.
 const CONV_PIECE: usize = 256;
@@ -39,11 +38,7 @@ pub struct StepWork<F> {
     v: Vec<F>,
     /// `[rows, d_ssm]`: the heads' output with the D skip
     y: Vec<F>,
-    /// `[rows, D_m]`: out_proj's output, bias added
-    hs: Vec<F>,
-    /// `[widest, rows]`: the products' transposes for batches
-    tmp: Vec<F>,
-    members: Vec<Mutex<(TeamLm<F>, MemberWork<F>)>>,
+    lm: TeamWork<F, MemberWork<F>>,
 }
 
 /// What each member computes for itself in the mixer.
@@ -88,7 +83,7 @@ pub fn step_into<F: Real>(
 }
 
 /// [`step_into`] on up to `members` threads (exactly that many, capped at the pool's, if
-/// `exact`); returns how many ran the last job. Batches over [`STREAM_MAX_ROWS`] run in
+/// `exact`); returns how many ran the last job. Batches over [`crate::cpu::matmul::STREAM_MAX_ROWS`] run in
 /// parts of that many rows, each a job (as Mamba-1's).
 pub(crate) fn step_on<F: Real>(
     w: &Mamba2Weights,
@@ -102,19 +97,12 @@ pub(crate) fn step_on<F: Real>(
     let cfg = w.mixer_config()?.clone();
     let vp = w.config.vocab_padded;
     check_step(states, tokens, &layout(&cfg, w.config.n_layer), vp)?;
-    logits.resize(tokens.len() * vp, F::zero());
-    let mut ran = 0;
-    for ((st, toks), out) in states
-        .chunks_mut(STREAM_MAX_ROWS)
-        .zip(tokens.chunks(STREAM_MAX_ROWS))
-        .zip(logits.chunks_mut(STREAM_MAX_ROWS * vp))
-    {
-        ran = job(w, &cfg, st, toks, work, out, (members, exact));
-    }
-    Ok(ran)
+    Ok(in_jobs(states, tokens, logits, vp, |st, toks, out| {
+        job(w, &cfg, st, toks, work, out, (members, exact))
+    }))
 }
 
-/// One team job: the step of up to [`STREAM_MAX_ROWS`] sequences, checked.
+/// One team job: the step of up to [`crate::cpu::matmul::STREAM_MAX_ROWS`] sequences, checked.
 fn job<F: Real>(
     w: &Mamba2Weights,
     cfg: &Mamba2Config,
@@ -122,7 +110,7 @@ fn job<F: Real>(
     tokens: &[u32],
     work: &mut StepWork<F>,
     logits: &mut [F],
-    (members, exact): (usize, bool),
+    members: (usize, bool),
 ) -> usize {
     let rows = tokens.len();
     let (width, dm, vp) = (cfg.d_in_proj(), w.config.d_model, w.config.vocab_padded);
@@ -130,47 +118,23 @@ fn job<F: Real>(
     work.proj.resize(rows * width, F::zero());
     work.v.resize(rows * cfg.conv_dim(), F::zero());
     work.y.resize(rows * cfg.d_ssm, F::zero());
-    work.hs.resize(rows * dm, F::zero());
-    work.tmp.resize(rows * widest, F::zero());
-    if work.members.len() < members {
-        work.members.resize_with(members, Default::default);
-    }
-    let StepWork {
-        proj,
-        v,
-        y,
-        hs,
-        tmp,
-        members: own,
-    } = work;
-    let lm = TeamShared {
-        hs: SharedBuf::new(hs),
-        tmp: SharedBuf::new(tmp),
-        out: SharedBuf::new(logits),
-        states: states
-            .iter_mut()
-            .map(|s| (s.layer_len, SharedBuf::new(&mut s.data)))
-            .collect(),
-    };
+    let StepWork { proj, v, y, lm } = work;
     let mix = Shared {
         proj: SharedBuf::new(proj),
         v: SharedBuf::new(v),
         y: SharedBuf::new(y),
     };
-    let own = &*own;
-    let run = if exact { team::run_exact } else { team::run };
-    run(members, &|m: &Member| {
-        let mut guard = own[m.id].lock().unwrap_or_else(|e| e.into_inner());
-        let (mine_lm, mine) = &mut *guard;
-        // SAFETY: every shared buffer is written in disjoint shares (the products' weight
-        // rows, the members' channels and heads) and read whole only after the barrier
-        // that ends the phase writing it.
-        unsafe {
-            team_lm(m, w, tokens, mine_lm, &lm, |l, mw, normed, xk| {
-                mixer(m, cfg, l, mw, normed, xk, mine, &mix, &lm)
-            })
-        }
-    })
+    let mixer = |m: &Member,
+                 l,
+                 mw: &Mamba2Mixer,
+                 normed: &[F],
+                 xk: &mut Vec<F>,
+                 mine: &mut MemberWork<F>,
+                 sh: &TeamShared<F>| {
+        // SAFETY: called by every member of the job, the buffers sized above.
+        unsafe { mixer(m, cfg, l, mw, normed, xk, mine, &mix, sh) }
+    };
+    team_job(w, states, tokens, logits, lm, widest, members, mixer)
 }
 
 /// The mixer's buffers the members share.
@@ -182,7 +146,7 @@ struct Shared<'a, F> {
 
 /// One member's part of layer `l`'s mixer, from the normed rows to its output in `lm.hs`,
 /// with the operations of the pool's step (`prefill::deltas`, the head update,
-/// `prefill::gate_rows`), so the same bits on any number of members.
+/// `prefill::gate_rows_into`), so the same bits on any number of members.
 ///
 /// # Safety
 /// Called by every member of one job, with the shared buffers sized for the batch.
