@@ -555,17 +555,16 @@ impl FamilyCuda {
     }
 
     /// One decode step by the graph of `bucket`, its `[batch, vocab_padded]` logits copied
-    /// to the host.
-    fn decode_graph(
+    /// into `host`.
+    fn decode_graph_into(
         &self,
         bucket: usize,
         tokens: &[u32],
         states: &mut [&mut CudaState],
-    ) -> Result<Vec<f32>> {
+        host: &mut [f32],
+    ) -> Result<()> {
         let logits = self.replay_decode(bucket, tokens, states)?;
-        let mut host = vec![0f32; tokens.len() * self.dims.vocab_padded];
-        self.gpu.dtoh(logits, &mut host)?;
-        Ok(host)
+        self.gpu.dtoh(logits, host)
     }
 
     /// One decode step by the graph of `bucket` (≥ the batch: the spare rows decode token 0
@@ -750,9 +749,8 @@ impl Backend for FamilyCuda {
             // (into the step's pinned buffer, kept across steps: a fresh heap copy of B=64
             // rows of a 128k vocabulary cost milliseconds a step in page faults and a
             // pageable copy)
-            let logits = self.replay_decode(bucket, tokens, &mut st)?;
             let dst = out.pinned(&self.gpu, tokens.len() * self.dims.vocab_padded)?;
-            return self.gpu.dtoh(logits, dst);
+            return self.decode_graph_into(bucket, tokens, &mut st, dst);
         }
         let seqs: Vec<&[u32]> = tokens.chunks(1).collect();
         let rows = self.pass(&seqs, &mut st, LogitsWant::Last)?;
@@ -797,7 +795,8 @@ impl Backend for FamilyCuda {
         let bucket = self.decode_bucket(tokens.len())?.ok_or_else(|| {
             Error::input(format!("no decode graph holds a batch of {}", tokens.len()))
         })?;
-        let flat = self.decode_graph(bucket, tokens, &mut device_states(states)?)?;
+        let mut flat = vec![0f32; tokens.len() * self.dims.vocab_padded];
+        self.decode_graph_into(bucket, tokens, &mut device_states(states)?, &mut flat)?;
         Ok(flat
             .chunks(self.dims.vocab_padded)
             .map(<[f32]>::to_vec)
