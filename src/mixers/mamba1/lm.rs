@@ -250,6 +250,25 @@ pub fn project<F: Real>(
     out
 }
 
+/// One layer's mixer over `rows` between its projections: in_proj (`w_in`, bias), then
+/// `mixer(in_proj's output, scratch)`, then out_proj (`w_out`, bias) of what it returns;
+/// the buffers go back to `scratch`, out_proj's output is returned.
+pub fn between_projections<F: Real>(
+    normed: &[F],
+    rows: usize,
+    (w_in, b_in): (&Matrix, Option<&[f32]>),
+    (w_out, b_out): (&Matrix, Option<&[f32]>),
+    scratch: &mut Scratch<F>,
+    mixer: impl FnOnce(&[F], &mut Scratch<F>) -> Vec<F>,
+) -> Vec<F> {
+    let proj = project(normed, rows, w_in, b_in, scratch);
+    let inner = mixer(&proj, scratch);
+    scratch.give(proj);
+    let out = project(&inner, rows, w_out, b_out, scratch);
+    scratch.give(inner);
+    out
+}
+
 /// A depthwise causal conv's parameters: `weight` `[C, K]` (`conv1d.weight` `[C, 1, K]`),
 /// optional `bias` `[C]`.
 #[derive(Clone, Copy)]

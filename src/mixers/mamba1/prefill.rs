@@ -7,7 +7,8 @@
 //! in L1 for the whole window.
 
 use super::lm::{
-    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, Scratch,
+    between_projections, conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps,
+    Scratch,
 };
 use super::{check_state, layer, layout, State};
 use crate::cpu::math::{silu, softplus};
@@ -45,25 +46,15 @@ pub fn prefill_rows<F: Real>(
     check_state(state, &layout(&cfg, w.config.n_layer))?;
     let rows = tokens.len();
     lm_rows(w, tokens, want, head, |l, mw, normed, scratch| {
-        let proj = project(
+        let st = layer(state, l, &cfg);
+        Ok(between_projections(
             normed,
             rows,
-            &mw.in_proj,
-            mw.in_proj_bias.as_deref(),
+            (&mw.in_proj, mw.in_proj_bias.as_deref()),
+            (&mw.out_proj, mw.out_proj_bias.as_deref()),
             scratch,
-        );
-        let st = layer(state, l, &cfg);
-        let gated = mixer_rows(&cfg, mw, &proj, rows, st.conv, st.ssm, scratch);
-        scratch.give(proj);
-        let out = project(
-            &gated,
-            rows,
-            &mw.out_proj,
-            mw.out_proj_bias.as_deref(),
-            scratch,
-        );
-        scratch.give(gated);
-        Ok(out)
+            |proj, scratch| mixer_rows(&cfg, mw, proj, rows, st.conv, st.ssm, scratch),
+        ))
     })
 }
 

@@ -13,7 +13,7 @@ use crate::cpu::Real;
 use crate::error::Result;
 use crate::mixers::mamba1::check_state;
 use crate::mixers::mamba1::lm::{
-    conv_rows, decay_cutoff, decay_exp, lm_rows, project, rms_unit, ConvTaps, Scratch,
+    between_projections, conv_rows, decay_cutoff, decay_exp, lm_rows, rms_unit, ConvTaps, Scratch,
 };
 use crate::mixers::mamba2::weights::{Mamba2Mixer, Mamba2Weights};
 use crate::mixers::LogitsWant;
@@ -44,19 +44,15 @@ pub fn prefill_rows<F: Real>(
     let chunk = cfg.chunk_size;
     let rows = tokens.len();
     lm_rows(w, tokens, want, head, |l, mw, normed, scratch| {
-        let proj = project(
+        let st = layer(state, l, &cfg);
+        Ok(between_projections(
             normed,
             rows,
-            &mw.in_proj,
-            mw.in_proj_bias.as_deref(),
+            (&mw.in_proj, mw.in_proj_bias.as_deref()),
+            (&mw.out_proj, mw.out_proj_bias.as_deref()),
             scratch,
-        );
-        let st = layer(state, l, &cfg);
-        let o = mixer_rows(&cfg, mw, &proj, rows, (st.conv, st.ssm), chunk, scratch);
-        scratch.give(proj);
-        let out = project(&o, rows, &mw.out_proj, mw.out_proj_bias.as_deref(), scratch);
-        scratch.give(o);
-        Ok(out)
+            |proj, scratch| mixer_rows(&cfg, mw, proj, rows, (st.conv, st.ssm), chunk, scratch),
+        ))
     })
 }
 
