@@ -7,6 +7,9 @@
 //!
 //! `cargo bench --bench bf16_dot -- [d_model] [layers] [vocab]` (defaults 768 24 50280)
 
+#[path = "common/args.rs"]
+mod args;
+
 use half::bf16;
 use mamba3::cpu::simd::{dot_rows, kernel_order};
 use mamba3::model::rng::Rng;
@@ -89,11 +92,8 @@ fn dp_pass(mats: &[(Vec<bf16>, usize, usize)], xs: &[Vec<u32>], outs: &mut [Vec<
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let num = |i: usize, d: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(d);
+    let args = args::Args::new();
+    let num = |i, d| args.num(i, d);
     let (dm, layers, vocab) = (num(0, 768), num(1, 24), num(2, 50280));
     #[cfg(target_arch = "x86_64")]
     if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {

@@ -6,6 +6,9 @@
 //! `cargo bench --bench decode_gemv -- [d_model] [layers] [vocab] [dtype]`
 //! (defaults 768 24 50280 bf16: the mamba-130m shape; `dtype` f32, bf16 or f16).
 
+#[path = "common/args.rs"]
+mod args;
+
 use mamba3::cpu::matmul::matmul_t;
 use mamba3::model::dtype::{DType, TensorData};
 use mamba3::model::rng::Rng;
@@ -13,13 +16,10 @@ use mamba3::model::weights::Matrix;
 use std::time::Instant;
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let num = |i: usize, d: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(d);
+    let args = args::Args::new();
+    let num = |i, d| args.num(i, d);
     let (dm, layers, vocab) = (num(0, 768), num(1, 24), num(2, 50280));
-    let dtype = match args.get(3).map(String::as_str).unwrap_or("bf16") {
+    let dtype = match args.word(3).unwrap_or("bf16") {
         "f32" => DType::F32,
         "f16" => DType::F16,
         _ => DType::BF16,

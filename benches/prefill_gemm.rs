@@ -7,6 +7,9 @@
 //! `cargo bench --bench prefill_gemm -- [d_model] [rows] [passes]`
 //! (defaults 1536 512 10: the mamba2-780m shape, d_state 128, headdim 64, ngroups 1).
 
+#[path = "common/args.rs"]
+mod args;
+
 use mamba3::cpu::gemm_bf16;
 use mamba3::cpu::matmul::{matmul_t, matmul_t_widened};
 use mamba3::model::dtype::{DType, TensorData};
@@ -15,11 +18,8 @@ use mamba3::model::weights::Matrix;
 use std::time::Instant;
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let num = |i: usize, d: usize| args.get(i).and_then(|a| a.parse().ok()).unwrap_or(d);
+    let args = args::Args::new();
+    let num = |i, d| args.num(i, d);
     let (dm, rows, passes) = (num(0, 1536), num(1, 512), num(2, 10));
     let di = 2 * dm;
     // Mamba-2's in_proj: z, x, B, C, dt.
