@@ -1,10 +1,10 @@
 //! Matrix products on the CPU.
 //!
 //! Prefill multiplies many rows at once: that is a GEMM, done by the `gemm` crate on
-//! strided views (bf16 weights on a CPU with AVX-512 BF16: [`super::gemm_bf16`]). Decode multiplies one row (or a few) by a weight matrix: that is
-//! bound by reading the weights, so it gets its own kernel that reads each weight row
-//! once, straight from its storage dtype (bf16 widening is a shift), for every sequence
-//! of the batch.
+//! strided views (bf16 weights on a CPU with AVX-512 BF16: [`super::gemm_bf16`]). Decode
+//! multiplies one row (or a few) by a weight matrix: that is bound by reading the
+//! weights, so it gets its own kernel that reads each weight row once, straight from its
+//! storage dtype (bf16 widening is a shift), for every sequence of the batch.
 
 use super::gemm_bf16;
 use super::real::Real;
@@ -184,8 +184,7 @@ pub fn matmul_t<F: Real>(x: &[F], rows: usize, w: &Matrix, out: &mut [F]) {
         return;
     }
     if rows <= STREAM_MAX_ROWS {
-        if std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>() {
-            let x32: &[f32] = bytemuck::cast_slice(x);
+        if let Some(x32) = as_f32(x) {
             let out32: &mut [f32] = bytemuck::cast_slice_mut(out);
             return match &w.data {
                 TensorData::F32(v) => stream_rows_f32(x32, rows, v, w.rows, w.cols, out32),

@@ -102,9 +102,10 @@ fn step_bytes(w: &Mamba1Weights) -> usize {
 }
 
 /// [`step_into`] on up to `members` threads (exactly that many, capped at the pool's, if
-/// `exact`); returns how many ran the last job. Batches over [`crate::cpu::matmul::STREAM_MAX_ROWS`] run in
-/// parts of that many rows, each a job: every row takes the weight-streaming products (the
-/// same bits whatever the batch; the pool's step took the GEMM above 64 rows).
+/// `exact`); returns how many ran the last job. Batches over
+/// [`crate::cpu::matmul::STREAM_MAX_ROWS`] run in parts of that many rows, each a job:
+/// every row takes the weight-streaming products (the same bits whatever the batch; the
+/// pool's step took the GEMM above 64 rows).
 pub(crate) fn step_on<F: Real>(
     w: &Mamba1Weights,
     states: &mut [&mut State<F>],
@@ -122,7 +123,8 @@ pub(crate) fn step_on<F: Real>(
     }))
 }
 
-/// One team job: the step of up to [`crate::cpu::matmul::STREAM_MAX_ROWS`] sequences, checked.
+/// One team job: the step of up to [`crate::cpu::matmul::STREAM_MAX_ROWS`] sequences,
+/// checked.
 fn job<F: Real>(
     w: &Mamba1Weights,
     cfg: &Mamba1Config,

@@ -83,8 +83,9 @@ pub fn step_into<F: Real>(
 }
 
 /// [`step_into`] on up to `members` threads (exactly that many, capped at the pool's, if
-/// `exact`); returns how many ran the last job. Batches over [`crate::cpu::matmul::STREAM_MAX_ROWS`] run in
-/// parts of that many rows, each a job (as Mamba-1's).
+/// `exact`); returns how many ran the last job. Batches over
+/// [`crate::cpu::matmul::STREAM_MAX_ROWS`] run in parts of that many rows, each a job (as
+/// Mamba-1's).
 pub(crate) fn step_on<F: Real>(
     w: &Mamba2Weights,
     states: &mut [&mut State<F>],
@@ -102,7 +103,8 @@ pub(crate) fn step_on<F: Real>(
     }))
 }
 
-/// One team job: the step of up to [`crate::cpu::matmul::STREAM_MAX_ROWS`] sequences, checked.
+/// One team job: the step of up to [`crate::cpu::matmul::STREAM_MAX_ROWS`] sequences,
+/// checked.
 fn job<F: Real>(
     w: &Mamba2Weights,
     cfg: &Mamba2Config,

@@ -145,8 +145,8 @@ const RECURRENT_ROWS_PER_SEQ: usize = 4;
 /// the chunk states and their carry (a third of the chunked scan's work) and beats the
 /// chunked scan's better balance — B=8 T=4096 at the 187M shape on an H100 (192 blocks, 264
 /// slots): 158.9 ms against 173.9 ms in chunks of 256 (docs/decisions.md, "MIMO prefill:
-/// where the scan's time went, and whole sequences per block"). Not under `batch_invariant`: whether a sequence's scan is
-/// cut would follow its batch.
+/// where the scan's time went, and whole sequences per block"). Not under
+/// `batch_invariant`: whether a sequence's scan is cut would follow its batch.
 fn chunk_len(
     rows: usize,
     seqs: usize,
