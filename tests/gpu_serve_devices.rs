@@ -9,7 +9,7 @@
 
 mod serve_util;
 
-use mamba3::engine::{cuda_device_count, Device, Model};
+use mamba3::engine::{cuda_device_count, Device, LogitsWant, Model};
 use mamba3::model::DType;
 use mamba3::serve::client::{self, post_json};
 use mamba3::serve::ServerHandle;
@@ -134,6 +134,57 @@ fn wait_active(h: &ServerHandle, want: [f64; 2]) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A prompt that carries a cached prefix a few tokens on: the server prefills the tail by
+/// a replayed CUDA graph (`serve/scheduler/short_prefill.rs`), for each length from 2 to 32
+/// and again for a length already captured; its greedy tokens equal the engine's eager
+/// prefill of the prefix, then of the tail, then its decode.
+#[test]
+#[ignore]
+fn short_turns_after_a_prefix_hit_give_the_engines_tokens() {
+    let dir = model_dir(true, false);
+    let h = server(&dir, vec![Device::Cuda(0)]);
+    let model = Model::load(dir.path(), Device::Cuda(0), DType::F32).unwrap();
+    let vocab = model.dims().vocab_size;
+    let prefix: Vec<u32> = (0..96u32).map(|t| (t * 37 + 5) % 256).collect();
+    let greedy = |p: &[u32]| {
+        let v = complete(
+            &h,
+            json!({"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": true,
+                   "return_token_ids": true}),
+        );
+        ids(&v["choices"][0]["token_ids"])
+    };
+    greedy(&prefix);
+    let hits = |h: &ServerHandle| metric(h, "mamba3_prefix_cache_hits_total");
+    for (i, tail_len) in [2usize, 5, 16, 32, 5].into_iter().enumerate() {
+        let tail: Vec<u32> = (0..tail_len as u32)
+            .map(|t| (t * 11 + i as u32) % 256)
+            .collect();
+        let prompt = [prefix.as_slice(), &tail].concat();
+        let before = hits(&h);
+        let got = greedy(&prompt);
+        assert!(hits(&h) > before, "tail {tail_len}: no prefix-cache hit");
+        // the engine: the prefix, then the tail, each an eager pass; then its decode
+        let mut st = model.new_state();
+        model.prefill(&prefix, &mut st, LogitsWant::None).unwrap();
+        let mut logits = model
+            .prefill(&tail, &mut st, LogitsWant::Last)
+            .unwrap()
+            .data;
+        let mut want = Vec::new();
+        for _ in 0..12 {
+            let t = mamba3::text::sampling::argmax(&logits[..vocab]);
+            want.push(t);
+            logits = model.decode(&[t], &mut [&mut st]).unwrap().data;
+        }
+        assert_eq!(
+            got, want,
+            "tail of {tail_len} tokens after the cached prefix"
+        );
+    }
+    println!("short turns after a prefix hit (tails 2, 5, 16, 32, 5): the engine's greedy tokens");
 }
 
 #[test]

@@ -26,8 +26,8 @@ pub(crate) struct Captured {
     /// `tokens_in` must not be written before it is done
     pub in_flight: bool,
     pub key: CaptureKey,
-    /// padding rows' state (decode)
-    pub scratch: CudaState,
+    /// padding rows' state (decode; none for a prefill graph)
+    pub scratch: Option<CudaState>,
     pub layout: Layout,
     /// the state addresses in `work.states` now (a decode loop rarely changes them)
     pub state_ptrs: Vec<u64>,

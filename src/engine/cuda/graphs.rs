@@ -71,6 +71,12 @@ impl CudaModel {
         gpu.sync()?;
         let graph = gpu.capture_graph(|| run(&work))?;
         gpu.sync()?;
+        // A prefill replay names every state itself, so the scratch state it was captured
+        // on is not kept (a graph per short length would keep a whole state each).
+        let scratch = match kind {
+            Kind::Decode => Some(scratch),
+            Kind::Prefill => None,
+        };
         Ok(Captured {
             graph,
             work,
@@ -198,7 +204,14 @@ impl CudaModel {
             )));
         };
         check_key(&cap.key, &key, &format!("decode graph for batch {bucket}"))?;
-        let sp = cap.scratch.unique_ptr()?;
+        let sp = match cap.scratch.as_mut() {
+            Some(scratch) => scratch.unique_ptr()?,
+            None => {
+                return Err(Error::Device(
+                    "a decode graph without its scratch state".into(),
+                ))
+            }
+        };
         let mut p = ptrs;
         p.resize(bucket, sp);
         let mut t = tokens.to_vec();

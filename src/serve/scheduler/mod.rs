@@ -33,6 +33,7 @@ pub use super::event::Event;
 
 mod embed;
 mod handoff;
+mod short_prefill;
 use super::metrics::{DeviceMetrics, Metrics, Phase};
 use super::prefix_cache::{Hit, PrefixCache};
 use crate::engine::{row_logprobs, Device, LogitsWant, Model, SampleStep, State};
@@ -40,6 +41,7 @@ use crate::text::generate::{all_finite, non_finite_logits};
 use crate::text::{FinishReason, GenParams, Sampler, TextRules, TokenRules, Tokenizer};
 use embed::EmbedTask;
 use handoff::Out;
+use short_prefill::ShortPrefill;
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -159,6 +161,8 @@ pub struct Scheduler {
     next_id: u64,
     /// Set by [`Work::Shutdown`].
     stopping: bool,
+    /// Short prefill turns by CUDA graph.
+    short_prefill: ShortPrefill,
 }
 
 impl Scheduler {
@@ -180,6 +184,7 @@ impl Scheduler {
         let (emitter, outcomes, thread) = emitter::spawn(shared.metrics.clone(), device.clone())?;
         Ok(Scheduler {
             cache,
+            short_prefill: ShortPrefill::new(&model),
             model,
             tokenizer,
             cfg,
@@ -512,8 +517,8 @@ impl Scheduler {
                     }
                 }
             }
-            self.model
-                .prefill_batch(&pieces, &mut states, LogitsWant::Last)
+            self.short_prefill
+                .prefill(&self.model, &pieces, &mut states)
         };
         self.device.device_busy.since(t);
         let logits = match result {
