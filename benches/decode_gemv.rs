@@ -1,7 +1,9 @@
 //! The weight stream of one batch-1 decode step, alone: `matmul_t` of one input row over a
 //! model's matrices in order (per layer in_proj, x_proj, dt_proj, out_proj; then the head),
 //! inside one trip into the thread pool as the engine's step takes it. Reports ms per pass
-//! and the read rate, against which the engine's decode is judged (docs/performance.md).
+//! and the read rate, against which the engine's decode is judged (docs/performance.md),
+//! and beside it, in the same process, a plain sum over the same weight bytes: how fast
+//! this process reads memory at all (on a VM that moves from one process to the next).
 //!
 //! `cargo bench --bench decode_gemv -- [d_model] [layers] [vocab] [dtype]`
 //! (defaults 768 24 50280 bf16: the mamba-130m shape; `dtype` f32, bf16 or f16).
@@ -13,6 +15,7 @@ use mamba3::cpu::matmul::matmul_t;
 use mamba3::model::dtype::{DType, TensorData};
 use mamba3::model::rng::Rng;
 use mamba3::model::weights::Matrix;
+use rayon::prelude::*;
 use std::time::Instant;
 
 fn main() {
@@ -52,22 +55,56 @@ fn main() {
             }
         })
     };
-    pass();
+    // The same bytes read as u32 words and summed, each matrix split over the threads.
+    let read = || {
+        let s: u32 = mats
+            .iter()
+            .map(|m| {
+                let words: &[u32] = match &m.data {
+                    TensorData::F32(v) => bytemuck::cast_slice(v),
+                    TensorData::BF16(v) => bytemuck::cast_slice(v),
+                    TensorData::F16(v) => bytemuck::cast_slice(v),
+                    TensorData::F64(v) => bytemuck::cast_slice(v),
+                };
+                words
+                    .par_chunks(1 << 14)
+                    .map(|c| {
+                        let mut acc = [0u32; 16];
+                        for v in c.chunks_exact(16) {
+                            for i in 0..16 {
+                                acc[i] = acc[i].wrapping_add(v[i]);
+                            }
+                        }
+                        acc.iter().fold(0u32, |a, &b| a.wrapping_add(b))
+                    })
+                    .reduce(|| 0, u32::wrapping_add)
+            })
+            .fold(0u32, u32::wrapping_add);
+        std::hint::black_box(s);
+    };
+    let (med, best) = median_best(&mut pass);
+    let (read_med, _) = median_best(&mut || rayon::scope(|_| read()));
+    println!(
+        "d_model {dm} x {layers} layers, vocab {vocab}, {dtype}: {:.1} MB per pass, median {:.2} ms (best {:.2}), {:.1} GB/s on {} threads; a plain read of the same bytes {:.1} GB/s",
+        bytes as f64 / 1e6,
+        med * 1e3,
+        best * 1e3,
+        bytes as f64 / med / 1e9,
+        rayon::current_num_threads(),
+        bytes as f64 / read_med / 1e9,
+    );
+}
+
+/// Median and best seconds of 20 calls of `f`, after one untimed.
+fn median_best(f: &mut dyn FnMut()) -> (f64, f64) {
+    f();
     let mut times: Vec<f64> = (0..20)
         .map(|_| {
             let t = Instant::now();
-            pass();
+            f();
             t.elapsed().as_secs_f64()
         })
         .collect();
     times.sort_by(f64::total_cmp);
-    let med = times[times.len() / 2];
-    println!(
-        "d_model {dm} x {layers} layers, vocab {vocab}, {dtype}: {:.1} MB per pass, median {:.2} ms (best {:.2}), {:.1} GB/s on {} threads",
-        bytes as f64 / 1e6,
-        med * 1e3,
-        times[0] * 1e3,
-        bytes as f64 / med / 1e9,
-        rayon::current_num_threads()
-    );
+    (times[times.len() / 2], times[0])
 }

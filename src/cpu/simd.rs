@@ -12,17 +12,18 @@ use std::arch::x86_64::*;
 use crate::model::dtype::Element;
 use half::{bf16, f16};
 
-/// How far ahead of the element being read a weight row is prefetched into L1. One core
-/// streams bf16 rows at ~9.5 GB/s on its own and ~10.5 with this; the two cores of the
-/// 2-core Xeon a batch-1 step's weights at 15 → 17–18 GB/s (`benches/decode_gemv.rs`);
-/// f32's eight rows at a time were at the machine's read rate already.
+/// How far ahead of the element being read a weight row is prefetched. One core streams
+/// bf16 rows at ~9.5 GB/s on its own and ~10.5 with this; the two cores of the 2-core Xeon
+/// a batch-1 step's weights at 15 → 17–18 GB/s (`benches/decode_gemv.rs`).
 const PREFETCH_BYTES: usize = 4096;
 
-/// Ask for the cache line [`PREFETCH_BYTES`] past `p` (a hint: past the end is harmless).
+/// Ask for the cache line [`PREFETCH_BYTES`] past `p` into L2 (a hint: past the end is
+/// harmless). Into L2, not L1: on the EPYC the step's bf16 stream read 20–24 → 25–27 GB/s
+/// and the f32 one 21–28 → 23–34 (the hints alternated in one process, decisions.md).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch<W>(p: *const W) {
-    _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(PREFETCH_BYTES));
+    _mm_prefetch::<_MM_HINT_T2>((p as *const i8).wrapping_add(PREFETCH_BYTES));
 }
 
 /// Which instruction set the host offers, detected once.
