@@ -363,6 +363,34 @@ unsafe fn dot_wrows_avx2<W: Widen, const J: usize>(
     }
 }
 
+/// `t[j] = ⟨x, w_j⟩` for each weight row `w_j` of `w` (`[t.len(), k]`), one activation row
+/// `x` in [`kernel_order`]: [`dot_rows`] with one row, its instruction set picked once for
+/// all the rows rather than per row (the same bits).
+pub fn dot_each_row<W: Widen>(x: &[f32], k: usize, w: &[W], t: &mut [f32]) {
+    assert!(x.len() >= k && w.len() >= t.len() * k);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: AVX-512 was detected on this CPU; each row is `k` elements of `w`, in
+        // bounds by the assert above.
+        return unsafe { each_row_avx512(x, k, w, t) };
+    }
+    for (j, o) in t.iter_mut().enumerate() {
+        let mut r = [0f32; 1];
+        dot_rows::<W, 1>(x, k, &w[j * k..(j + 1) * k], &mut r);
+        *o = r[0];
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn each_row_avx512<W: Widen>(x: &[f32], k: usize, w: &[W], t: &mut [f32]) {
+    for (j, o) in t.iter_mut().enumerate() {
+        let mut r = [0f32; 1];
+        dot_rows_avx512::<W, 1>(x, k, &w[j * k..(j + 1) * k], &mut r);
+        *o = r[0];
+    }
+}
+
 /// `t[r] = ⟨x_r, w⟩` for every one of `rows` activation rows (`x` is `[rows, k]`, in
 /// [`kernel_order`]),
 /// in groups of 8, 4, 2 and 1 rows.
