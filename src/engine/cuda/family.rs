@@ -788,6 +788,12 @@ impl Backend for FamilyCuda {
     fn capture_decode_graph(&self, bucket: usize) -> Result<()> {
         self.capture_decode(bucket)
     }
+    fn capture_prefill_graph(&self, _lens: &[usize], _want: LogitsWant) -> Result<()> {
+        Err(Error::Device(
+            "prefill graphs are captured for Mamba-3 SISO models only; this one's prefills run eagerly"
+                .into(),
+        ))
+    }
     fn has_decode_graph(&self, batch: usize) -> Result<bool> {
         Ok(self.decode_bucket(batch)?.is_some())
     }
