@@ -12,7 +12,8 @@
 //!    reading their prompts, in arrival order, as one batched continued-window pass) so
 //!    that a long prompt never stalls the running sequences for long; a window ends at each
 //!    cache point (where this prompt branches from a cached one, and its end), and the state
-//!    there goes into the prefix cache;
+//!    there goes into the prefix cache; on a GPU a short turn of one sequence replays a
+//!    prefill graph of its length (`short_prefill.rs`);
 //! 4. decodes one token for every running sequence in one batched step (sampled where
 //!    the logits are: on a GPU only the ids come back);
 //! 5. takes the emitter's answer for the previous turn's tokens (sequences a stop string
