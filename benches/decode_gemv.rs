@@ -10,13 +10,14 @@
 
 #[path = "common/args.rs"]
 mod args;
+#[path = "common/timing.rs"]
+mod timing;
 
 use mamba3::cpu::matmul::matmul_t;
 use mamba3::model::dtype::{DType, TensorData};
 use mamba3::model::rng::Rng;
 use mamba3::model::weights::Matrix;
 use rayon::prelude::*;
-use std::time::Instant;
 
 fn main() {
     let args = args::Args::new();
@@ -82,8 +83,8 @@ fn main() {
             .fold(0u32, u32::wrapping_add);
         std::hint::black_box(s);
     };
-    let (med, best) = median_best(&mut pass);
-    let (read_med, _) = median_best(&mut || rayon::scope(|_| read()));
+    let (med, best) = timing::median_best(20, &mut pass);
+    let (read_med, _) = timing::median_best(20, &mut || rayon::scope(|_| read()));
     println!(
         "d_model {dm} x {layers} layers, vocab {vocab}, {dtype}: {:.1} MB per pass, median {:.2} ms (best {:.2}), {:.1} GB/s on {} threads; a plain read of the same bytes {:.1} GB/s",
         bytes as f64 / 1e6,
@@ -93,18 +94,4 @@ fn main() {
         rayon::current_num_threads(),
         bytes as f64 / read_med / 1e9,
     );
-}
-
-/// Median and best seconds of 20 calls of `f`, after one untimed.
-fn median_best(f: &mut dyn FnMut()) -> (f64, f64) {
-    f();
-    let mut times: Vec<f64> = (0..20)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    (times[times.len() / 2], times[0])
 }

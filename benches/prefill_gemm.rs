@@ -9,13 +9,14 @@
 
 #[path = "common/args.rs"]
 mod args;
+#[path = "common/timing.rs"]
+mod timing;
 
 use mamba3::cpu::gemm_bf16;
 use mamba3::cpu::matmul::{matmul_t, matmul_t_widened};
 use mamba3::model::dtype::{DType, TensorData};
 use mamba3::model::rng::Rng;
 use mamba3::model::weights::Matrix;
-use std::time::Instant;
 
 fn main() {
     let args = args::Args::new();
@@ -79,16 +80,7 @@ fn main() {
                 }
             }
         };
-        pass();
-        let mut times: Vec<f64> = (0..passes)
-            .map(|_| {
-                let t = Instant::now();
-                pass();
-                t.elapsed().as_secs_f64()
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
-        let (best, median) = (times[0], times[times.len() / 2]);
+        let (median, best) = timing::median_best(passes, &mut pass);
         println!(
             "{label:<26} best {:7.2} ms  median {:7.2} ms  {:6.1} GFLOP/s (best)",
             best * 1e3,
