@@ -9,7 +9,7 @@
 
 mod serve_util;
 
-use mamba3::engine::{cuda_device_count, Device, LogitsWant, Model};
+use mamba3::engine::{cuda_device_count, Device, Model};
 use mamba3::model::DType;
 use mamba3::serve::client::{self, post_json};
 use mamba3::serve::ServerHandle;
@@ -146,7 +146,6 @@ fn short_turns_after_a_prefix_hit_give_the_engines_tokens() {
     let dir = model_dir(true, false);
     let h = server(&dir, vec![Device::Cuda(0)]);
     let model = Model::load(dir.path(), Device::Cuda(0), DType::F32).unwrap();
-    let vocab = model.dims().vocab_size;
     let prefix: Vec<u32> = (0..96u32).map(|t| (t * 37 + 5) % 256).collect();
     let greedy = |p: &[u32]| {
         let v = complete(
@@ -167,18 +166,7 @@ fn short_turns_after_a_prefix_hit_give_the_engines_tokens() {
         let got = greedy(&prompt);
         assert!(hits(&h) > before, "tail {tail_len}: no prefix-cache hit");
         // the engine: the prefix, then the tail, each an eager pass; then its decode
-        let mut st = model.new_state();
-        model.prefill(&prefix, &mut st, LogitsWant::None).unwrap();
-        let mut logits = model
-            .prefill(&tail, &mut st, LogitsWant::Last)
-            .unwrap()
-            .data;
-        let mut want = Vec::new();
-        for _ in 0..12 {
-            let t = mamba3::text::sampling::argmax(&logits[..vocab]);
-            want.push(t);
-            logits = model.decode(&[t], &mut [&mut st]).unwrap().data;
-        }
+        let want = engine_greedy_windows(&model, &[&prefix, &tail], 12, &[]);
         assert_eq!(
             got, want,
             "tail of {tail_len} tokens after the cached prefix"

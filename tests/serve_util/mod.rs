@@ -81,12 +81,24 @@ pub fn wait_ready(h: &ServerHandle) {
 /// The engine's own greedy loop: one prefill, then decode the argmax over the real
 /// vocabulary, `n` tokens (stopping early at any of `stop_ids`).
 pub fn engine_greedy(model: &Model, prompt: &[u32], n: usize, stop_ids: &[u32]) -> Vec<u32> {
+    engine_greedy_windows(model, &[prompt], n, stop_ids)
+}
+
+/// [`engine_greedy`] with the prompt prefilled as these windows, one pass each (as a
+/// server continues a cached prefix).
+pub fn engine_greedy_windows(
+    model: &Model,
+    windows: &[&[u32]],
+    n: usize,
+    stop_ids: &[u32],
+) -> Vec<u32> {
     let vocab = model.dims().vocab_size;
     let mut st = model.new_state();
-    let mut logits = model
-        .prefill(prompt, &mut st, LogitsWant::Last)
-        .unwrap()
-        .data;
+    let (last, before) = windows.split_last().expect("at least one window");
+    for w in before {
+        model.prefill(w, &mut st, LogitsWant::None).unwrap();
+    }
+    let mut logits = model.prefill(last, &mut st, LogitsWant::Last).unwrap().data;
     let mut out = Vec::new();
     for _ in 0..n {
         let row = &logits[..vocab];
