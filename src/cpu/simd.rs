@@ -434,7 +434,8 @@ mod tests {
         }
     }
 
-    /// The interleaved kernel gives each weight row the bits of the one-row kernel.
+    /// The interleaved kernel and the per-share loop give each weight row the bits of the
+    /// one-row kernel.
     fn check_wrows<W: Widen>(conv: fn(f32) -> W) {
         let mut rng = Rng::new(5);
         for k in [1, 15, 16, 31, 32, 33, 100, 768] {
@@ -445,10 +446,13 @@ mod tests {
             dot_wrows::<W, 4>(&x, k, &w, &mut four);
             let mut eight = [0f32; 8];
             dot_wrows::<W, 8>(&x, k, &w, &mut eight);
+            let mut each = [0f32; 8];
+            dot_each_row::<W>(&x, k, &w, &mut each);
             for j in 0..8 {
                 let mut one = [0f32; 1];
                 dot_rows::<W, 1>(&x, k, &w[j * k..(j + 1) * k], &mut one);
                 assert_eq!(eight[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
+                assert_eq!(each[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
                 if j < 4 {
                     assert_eq!(four[j].to_bits(), one[0].to_bits(), "k {k} weight row {j}");
                 }
@@ -457,7 +461,7 @@ mod tests {
     }
 
     #[test]
-    fn dot_wrows_gives_the_bits_of_dot_rows() {
+    fn dot_wrows_and_dot_each_row_give_the_bits_of_dot_rows() {
         check_wrows::<f32>(|v| v);
         check_wrows::<bf16>(bf16::from_f32);
         check_wrows::<f16>(f16::from_f32);
