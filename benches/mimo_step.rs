@@ -1,0 +1,52 @@
+//! The MIMO decode step's mixer alone, one layer, f32, at the spec's cost example
+//! (d_model 768, d_state 128, headdim 64, mimo_rank 4): `mimo_mixer_prefill` of one token
+//! a call (what a CPU decode step runs per layer and sequence), timed over many calls.
+//! The engine's whole step adds the projections' weight stream around it
+//! (docs/decisions.md, "MIMO CPU decode as a direct one-token step").
+//!
+//! `cargo bench --bench mimo_step [-- STEPS]` (default 2000); `RAYON_NUM_THREADS` sets the
+//! threads.
+
+#[path = "common/timing.rs"]
+mod timing;
+
+use mamba3::mixers::mimo::{
+    mimo_config_from_json_str, mimo_mixer_prefill, MimoLayerState, MimoMixerCtx, MimoWeights,
+};
+use mamba3::model::rng::Rng;
+use mamba3::model::DType;
+
+fn main() {
+    let steps: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(2000);
+    let cfg = mimo_config_from_json_str(
+        r#"{"d_model": 768, "n_layer": 1, "vocab_size": 256, "ssm_cfg": {
+            "layer": "Mamba3", "d_state": 128, "headdim": 64, "expand": 2, "ngroups": 1,
+            "rope_fraction": 0.5, "is_mimo": true, "mimo_rank": 4}}"#,
+        "bench",
+    )
+    .expect("bench config");
+    let w = MimoWeights::synthetic(cfg, DType::F32, 1).expect("synthetic weights");
+    let d = w.dims;
+    let ctx = MimoMixerCtx::new(&w, 0);
+    let mut rng = Rng::new(2);
+    let proj: Vec<f32> = (0..steps * d.d_in_proj)
+        .map(|_| rng.normal() as f32)
+        .collect();
+    let mut out = vec![0f32; d.d_inner];
+    let mut st = MimoLayerState::zeros(&d);
+    let (median, best) = timing::median_best(5, &mut || {
+        for t in 0..steps {
+            let row = &proj[t * d.d_in_proj..(t + 1) * d.d_in_proj];
+            mimo_mixer_prefill(&ctx, row, 1, 1, &mut st.view(), &mut out).expect("step");
+        }
+    });
+    println!(
+        "MIMO mixer, one token a call, f32, {} rayon threads: median {:.2} µs a step (best {:.2})",
+        rayon::current_num_threads(),
+        median * 1e6 / steps as f64,
+        best * 1e6 / steps as f64
+    );
+}
