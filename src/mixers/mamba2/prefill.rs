@@ -79,7 +79,8 @@ pub fn mixer_rows<F: Real>(
         taps(c, mw),
         scratch,
     );
-    let delta = deltas(c, mw, proj, rows);
+    let mut delta = scratch.take(rows * h_n);
+    deltas_into(c, mw, proj, rows, &mut delta);
     let q = chunk.max(1).min(rows.max(1));
     let cb = chunk_cb(c, &v, rows, q, scratch);
     let p_n = c.headdim;
@@ -104,7 +105,7 @@ pub fn mixer_rows<F: Real>(
     }
     let mut o = scratch.take(rows * c.d_inner);
     gate_rows_into(c, mw, proj, &y, rows, &mut o);
-    for b in [v, cb, per_head, y] {
+    for b in [v, delta, cb, per_head, y] {
         scratch.give(b);
     }
     o
@@ -118,19 +119,8 @@ pub(crate) fn taps<'a>(c: &Mamba2Config, mw: &'a Mamba2Mixer) -> ConvTaps<'a> {
     }
 }
 
-/// Δ `[rows, H]` after the bias, the softplus and the clamp (spec §3.3).
-pub(crate) fn deltas<F: Real>(
-    c: &Mamba2Config,
-    mw: &Mamba2Mixer,
-    proj: &[F],
-    rows: usize,
-) -> Vec<F> {
-    let mut delta = Vec::new();
-    deltas_into(c, mw, proj, rows, &mut delta);
-    delta
-}
-
-/// [`deltas`] into `delta`, a buffer the caller keeps.
+/// Δ `[rows, H]` after the bias, the softplus and the clamp (spec §3.3), into `delta`, a
+/// buffer the caller keeps.
 pub(crate) fn deltas_into<F: Real>(
     c: &Mamba2Config,
     mw: &Mamba2Mixer,

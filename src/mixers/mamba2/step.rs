@@ -147,7 +147,7 @@ struct Shared<'a, F> {
 }
 
 /// One member's part of layer `l`'s mixer, from the normed rows to its output in `lm.hs`,
-/// with the operations of the pool's step (`prefill::deltas`, the head update,
+/// with the operations of the pool's step (`prefill::deltas_into`, the head update,
 /// `prefill::gate_rows_into`), so the same bits on any number of members.
 ///
 /// # Safety
