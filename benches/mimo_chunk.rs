@@ -7,11 +7,10 @@
 //! five runs, in wall time and in process CPU time (on a shared machine the CPU time of a
 //! one-thread run is the steadier number).
 
-use mamba3::mixers::mimo::{
-    mimo_config_from_json_str, mimo_mixer_prefill, MimoLayerState, MimoMixerCtx, MimoWeights,
-};
-use mamba3::model::rng::Rng;
-use mamba3::model::DType;
+#[path = "common/mimo_layer.rs"]
+mod mimo_layer;
+
+use mamba3::mixers::mimo::{mimo_mixer_prefill, MimoLayerState, MimoMixerCtx};
 use std::time::Instant;
 
 fn main() {
@@ -19,18 +18,9 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(2048);
-    let cfg = mimo_config_from_json_str(
-        r#"{"d_model": 768, "n_layer": 1, "vocab_size": 256, "ssm_cfg": {
-            "layer": "Mamba3", "d_state": 128, "headdim": 64, "expand": 2, "ngroups": 1,
-            "rope_fraction": 0.5, "is_mimo": true, "mimo_rank": 4}}"#,
-        "bench",
-    )
-    .expect("bench config");
-    let w = MimoWeights::synthetic(cfg, DType::F32, 1).expect("synthetic weights");
+    let (w, proj) = mimo_layer::spec_example(t);
     let d = w.dims;
     let ctx = MimoMixerCtx::new(&w, 0);
-    let mut rng = Rng::new(2);
-    let proj: Vec<f32> = (0..t * d.d_in_proj).map(|_| rng.normal() as f32).collect();
     println!(
         "MIMO mixer prefill, f32: T {t}, H {}, P {}, N {}, R {}, {} rayon threads",
         d.nheads,

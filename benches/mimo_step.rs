@@ -10,31 +10,19 @@
 #[path = "common/timing.rs"]
 mod timing;
 
-use mamba3::mixers::mimo::{
-    mimo_config_from_json_str, mimo_mixer_prefill, MimoLayerState, MimoMixerCtx, MimoWeights,
-};
-use mamba3::model::rng::Rng;
-use mamba3::model::DType;
+#[path = "common/mimo_layer.rs"]
+mod mimo_layer;
+
+use mamba3::mixers::mimo::{mimo_mixer_prefill, MimoLayerState, MimoMixerCtx};
 
 fn main() {
     let steps: usize = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(2000);
-    let cfg = mimo_config_from_json_str(
-        r#"{"d_model": 768, "n_layer": 1, "vocab_size": 256, "ssm_cfg": {
-            "layer": "Mamba3", "d_state": 128, "headdim": 64, "expand": 2, "ngroups": 1,
-            "rope_fraction": 0.5, "is_mimo": true, "mimo_rank": 4}}"#,
-        "bench",
-    )
-    .expect("bench config");
-    let w = MimoWeights::synthetic(cfg, DType::F32, 1).expect("synthetic weights");
+    let (w, proj) = mimo_layer::spec_example(steps);
     let d = w.dims;
     let ctx = MimoMixerCtx::new(&w, 0);
-    let mut rng = Rng::new(2);
-    let proj: Vec<f32> = (0..steps * d.d_in_proj)
-        .map(|_| rng.normal() as f32)
-        .collect();
     let mut out = vec![0f32; d.d_inner];
     let mut st = MimoLayerState::zeros(&d);
     let (median, best) = timing::median_best(5, &mut || {
