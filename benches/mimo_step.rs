@@ -25,11 +25,15 @@ fn main() {
     let ctx = MimoMixerCtx::new(&w, 0);
     let mut out = vec![0f32; d.d_inner];
     let mut st = MimoLayerState::zeros(&d);
+    // Inside the pool, as the engine's step runs (one trip into it per step, not one per
+    // layer's parallel loop).
     let (median, best) = timing::median_best(5, &mut || {
-        for t in 0..steps {
-            let row = &proj[t * d.d_in_proj..(t + 1) * d.d_in_proj];
-            mimo_mixer_prefill(&ctx, row, 1, 1, &mut st.view(), &mut out).expect("step");
-        }
+        rayon::scope(|_| {
+            for t in 0..steps {
+                let row = &proj[t * d.d_in_proj..(t + 1) * d.d_in_proj];
+                mimo_mixer_prefill(&ctx, row, 1, 1, &mut st.view(), &mut out).expect("step");
+            }
+        })
     });
     println!(
         "MIMO mixer, one token a call, f32, {} rayon threads: median {:.2} µs a step (best {:.2})",
