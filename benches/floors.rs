@@ -7,35 +7,29 @@
 //! (defaults 768 24 512 128 64). GEMM rates are the best of 15 timed calls: the floor is
 //! what the GEMM *can* reach here, so the comparison is strict for the engine.
 
+#[path = "common/args.rs"]
+mod args;
+#[path = "common/timing.rs"]
+mod timing;
+
 use mamba3::cpu::matmul::{gemm, View, ViewMut};
 use mamba3::model::rng::Rng;
 use mamba3::model::Config;
 use rayon::prelude::*;
-use std::time::Instant;
 
 /// The fastest of `repeats` timed calls, after one warm-up call.
-fn best<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
-    f();
-    (0..repeats)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
+fn best(repeats: usize, mut f: impl FnMut()) -> f64 {
+    timing::median_best(repeats, &mut f).1
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
+    let args = args::Args::new();
     let (dm, layers, t, n, p) = (
-        *args.first().unwrap_or(&768),
-        *args.get(1).unwrap_or(&24),
-        *args.get(2).unwrap_or(&512),
-        *args.get(3).unwrap_or(&128),
-        *args.get(4).unwrap_or(&64),
+        args.num(0, 768),
+        args.num(1, 24),
+        args.num(2, 512),
+        args.num(3, 128),
+        args.num(4, 64),
     );
     let threads = rayon::current_num_threads();
     let cfg = Config::synthetic(dm, layers, n, p, 2, 1, 256);

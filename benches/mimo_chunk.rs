@@ -7,6 +7,8 @@
 //! five runs, in wall time and in process CPU time (on a shared machine the CPU time of a
 //! one-thread run is the steadier number).
 
+#[path = "common/args.rs"]
+mod args;
 #[path = "common/mimo_layer.rs"]
 mod mimo_layer;
 
@@ -14,10 +16,7 @@ use mamba3::mixers::mimo::{mimo_mixer_prefill, MimoLayerState, MimoMixerCtx};
 use std::time::Instant;
 
 fn main() {
-    let t: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(2048);
+    let t = args::Args::new().num(0, 2048);
     let (w, proj) = mimo_layer::spec_example(t);
     let d = w.dims;
     let ctx = MimoMixerCtx::new(&w, 0);

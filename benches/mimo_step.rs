@@ -7,19 +7,17 @@
 //! `cargo bench --bench mimo_step [-- STEPS]` (default 2000); `RAYON_NUM_THREADS` sets the
 //! threads.
 
-#[path = "common/timing.rs"]
-mod timing;
-
+#[path = "common/args.rs"]
+mod args;
 #[path = "common/mimo_layer.rs"]
 mod mimo_layer;
+#[path = "common/timing.rs"]
+mod timing;
 
 use mamba3::mixers::mimo::{mimo_mixer_prefill, MimoLayerState, MimoMixerCtx};
 
 fn main() {
-    let steps: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(2000);
+    let steps = args::Args::new().num(0, 2000);
     let (w, proj) = mimo_layer::spec_example(steps);
     let d = w.dims;
     let ctx = MimoMixerCtx::new(&w, 0);
