@@ -10,6 +10,8 @@
 
 #[path = "common/args.rs"]
 mod args;
+#[path = "common/read.rs"]
+mod read;
 #[path = "common/timing.rs"]
 mod timing;
 
@@ -17,7 +19,6 @@ use mamba3::cpu::matmul::matmul_t;
 use mamba3::model::dtype::{DType, TensorData};
 use mamba3::model::rng::Rng;
 use mamba3::model::weights::Matrix;
-use rayon::prelude::*;
 
 fn main() {
     let args = args::Args::new();
@@ -67,18 +68,7 @@ fn main() {
                     TensorData::F16(v) => bytemuck::cast_slice(v),
                     TensorData::F64(v) => bytemuck::cast_slice(v),
                 };
-                words
-                    .par_chunks(1 << 14)
-                    .map(|c| {
-                        let mut acc = [0u32; 16];
-                        for v in c.chunks_exact(16) {
-                            for i in 0..16 {
-                                acc[i] = acc[i].wrapping_add(v[i]);
-                            }
-                        }
-                        acc.iter().fold(0u32, |a, &b| a.wrapping_add(b))
-                    })
-                    .reduce(|| 0, u32::wrapping_add)
+                read::sum_words(words)
             })
             .fold(0u32, u32::wrapping_add);
         std::hint::black_box(s);

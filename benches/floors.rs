@@ -9,13 +9,14 @@
 
 #[path = "common/args.rs"]
 mod args;
+#[path = "common/read.rs"]
+mod read;
 #[path = "common/timing.rs"]
 mod timing;
 
 use mamba3::cpu::matmul::{gemm, View, ViewMut};
 use mamba3::model::rng::Rng;
 use mamba3::model::Config;
-use rayon::prelude::*;
 
 /// The fastest of `repeats` timed calls, after one warm-up call.
 fn best(repeats: usize, mut f: impl FnMut()) -> f64 {
@@ -78,21 +79,9 @@ fn main() {
     // Memory read bandwidth: sum a buffer much larger than the caches, on all threads.
     let n = 256 << 20; // 1 GiB of f32
     let buf: Vec<f32> = (0..n).map(|i| (i % 1024) as f32).collect();
+    let words: &[u32] = bytemuck::cast_slice(&buf);
     let secs = best(5, || {
-        // 16 independent lanes so the adds vectorise and the loop is bound by memory.
-        let s: f32 = buf
-            .par_chunks(1 << 20)
-            .map(|c| {
-                let mut acc = [0f32; 16];
-                for v in c.chunks_exact(16) {
-                    for i in 0..16 {
-                        acc[i] += v[i];
-                    }
-                }
-                acc.iter().sum::<f32>()
-            })
-            .sum();
-        std::hint::black_box(s);
+        std::hint::black_box(read::sum_words(words));
     });
     let gbs = (n * 4) as f64 / secs / 1e9;
     println!("memory read bandwidth: {gbs:.1} GB/s on {threads} threads (sum of a 1 GiB buffer)");
